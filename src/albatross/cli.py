@@ -1,0 +1,168 @@
+"""`albatross` command line. Heavy imports happen inside commands, so `--help` is instant.
+
+User errors (bad config, bad task directory, missing file) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """Printed as one line, exit code 2."""
+
+
+def _overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """`--set a.b=v` plus any `--a.b=v` / `--a.b v` flags: overrides of any config field."""
+    out = list(args.set or [])
+    i = 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith("--") or len(tok) == 2:
+            raise UserError(f"unexpected argument {tok!r}")
+        key = tok[2:]
+        if "=" in key:
+            out.append(key)
+        elif i + 1 < len(extra):
+            out.append(f"{key}={extra[i + 1]}")
+            i += 1
+        else:
+            raise UserError(f"override {tok} needs a value")
+        i += 1
+    return [_normalise_key(o) for o in out]
+
+
+def _normalise_key(override: str) -> str:
+    key, sep, value = override.partition("=")
+    return key.replace("-", "_") + sep + value
+
+
+def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.demo import Demo, demo_config, format_table
+
+    cfg = demo_config(args.config, args.quick, args.out, _overrides(args, extra))
+    summary = Demo(cfg, log=_log).run()
+    print(format_table(summary), flush=True)
+    print(f"\nwritten: {Path(cfg.out).resolve() / 'summary.json'}", flush=True)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    """A training run is the demo pipeline driven by a config file."""
+    from albatross.config import load_config
+    from albatross.demo import Demo, format_table
+
+    cfg = load_config(args.config, _overrides(args, extra))
+    summary = Demo(cfg, log=_log).run()
+    print(format_table(summary), flush=True)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.config import describe_fields, load_config
+
+    if args.config or extra or args.set:
+        cfg = load_config(args.config, _overrides(args, extra))
+        print(json.dumps(cfg.model_dump(), indent=2))
+        return 0
+    for name, default, desc in describe_fields():
+        print(f"{name:<36} {default:<14} {desc}")
+    return 0
+
+
+def cmd_tasks_new(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.tasks.builtin import generate_tasks
+
+    paths = generate_tasks(Path(args.out), families=args.family or None, n_train=args.count,
+                           n_heldout=args.heldout, seed=args.seed)
+    for split, ps in paths.items():
+        print(f"{split}: {len(ps)} tasks under {Path(args.out) / split}")
+    return 0
+
+
+def cmd_tasks_families(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.tasks.builtin import list_families
+
+    for name in list_families():
+        print(name)
+    return 0
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set trainer.lr=1e-4 (or --trainer.lr 1e-4)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="albatross", description="Asynchronous RL for terminal agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="the whole loop on a laptop: tasks, warm start, async GRPO, eval")
+    p.add_argument("--quick", action="store_true", help="a smaller run that finishes in about 3 minutes")
+    p.add_argument("--out", help="output directory (default: runs/demo)")
+    p.add_argument("--config", help="TOML config (default: configs/demo.toml)")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("train", help="train with a TOML config")
+    p.add_argument("config", help="TOML file describing the run")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("config", help="print every config field with its default and meaning, or a "
+                       "resolved config")
+    p.add_argument("config", nargs="?", help="TOML file to resolve")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_config)
+    tasks = sub.add_parser("tasks", help="task tools").add_subparsers(dest="tasks_command", required=True)
+    p = tasks.add_parser("families", help="list built-in task families")
+    p.set_defaults(fn=cmd_tasks_families)
+    p = tasks.add_parser("new", help="generate built-in task directories")
+    p.add_argument("family", nargs="*", help="families to generate (default: all)")
+    p.add_argument("--count", type=int, default=16, help="training tasks")
+    p.add_argument("--heldout", type=int, default=0, help="held-out tasks")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(fn=cmd_tasks_new)
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from albatross.config import ConfigError
+
+    errors: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError]
+    try:
+        from albatross.tasks.format import TaskFormatError
+
+        errors.append(TaskFormatError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    fn: Callable[[argparse.Namespace, list[str]], int] = args.fn
+    if extra and fn not in (cmd_demo, cmd_train, cmd_config):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return fn(args, extra)
+    except _user_errors() as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"albatross: error: {msg}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("albatross: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

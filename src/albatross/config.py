@@ -1,0 +1,214 @@
+"""Run configuration: pydantic models, one TOML file per run, command-line overrides of any field.
+
+Imports no torch, so ``albatross --help`` stays instant. Every field carries a description; it is what
+``albatross config`` prints and what ``--help`` shows.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override: one line, names the file and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("", description="Directory of a transformers causal LM (config + safetensors). "
+                      "Empty: build the tiny demo model from the fields below.")
+    hidden_size: int = Field(128, gt=0, description="Tiny model: hidden size.")
+    num_layers: int = Field(4, gt=0, description="Tiny model: number of transformer layers.")
+    num_heads: int = Field(4, gt=0, description="Tiny model: attention heads.")
+    num_kv_heads: int = Field(2, gt=0, description="Tiny model: key/value heads (GQA).")
+    intermediate_size: int = Field(384, gt=0, description="Tiny model: MLP width.")
+    max_positions: int = Field(1024, gt=0, description="Tiny model: maximum sequence length.")
+
+
+class TasksConfig(_Section):
+    train: list[str] = Field(default_factory=list, description="Task directories (or folders of them) "
+                             "to train on. Empty: generate built-in tasks into the run directory.")
+    heldout: list[str] = Field(default_factory=list, description="Held-out task directories for evaluation.")
+    families: list[str] = Field(default_factory=list, description="Built-in families to generate "
+                                "(empty: all). See `albatross tasks families`.")
+    n_train: int = Field(48, ge=1, description="Number of generated training tasks.")
+    n_heldout: int = Field(12, ge=1, description="Number of generated held-out tasks.")
+    seed: int = Field(0, description="Seed of the task generator.")
+
+
+class SandboxConfig(_Section):
+    type: Literal["local", "process"] = Field("local", description="`local`: Linux namespaces + "
+                                              "copy-on-write overlay (isolated). `process`: no isolation, dev only.")
+    memory_mb: int = Field(512, gt=0, description="Memory limit per attempt (MiB).")
+    pids: int = Field(256, gt=0, description="Process limit per attempt.")
+    disk_mb: int = Field(256, gt=0, description="Limit on bytes an attempt may write (MiB).")
+    command_timeout_s: float = Field(10.0, gt=0, description="Wall-time limit per command.")
+    max_infra_retries: int = Field(3, ge=0, description="Fresh forks tried after an infrastructure error.")
+
+
+class HarnessConfig(_Section):
+    action_format: Literal["bash_block"] = Field("bash_block", description="How actions are written: "
+                                                  "fenced ```bash blocks.")
+    max_turns: int = Field(4, ge=1, description="Turn budget per attempt.")
+    max_tokens_per_turn: int = Field(32, ge=1, description="Generated-token budget per turn.")
+    max_context_tokens: int = Field(512, ge=16, description="Context budget (prompt + all turns).")
+    max_observation_chars: int = Field(400, ge=16, description="Longer tool output is cut to head + tail.")
+    max_format_errors: int = Field(2, ge=1, description="Consecutive malformed actions that end an attempt.")
+    attempt_timeout_s: float = Field(120.0, gt=0, description="Wall-time budget per attempt.")
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+
+
+class EngineConfig(_Section):
+    type: Literal["builtin"] = Field("builtin", description="Rollout engine: `builtin` (PyTorch).")
+    max_batch_size: int = Field(64, ge=1, description="Largest decode batch.")
+    threads: int = Field(1, ge=1, description="torch threads of the engine.")
+
+
+class RLConfig(_Section):
+    advantage: Literal["grpo", "rloo", "topk"] = Field("grpo", description="Advantage estimator.")
+    std_normalize: bool = Field(False, description="Divide GRPO advantages by the group's std.")
+    topk: int = Field(2, ge=1, description="k of `topk` centering.")
+    success_offset: float = Field(0.0, description="delta: add delta * (y_i - mean y) to advantages.")
+    cap_failures: bool = Field(False, description="Cap the advantage of failed attempts at 0.")
+    partial_credit_c: float = Field(0.5, ge=0, lt=1, description="c: a failure scores c * fraction of tests passed.")
+    efficiency_lambda: float = Field(0.1, ge=0, description="lambda of the efficiency term for successes.")
+    loss: Literal["tis", "ppo_clip", "masked_is", "cispo"] = Field("tis", description="Policy loss.")
+    is_cap: float = Field(2.0, gt=0, description="C: cap of the truncated importance ratio.")
+    max_staleness: int = Field(6, ge=0, description="Tokens more than this many versions old give no gradient.")
+    p_floor: float = Field(0.0, ge=0, lt=1, description="Loss floor: negative-advantage tokens below this "
+                           "probability stop contributing.")
+    n_floor: int = Field(64, ge=1, description="Token-count floor of the loss denominator.")
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
+    micro_batch_tokens: int = Field(4096, ge=64, description="Token budget of one packed micro-batch.")
+    threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
+    keep_versions: int = Field(3, ge=1, description="Exported weight versions kept on disk.")
+
+
+class OrchestratorConfig(_Section):
+    group_size: int = Field(8, ge=2, description="G: attempts per task per group.")
+    groups_per_step: int = Field(4, ge=1, description="Groups in one trainer batch.")
+    max_steps: int = Field(40, ge=0, description="Trainer steps to run.")
+    max_minutes: float = Field(6.0, gt=0, description="Stop training after this wall time.")
+    queue_size: int = Field(2, ge=1, description="Batches that may wait for the trainer.")
+    rollout_workers: int = Field(32, ge=1, description="Attempts run concurrently.")
+
+
+class EvalConfig(_Section):
+    trials: int = Field(3, ge=1, description="Trials per held-out task.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation.")
+
+
+class WarmStartConfig(_Section):
+    steps: int = Field(300, ge=0, description="Max SFT steps on oracle demonstrations.")
+    batch_size: int = Field(32, ge=1, description="Demonstrations per SFT step.")
+    lr: float = Field(1e-3, gt=0, description="SFT learning rate.")
+    target_pass_rate: float = Field(0.35, gt=0, lt=1, description="Stop SFT once the sampled train pass rate "
+                                    "reaches this (checked every `check_every` steps).")
+    check_every: int = Field(50, ge=1, description="SFT steps between pass-rate checks.")
+    check_tasks: int = Field(24, ge=1, description="Training tasks sampled for each check.")
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", description="Run name.")
+    out: str = Field("runs/demo", description="Run directory: trajectories, metrics, weights, summary.")
+    seed: int = Field(0, description="Global seed.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def _format_error(source: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field"
+    return f"{source}: {loc}: {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> RunConfig:
+    """Load a RunConfig from a TOML file, then apply ``key.path=value`` overrides."""
+    data: dict[str, Any] = dict(base or {})
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-4")
+        key, raw = item.split("=", 1)
+        _set_path(data, key.strip(), _parse_value(raw.strip()))
+    if overrides:
+        source += " (with overrides)"
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(source, e)) from None
+
+
+def describe_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, description) for every field: the config reference."""
+    rows: list[tuple[str, str, str]] = []
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe_fields(ann, f"{prefix}{name}."))
+        else:
+            default = info.get_default(call_default_factory=True)
+            rows.append((f"{prefix}{name}", json.dumps(default), info.description or ""))
+    return rows

@@ -1,0 +1,173 @@
+"""`albatross demo`: the whole loop on a laptop, end to end.
+
+Tasks -> sandbox -> warm-started tiny model -> base eval -> async GRPO -> trained eval -> summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from albatross.config import RunConfig, load_config
+
+QUICK_OVERRIDES = [
+    "tasks.n_train=96", "tasks.n_heldout=8", "warmstart.steps=150", "warmstart.check_every=50",
+    "orchestrator.max_steps=6", "orchestrator.max_minutes=1.0", "orchestrator.groups_per_step=2",
+    "eval.trials=3",
+]
+
+SUMMARY_KEYS = (
+    "base_pass_at_1", "trained_pass_at_1", "heldout_tasks", "train_steps", "wall_seconds",
+    "tokens_per_solve_base", "tokens_per_solve_trained", "zero_signal_group_fraction",
+    "dropped_stale_tokens", "max_staleness_seen", "infra_error_attempts",
+)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross"))
+
+
+def demo_config(config_path: str | None, quick: bool, out: str | None, overrides: list[str]) -> RunConfig:
+    path = config_path
+    if path is None:  # the repo's recipe when run from a checkout; the same values are the defaults
+        repo_cfg = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+        path = str(repo_cfg) if repo_cfg.is_file() else None
+    extra = (QUICK_OVERRIDES if quick else []) + list(overrides)
+    if out:
+        extra.append(f"out={json.dumps(out)}")
+    return load_config(path, extra)
+
+
+class Demo:
+    """Runs the demo pipeline; each stage logs progress lines."""
+
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None] = print) -> None:
+        self.cfg, self.log = cfg, log
+        self.out = Path(cfg.out).resolve()
+
+    def run(self) -> dict[str, Any]:
+        import torch
+
+        from albatross.engine.builtin import BuiltinEngine
+        from albatross.eval.run import evaluate
+        from albatross.orchestrator.loop import AsyncLoop
+        from albatross.trainer.model import load_model, num_parameters
+        from albatross.trainer.sft import warm_start
+
+        t0 = time.monotonic()
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.out.mkdir(parents=True, exist_ok=True)
+        train, heldout, tokenizer = self._tasks()
+        backend = self._backend()
+        try:
+            agent = make_agent(cfg, None, backend, tokenizer)
+            torch.set_num_threads(2)
+            base_dir = warm_start(cfg, tokenizer, agent, train, self._pass_rate_fn(agent, train),
+                                  cache_root(), self.log)
+            torch.set_num_threads(cfg.engine.threads)
+            model = load_model(base_dir)
+            self.log(f"[model] {num_parameters(model) / 1e6:.2f}M parameters, vocab {tokenizer.vocab_size}")
+            agent.engine = engine = BuiltinEngine(model, max_batch_size=cfg.engine.max_batch_size)
+            try:
+                base = evaluate(agent, heldout, cfg.eval.trials, out_jsonl=self.out / "eval_base.jsonl")
+                self.log(f"[eval] base held-out pass@1 {base.pass_at_1:.3f} ({len(heldout)} tasks "
+                         f"x {cfg.eval.trials} trials)")
+                loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log)
+                state = loop.run()
+                trained = evaluate(agent, heldout, cfg.eval.trials, out_jsonl=self.out / "eval_trained.jsonl")
+                self.log(f"[eval] trained held-out pass@1 {trained.pass_at_1:.3f}")
+            finally:
+                engine.close()
+        finally:
+            backend.close()
+        return self._summary(base, trained, state, loop, len(heldout), time.monotonic() - t0)
+
+    def _tasks(self):
+        from albatross.harness.chat import TinyTokenizer
+        from albatross.tasks.builtin import corpus_strings, generate_tasks
+        from albatross.tasks.format import load_tasks
+
+        tc = self.cfg.tasks
+        if tc.train:
+            train, heldout = load_tasks(tc.train), load_tasks(tc.heldout)
+        else:
+            paths = generate_tasks(self.out / "tasks", families=tc.families or None, n_train=tc.n_train,
+                                   n_heldout=tc.n_heldout, seed=tc.seed)
+            train, heldout = load_tasks(paths["train"]), load_tasks(paths["heldout"])
+        self.log(f"[tasks] {len(train)} train, {len(heldout)} held-out tasks")
+        return train, heldout, TinyTokenizer.from_corpus(corpus_strings())
+
+    def _backend(self):
+        from albatross.sandbox import make_backend
+
+        backend = make_backend(self.cfg.sandbox.type, hide_paths=[str(self.out), str(cache_root())])
+        self.log(f"[sandbox] backend {backend.name} (isolated: {backend.isolated})")
+        return backend
+
+    def _pass_rate_fn(self, agent, train) -> Callable[[Any], float]:
+        import copy
+        import random
+
+        from albatross.engine.builtin import BuiltinEngine
+        from albatross.eval.run import evaluate
+
+        rng = random.Random(self.cfg.seed)
+
+        def pass_rate(model) -> float:
+            tasks = rng.sample(train, min(self.cfg.warmstart.check_tasks, len(train)))
+            engine = BuiltinEngine(copy.deepcopy(model).eval(), max_batch_size=self.cfg.engine.max_batch_size)
+            try:
+                agent.engine = engine
+                return evaluate(agent, tasks, 2).pass_at_1
+            finally:
+                engine.close()
+                agent.engine = None
+
+        return pass_rate
+
+    def _summary(self, base, trained, state, loop, n_heldout: int, seconds: float) -> dict[str, Any]:
+        groups = max(1, loop.builder.counts["groups"])
+        summary = {
+            "base_pass_at_1": round(base.pass_at_1, 4),
+            "trained_pass_at_1": round(trained.pass_at_1, 4),
+            "heldout_tasks": n_heldout,
+            "train_steps": state.step,
+            "wall_seconds": round(seconds, 1),
+            "tokens_per_solve_base": round(base.tokens_per_solve, 2),
+            "tokens_per_solve_trained": round(trained.tokens_per_solve, 2),
+            "zero_signal_group_fraction": round(loop.builder.counts["dropped_zero_signal"] / groups, 4),
+            "dropped_stale_tokens": int(state.counts["dropped_stale_tokens"]),
+            "max_staleness_seen": int(state.max_staleness_seen),
+            "infra_error_attempts": int(state.counts["infra_error_attempts"] + base.infra_errors
+                                        + trained.infra_errors),
+            "eval_trials": self.cfg.eval.trials,
+            "seed": self.cfg.seed,
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def make_agent(cfg: RunConfig, engine, backend, tokenizer):
+    from albatross.engine.base import SamplingParams
+    from albatross.harness.agent import Agent
+    from albatross.harness.chat import TinyChatFormat
+    from albatross.sandbox.base import Limits
+
+    sc = cfg.sandbox
+    limits = Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb,
+                    command_timeout_s=sc.command_timeout_s)
+    sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                              top_k=cfg.sampling.top_k)
+    return Agent(engine, backend, TinyChatFormat(tokenizer), cfg.harness, sampling, limits)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    width = max(len(k) for k in summary)
+    lines = ["", "albatross demo: results", "-" * (width + 14)]
+    lines += [f"{k:<{width}}  {v}" for k, v in summary.items()]
+    return "\n".join(lines)

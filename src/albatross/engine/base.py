@@ -1,0 +1,41 @@
+"""Engine protocol: token-in/token-out generation with per-token log-probs and policy versions.
+
+Siblings: ``builtin/`` (PyTorch, in-process) and ``remote.py`` (vLLM / SGLang over HTTP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # generated ids, including the stop token if one was hit
+    logprobs: list[float]  # log-prob of each generated id under the sampling distribution
+    versions: list[int]  # policy version that produced each id
+    finish_reason: str  # "stop" (stop token) or "length"
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Generate one completion per prompt (batched). Thread-safe."""
+        ...
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Load weights from a safetensors checkpoint directory; later tokens carry ``version``."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,85 @@
+"""Built-in PyTorch engine: one model in this process, batched generation on a worker thread.
+
+``BuiltinEngine`` implements ``albatross.engine.base.Engine``: the runner (``runner.py``) does batched
+generation with a KV cache; the scheduler (``scheduler.py``) batches requests from many threads and applies
+weight swaps between decode steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.builtin.runner import ModelRunner, check_state_dict, read_safetensors_dir
+from albatross.engine.builtin.scheduler import EngineClosed, Scheduler
+
+__all__ = ["BuiltinEngine", "EngineClosed"]
+
+
+def _load_model(path: str, dtype: torch.dtype | None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+class BuiltinEngine:
+    """In-process engine. ``model`` is a transformers causal LM or the path of a directory holding one."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | str,
+        device: str = "cpu",
+        max_batch_size: int = 64,
+        version: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        module = _load_model(model, dtype) if isinstance(model, str) else model
+        if dtype is not None:
+            module = module.to(dtype)
+        self.runner = ModelRunner(module, device, version)
+        self.scheduler = Scheduler(self.runner, max_batch_size)
+
+    @property
+    def version(self) -> int:
+        """Version of the weights the next forward pass will use."""
+        return self.runner.version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Completion]:
+        return self.scheduler.submit(prompt_ids, params)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt; blocks until all are done. Thread-safe."""
+        return [f.result() for f in self.scheduler.submit_many(prompts, params)]
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Load the safetensors checkpoint in directory ``path``; tokens after the swap carry ``version``."""
+        self.update_weights_from_state_dict(read_safetensors_dir(path), version)
+
+    def update_weights_from_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Check ``state_dict`` (names, shapes), then swap it in between two decode steps; blocks until done.
+
+        Raises ``ValueError`` and keeps the old weights when the checkpoint does not match the model.
+        Must not be called from the engine's own worker thread (e.g. from ``scheduler.step_hook``)."""
+        check_state_dict(self.runner.model, state_dict)
+        self.scheduler.swap_weights(state_dict, version).result()
+
+    def close(self) -> None:
+        """Stop the worker thread (running and queued requests fail with ``EngineClosed``) and join it."""
+        self.scheduler.close()
+
+    def __enter__(self) -> BuiltinEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""The agent harness: one loop for training and evaluation."""

@@ -1,0 +1,141 @@
+"""Tokenizers and chat formats, token-in/token-out.
+
+The harness never re-renders history: the first prompt is rendered once, then every turn appends the
+engine's exact completion ids and the tokenised *delta* of the next observation (DESIGN.md, Contracts).
+
+``TinyTokenizer`` is the demo's small-vocabulary tokenizer: whole words from the task corpus (with and
+without a leading space) as single tokens, every other character as UTF-8 byte tokens, so any text
+round-trips and copying a file name is a one-token copy for a tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|obs|>", "<|end|>"]
+SYMBOLS = ["```bash\n", "\n```", " > ", " < ", ".txt", ".log", " -l", "\n"]
+_WORD_RE = re.compile(r" ?[A-Za-z_]+")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class TinyTokenizer:
+    """Word-level tokens for a known corpus, byte fallback for everything else."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = sorted(set(words))
+        self.vocab: list[str] = SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + SYMBOLS + self.words
+        self._byte0 = len(SPECIALS)
+        self._ids = {tok: i for i, tok in enumerate(self.vocab)}
+        self._symbols = sorted(SYMBOLS, key=len, reverse=True)
+        self.vocab_size = len(self.vocab)
+        self.eos_id = self._ids["<|eos|>"]
+        self.pad_id = self._ids["<|pad|>"]
+
+    @classmethod
+    def from_corpus(cls, texts: Iterable[str], min_count: int = 1) -> TinyTokenizer:
+        counts: dict[str, int] = {}
+        for text in texts:
+            for m in _WORD_RE.findall(text):
+                for w in (m.lstrip(" "), " " + m.lstrip(" ")):
+                    counts[w] = counts.get(w, 0) + 1
+        return cls([w for w, c in counts.items() if c >= min_count])
+
+    def special(self, name: str) -> int:
+        return self._ids[name]
+
+    def _encode_bytes(self, text: str) -> list[int]:
+        return [self._byte0 + b for b in text.encode("utf-8")]
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        i = 0
+        while i < len(text):
+            sym = next((s for s in self._symbols if text.startswith(s, i)), None)
+            if sym is not None:
+                ids.append(self._ids[sym])
+                i += len(sym)
+                continue
+            m = _WORD_RE.match(text, i)
+            if m and m.group(0) in self._ids:
+                ids.append(self._ids[m.group(0)])
+                i = m.end()
+                continue
+            if m:  # unknown word: bytes
+                ids.extend(self._encode_bytes(m.group(0)))
+                i = m.end()
+                continue
+            ids.extend(self._encode_bytes(text[i]))
+            i += 1
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out: list[str] = []
+        pending = bytearray()
+        for i in ids:
+            if self._byte0 <= i < self._byte0 + 256:
+                pending.append(i - self._byte0)
+                continue
+            if pending:
+                out.append(pending.decode("utf-8", errors="replace"))
+                pending.clear()
+            tok = self.vocab[i] if 0 <= i < self.vocab_size else ""
+            out.append("" if tok in SPECIALS else tok)
+        if pending:
+            out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def save(self, directory: str | Path) -> None:
+        path = Path(directory) / "albatross_tokenizer.json"
+        path.write_text(json.dumps({"type": "tiny", "words": self.words}))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TinyTokenizer:
+        data = json.loads((Path(directory) / "albatross_tokenizer.json").read_text())
+        return cls(data["words"])
+
+
+@dataclass
+class TinyChatFormat:
+    """Prompt layout of the demo model.
+
+    ``<|user|> instruction <|assistant|>`` then the model writes an action ending in ``<|end|>``; each
+    observation is appended as ``<|obs|> text <|assistant|>``.
+    """
+
+    tokenizer: TinyTokenizer
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return [self.tokenizer.special("<|end|>"), self.tokenizer.eos_id]
+
+    def initial_prompt(self, instruction: str) -> list[int]:
+        t = self.tokenizer
+        return [t.special("<|user|>")] + t.encode(instruction.strip()) + [t.special("<|assistant|>")]
+
+    def observation(self, text: str) -> list[int]:
+        t = self.tokenizer
+        return [t.special("<|obs|>")] + t.encode(text) + [t.special("<|assistant|>")]
+
+    def action(self, text: str) -> list[int]:
+        """Token ids of a model action (used for demonstrations and scripted policies)."""
+        return self.tokenizer.encode(text) + [self.tokenizer.special("<|end|>")]
+
+
+def load_tokenizer(model_dir: str | Path) -> TinyTokenizer:
+    path = Path(model_dir) / "albatross_tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no albatross tokenizer in the model directory")
+    return TinyTokenizer.load(model_dir)

@@ -1,0 +1,1 @@
+"""The asynchronous orchestrator: rollouts, groups, batches, trainer, weight sync."""

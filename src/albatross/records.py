@@ -1,0 +1,182 @@
+"""Data contracts: Turn, Sample, Trajectory, Group, Batch.
+
+Plain dataclasses, JSON-serialisable with ``to_dict`` / ``from_dict``. These are what flows between
+the harness, the orchestrator and the trainer, and what is written as JSONL under a run directory so
+that every attempt can be inspected afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+# Attempt statuses (DESIGN.md, Contracts). Only ``infra_error`` is never scored.
+STATUS_OK = "ok"
+STATUS_AGENT_TIMEOUT = "agent_timeout"
+STATUS_FORMAT_ERROR = "format_error"
+STATUS_MAX_TURNS = "max_turns"
+STATUS_MAX_TOKENS = "max_tokens"
+STATUS_INFRA_ERROR = "infra_error"
+STATUSES = (
+    STATUS_OK,
+    STATUS_AGENT_TIMEOUT,
+    STATUS_FORMAT_ERROR,
+    STATUS_MAX_TURNS,
+    STATUS_MAX_TOKENS,
+    STATUS_INFRA_ERROR,
+)
+
+
+@dataclass
+class Turn:
+    """One model turn and what the environment answered."""
+
+    action: str  # the model's raw completion text
+    command: str | None  # the parsed command, None if the action was malformed
+    observation: str  # what the agent was shown next (possibly truncated)
+    completion_tokens: int
+    observation_tokens: int
+    exit_code: int | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class Sample:
+    """One continuous token sequence for the trainer.
+
+    ``loss_mask[t]`` is 1 for tokens the model generated and 0 for prompt and observation tokens.
+    ``logprobs[t]`` is the rollout (behaviour-policy) log-prob of a model token, 0.0 elsewhere.
+    ``versions[t]`` is the policy version that generated a model token, -1 elsewhere.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError(
+                f"Sample fields differ in length: ids={n} mask={len(self.loss_mask)} "
+                f"logprobs={len(self.logprobs)} versions={len(self.versions)}"
+            )
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def extend(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None,
+               versions: list[int] | None = None) -> None:
+        """Append tokens: model tokens carry log-probs and versions, others get 0.0 / -1."""
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1 if model else 0] * len(ids))
+        if model:
+            assert logprobs is not None and versions is not None
+            assert len(logprobs) == len(ids) == len(versions)
+            self.logprobs.extend(logprobs)
+            self.versions.extend(versions)
+        else:
+            self.logprobs.extend([0.0] * len(ids))
+            self.versions.extend([-1] * len(ids))
+
+
+@dataclass
+class Reward:
+    """Reward breakdown of one attempt (DESIGN.md: calibrated partial credit + efficiency)."""
+
+    metrics: dict[str, float] = field(default_factory=dict)  # verifier's per-test results
+    success: bool = False  # all tests pass
+    partial_credit: float = 0.0  # p_i, weighted fraction of tests passed
+    efficiency: float = 0.0  # the efficiency term subtracted from a success
+    score: float = 0.0  # final s_i in [0, 1]
+
+
+@dataclass
+class Trajectory:
+    task_id: str
+    group_id: str
+    attempt: int
+    samples: list[Sample] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: Reward = field(default_factory=Reward)
+    status: str = STATUS_OK
+    error: str = ""  # infra error or verifier message
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_seconds: float = 0.0
+    cost: float = 0.0
+
+    @property
+    def success(self) -> bool:
+        return self.reward.success
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        d["samples"] = [Sample(**s) for s in d.get("samples", [])]
+        d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        d["reward"] = Reward(**d.get("reward", {}))
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class Group:
+    """G attempts at one task; advantages are filled in by the orchestrator."""
+
+    task_id: str
+    group_id: str
+    trajectories: list[Trajectory]
+    advantages: list[float] = field(default_factory=list)
+    dropped: str = ""  # why the group was dropped ("" if kept)
+
+
+@dataclass
+class TrainSample:
+    """A Sample with the advantage of the trajectory it came from."""
+
+    sample: Sample
+    advantage: float
+    task_id: str = ""
+
+
+@dataclass
+class Batch:
+    """What the trainer consumes in one step."""
+
+    samples: list[TrainSample]
+    groups: int
+    min_version: int  # oldest policy version of any model token in the batch
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.sample.token_ids) for s in self.samples)
+
+
+def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash is skipped, not fatal
+    return out

@@ -1,0 +1,313 @@
+"""Harbor / Terminal-Bench 2 task directories: load, validate, write.
+
+A task directory holds::
+
+    instruction.md           what the agent is told
+    task.toml                [metadata], [agent] timeout_sec, [verifier] timeout_sec, [environment]
+    environment/Dockerfile   the environment (its last WORKDIR is where the agent starts) and its files
+    solution/solve.sh        the oracle (optional); solution/demo.json is an albatross extension
+    tests/test.sh            the verifier; writes /logs/verifier/reward.txt or reward.json
+
+``solution/demo.json`` (``{"steps": ["cmd", ..., "submit"]}``) is the oracle as one shell command per
+agent turn, used for supervised warm starts. A malformed directory raises ``TaskFormatError`` whose
+message is one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_TIMEOUT_S = 600.0  # Harbor's default for [agent] and [verifier] timeout_sec
+DEFAULT_MEMORY_MB = 2048
+DEFAULT_STORAGE_MB = 10240
+DEFAULT_WORKDIR = "/app"
+SUBMIT = "submit"
+
+_UNITS_MB = {"": 1.0, "K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0 * 1024.0}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+class TaskFormatError(ValueError):
+    """A task directory is malformed. The message is one line: ``<file>: <field> <problem>``."""
+
+
+@dataclass
+class Task:
+    id: str  # the directory name
+    path: Path
+    instruction: str
+    agent_timeout_s: float
+    verifier_timeout_s: float
+    env_dir: Path
+    tests_dir: Path
+    solution_dir: Path
+    workdir: str = DEFAULT_WORKDIR
+    memory_mb: int = DEFAULT_MEMORY_MB
+    cpus: float = 1.0
+    storage_mb: int = DEFAULT_STORAGE_MB
+    allow_internet: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+    demo_steps: list[str] | None = None
+
+
+# ----------------------------------------------------------------------------------------------- load
+
+
+def load_task(path: str | Path) -> Task:
+    """Load and validate one task directory. Raises ``TaskFormatError``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TaskFormatError(f"{path}: not a task directory")
+    toml_path = path / "task.toml"
+    cfg = _read_toml(toml_path)
+    env = _table(cfg, "environment", toml_path)
+    return Task(
+        id=path.name,
+        path=path,
+        instruction=_read_instruction(path / "instruction.md"),
+        agent_timeout_s=_timeout(cfg, "agent", toml_path),
+        verifier_timeout_s=_timeout(cfg, "verifier", toml_path),
+        env_dir=path / "environment",
+        tests_dir=_require_file(path / "tests" / "test.sh").parent,
+        solution_dir=path / "solution",
+        workdir=dockerfile_workdir(_require_file(path / "environment" / "Dockerfile")),
+        memory_mb=_size_mb(env, "memory", toml_path, DEFAULT_MEMORY_MB),
+        cpus=_positive(env, "cpus", "[environment]", toml_path, 1.0),
+        storage_mb=_size_mb(env, "storage", toml_path, DEFAULT_STORAGE_MB),
+        allow_internet=_bool(env, "allow_internet", toml_path),
+        metadata=dict(_table(cfg, "metadata", toml_path)),
+        demo_steps=_read_demo(path / "solution" / "demo.json"),
+    )
+
+
+def load_tasks(paths: list[str | Path] | str | Path) -> list[Task]:
+    """Load tasks from task directories and from directories that hold task directories.
+
+    A path with a ``task.toml`` is one task; any other directory is searched (recursively, not
+    descending into tasks) and its tasks are loaded in sorted path order. Task ids must be unique.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    tasks: list[Task] = []
+    seen: dict[str, Path] = {}
+    for root in map(Path, paths):
+        for task_dir in _task_dirs(root):
+            task = load_task(task_dir)
+            if task.id in seen:
+                raise TaskFormatError(f"{task_dir}: duplicate task id {task.id!r} (also {seen[task.id]})")
+            seen[task.id] = task_dir
+            tasks.append(task)
+    return tasks
+
+
+def _task_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        raise TaskFormatError(f"{root}: no such directory")
+    if (root / "task.toml").is_file():
+        return [root]
+    found: list[Path] = []
+    for child in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if (child / "task.toml").is_file():
+            found.append(child)
+        else:
+            found.extend(_task_dirs_below(child))
+    if not found:
+        raise TaskFormatError(f"{root}: no task directories (with a task.toml) found")
+    return found
+
+
+def _task_dirs_below(root: Path) -> list[Path]:
+    try:
+        return _task_dirs(root)
+    except TaskFormatError:
+        return []
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise TaskFormatError(f"{path}: missing") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TaskFormatError(f"{path}: invalid TOML: {e}") from None
+
+
+def _read_instruction(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TaskFormatError(f"{path}: missing") from None
+    except UnicodeDecodeError:
+        raise TaskFormatError(f"{path}: not UTF-8 text") from None
+    if not text.strip():
+        raise TaskFormatError(f"{path}: is empty")
+    return text
+
+
+def _require_file(path: Path) -> Path:
+    if not path.is_file():
+        raise TaskFormatError(f"{path}: missing")
+    return path
+
+
+def _table(cfg: dict[str, Any], name: str, path: Path) -> dict[str, Any]:
+    value = cfg.get(name, {})
+    if not isinstance(value, dict):
+        raise TaskFormatError(f"{path}: [{name}] must be a table")
+    return value
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(table: dict[str, Any], key: str, where: str, path: Path, default: float) -> float:
+    value = table.get(key, default)
+    if not _is_number(value):
+        raise TaskFormatError(f"{path}: {where} {key} must be a number")
+    if not math.isfinite(value) or value <= 0:
+        raise TaskFormatError(f"{path}: {where} {key} must be positive")
+    return float(value)
+
+
+def _timeout(cfg: dict[str, Any], section: str, path: Path) -> float:
+    return _positive(_table(cfg, section, path), "timeout_sec", f"[{section}]", path, DEFAULT_TIMEOUT_S)
+
+
+def _size_mb(env: dict[str, Any], name: str, path: Path, default: int) -> int:
+    """``<name>_mb`` (a number of MiB) or the older ``<name> = "2G"`` / ``"512M"``."""
+    if f"{name}_mb" in env:
+        return int(_positive(env, f"{name}_mb", "[environment]", path, default))
+    if name not in env:
+        return default
+    value = env[name]
+    if _is_number(value):
+        return int(_positive(env, name, "[environment]", path, default))
+    match = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if match is None or float(match.group(1)) <= 0:
+        raise TaskFormatError(f'{path}: [environment] {name} must be a size like "512M" or "2G"')
+    return max(1, int(float(match.group(1)) * _UNITS_MB[match.group(2).upper()]))
+
+
+def _bool(env: dict[str, Any], key: str, path: Path) -> bool:
+    value = env.get(key, False)
+    if not isinstance(value, bool):
+        raise TaskFormatError(f"{path}: [environment] {key} must be true or false")
+    return value
+
+
+def _read_demo(path: Path) -> list[str] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TaskFormatError(f"{path}: invalid JSON: {e}") from None
+    steps = data.get("steps") if isinstance(data, dict) else None
+    if not isinstance(steps, list) or not steps or not all(isinstance(s, str) and s for s in steps):
+        raise TaskFormatError(f"{path}: steps must be a non-empty list of non-empty strings")
+    if steps[-1] != SUBMIT:
+        raise TaskFormatError(f'{path}: steps must end with "{SUBMIT}"')
+    return steps
+
+
+def dockerfile_workdir(dockerfile: Path) -> str:
+    """The working directory after the Dockerfile's last ``WORKDIR`` (relative ones are joined)."""
+    workdir = "/"
+    found = False
+    for line in dockerfile.read_text(encoding="utf-8", errors="replace").splitlines():
+        parts = line.strip().split(None, 1)
+        if len(parts) == 2 and parts[0].upper() == "WORKDIR":
+            arg = parts[1].strip().strip("\"'")
+            workdir = posixpath.normpath(posixpath.join(workdir, arg))
+            found = True
+    return workdir if found else DEFAULT_WORKDIR
+
+
+# ---------------------------------------------------------------------------------------------- write
+
+
+def write_task(
+    task_dir: str | Path,
+    *,
+    instruction: str,
+    task_toml: dict[str, Any],
+    env_files: dict[str, str | bytes],
+    dockerfile: str,
+    solve_sh: str,
+    test_sh: str,
+    test_files: dict[str, str | bytes] | None = None,
+    demo_steps: list[str] | None = None,
+) -> Path:
+    """Write a task directory in the Harbor layout; ``env_files`` paths are relative to environment/."""
+    task_dir = Path(task_dir)
+    _write(task_dir / "instruction.md", instruction)
+    _write(task_dir / "task.toml", dumps_toml(task_toml))
+    _write(task_dir / "environment" / "Dockerfile", dockerfile)
+    for rel, content in env_files.items():
+        _write(_under(task_dir / "environment", rel), content)
+    _write(task_dir / "solution" / "solve.sh", solve_sh, executable=True)
+    if demo_steps is not None:
+        _write(task_dir / "solution" / "demo.json", json.dumps({"steps": list(demo_steps)}, indent=2) + "\n")
+    _write(task_dir / "tests" / "test.sh", test_sh, executable=True)
+    for rel, content in (test_files or {}).items():
+        _write(_under(task_dir / "tests", rel), content)
+    return task_dir
+
+
+def _under(root: Path, rel: str) -> Path:
+    parts = Path(rel).parts
+    if not parts or Path(rel).is_absolute() or ".." in parts:
+        raise ValueError(f"{rel!r}: must be a relative path inside {root}")
+    return root / rel
+
+
+def _write(path: Path, content: str | bytes, executable: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    if executable:
+        path.chmod(0o755)
+
+
+def dumps_toml(data: dict[str, Any]) -> str:
+    """Serialise top-level keys and one level of tables of scalars / lists of scalars."""
+    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for name, table in data.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{_toml_key(name)}]"]
+            lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"cannot write {value} to TOML")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ValueError(f"cannot write {type(value).__name__} to TOML")

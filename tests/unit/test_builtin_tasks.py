@@ -1,0 +1,334 @@
+"""Built-in task families: generation, determinism, disjoint splits, and oracle / no-op / demo rewards.
+
+Tasks run without a sandbox: ``DirAttempt`` maps the sandbox paths /app, /logs, /tests and /solution
+under a temporary root (rewriting them in commands and in copied scripts) and runs real bash there.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from albatross.sandbox.base import ExecResult
+from albatross.tasks import Task, VerifierError, load_task, load_tasks, run_oracle, verify, write_task
+from albatross.tasks.builtin import (
+    DIFFICULTIES,
+    FAMILIES,
+    WORDS,
+    corpus_strings,
+    generate_tasks,
+    list_families,
+)
+
+_SANDBOX_PATH = re.compile(r"(?<![\w.$/-])/(app|logs|tests|solution)\b")
+
+
+class DirAttempt:
+    """An attempt without isolation: sandbox paths live under ``root``; commands run in bash."""
+
+    def __init__(self, root: Path, task: Task, cwd: str = "/app") -> None:
+        self.root = root
+        self.cwd = Path(self.map(cwd)) if cwd != "/" else root
+        shutil.copytree(task.env_dir / "app", root / "app")
+
+    def map(self, text: str) -> str:
+        return _SANDBOX_PATH.sub(lambda m: f"{self.root}/{m.group(1)}", text)
+
+    def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        start = time.monotonic()
+        proc = subprocess.run(
+            ["bash", "-c", self.map(command)],
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        return ExecResult(proc.stdout + proc.stderr, proc.returncode, seconds=time.monotonic() - start)
+
+    def put_dir(self, host_dir: Path, sandbox_path: str) -> None:
+        dest = Path(self.map(sandbox_path))
+        shutil.copytree(host_dir, dest, dirs_exist_ok=True)
+        for script in dest.rglob("*.sh"):
+            script.write_text(self.map(script.read_text()))
+
+    def read_file(self, sandbox_path: str) -> bytes | None:
+        path = Path(self.map(sandbox_path))
+        return path.read_bytes() if path.is_file() else None
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
+    return generate_tasks(tmp_path_factory.mktemp("suite"), n_train=12, n_heldout=6, seed=3)
+
+
+def _one_per_family(suite: dict[str, list[Path]]) -> list[Task]:
+    tasks = load_tasks(suite["train"])
+    return [next(t for t in tasks if t.metadata["family"] == name) for name in list_families()]
+
+
+def _files(task_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(task_dir)): p.read_bytes() for p in sorted(task_dir.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------- generation
+
+
+def test_vocabulary_has_no_word_inside_another() -> None:
+    assert len(set(WORDS)) == len(WORDS) >= 20
+    assert [(a, b) for a in WORDS for b in WORDS if a != b and a in b] == []
+
+
+def test_generated_tasks_load_with_the_builtin_settings(suite: dict[str, list[Path]]) -> None:
+    assert [len(suite["train"]), len(suite["heldout"])] == [12, 6]
+    for split, dirs in suite.items():
+        for task in load_tasks(dirs):
+            assert task.metadata["split"] == split and task.metadata["family"] in FAMILIES
+            assert (task.agent_timeout_s, task.verifier_timeout_s) == (60.0, 30.0)
+            assert (task.cpus, task.memory_mb, task.storage_mb, task.allow_internet) == (1.0, 512, 256, False)
+            assert task.workdir == "/app" and task.demo_steps and task.demo_steps[-1] == "submit"
+            assert (task.env_dir / "Dockerfile").read_text().startswith("FROM debian:bookworm-slim\n")
+
+
+def test_families_are_interleaved_evenly(suite: dict[str, list[Path]]) -> None:
+    names = list_families()
+    for dirs in suite.values():
+        families = [load_task(d).metadata["family"] for d in dirs]
+        assert families == [names[i % len(names)] for i in range(len(dirs))]
+
+
+def test_generation_is_deterministic_for_a_seed(tmp_path: Path) -> None:
+    first = generate_tasks(tmp_path / "a", n_train=6, n_heldout=3, seed=11)
+    second = generate_tasks(tmp_path / "b", n_train=6, n_heldout=3, seed=11)
+    other = generate_tasks(tmp_path / "c", n_train=6, n_heldout=3, seed=12)
+    for split in ("train", "heldout"):
+        assert [d.name for d in first[split]] == [d.name for d in second[split]]
+        assert [_files(d) for d in first[split]] == [_files(d) for d in second[split]]
+        assert [_files(d) for d in first[split]] != [_files(d) for d in other[split]]
+
+
+def test_heldout_does_not_depend_on_train_size(tmp_path: Path) -> None:
+    small = generate_tasks(tmp_path / "small", n_train=2, n_heldout=4, seed=5)
+    large = generate_tasks(tmp_path / "large", n_train=30, n_heldout=4, seed=5)
+    assert [_files(d) for d in small["heldout"]] == [_files(d) for d in large["heldout"]]
+
+
+def test_splits_share_no_instance(tmp_path: Path) -> None:
+    out = generate_tasks(tmp_path, families=["count_lines"], n_train=150, n_heldout=60, seed=0)
+    keys = {}
+    for split, dirs in out.items():
+        keys[split] = set()
+        for task in load_tasks(dirs):
+            rng = random.Random(task.metadata["seed"])
+            instance = FAMILIES["count_lines"].generate(rng, task.metadata["difficulty"])
+            assert instance.instruction + "\n" == task.instruction  # the seed reproduces the task
+            keys[split].add(instance.key)
+    assert len(keys["train"]) == 150 and len(keys["heldout"]) == 60
+    assert keys["train"].isdisjoint(keys["heldout"])
+
+
+def test_refuses_to_overwrite_unless_asked(tmp_path: Path) -> None:
+    generate_tasks(tmp_path, n_train=3, n_heldout=0, seed=1)
+    with pytest.raises(FileExistsError, match="already holds tasks"):
+        generate_tasks(tmp_path, n_train=1, n_heldout=0, seed=1)
+    out = generate_tasks(tmp_path, n_train=1, n_heldout=0, seed=1, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "train").iterdir()) == [d.name for d in out["train"]]
+
+
+def test_unknown_family_and_difficulty(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown task family 'sort_words'"):
+        generate_tasks(tmp_path, families=["sort_words"], n_train=1, n_heldout=0, seed=0)
+    with pytest.raises(ValueError, match="difficulty must be one of"):
+        FAMILIES["grep_word"].generate(random.Random(0), "extreme")
+
+
+@pytest.mark.parametrize("difficulty", DIFFICULTIES)
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_instances_follow_their_templates(name: str, difficulty: str) -> None:
+    family = FAMILIES[name]
+    word = "(" + "|".join(WORDS) + ")"
+    instruction_re = re.escape(family.instruction_template).replace(r"\{a\}", word).replace(r"\{w\}", word)
+    for seed in range(30):
+        instance = family.generate(random.Random(seed), difficulty)
+        assert re.fullmatch(instruction_re, instance.instruction), instance.instruction
+        assert len(instance.demo_steps) == len(family.demo_templates)
+        assert len(instance.files) == len(family.generate(random.Random(seed), "easy").files) + (
+            DIFFICULTIES.index(difficulty)
+        )
+        names = {re.sub(r"\.(txt|log)$", "", f) for f in instance.files}
+        assert names <= set(WORDS)
+        assert not {"answer.txt", "out.txt", "result.txt"} & set(instance.files)
+
+
+def test_count_lines_files_have_distinct_line_counts() -> None:
+    for seed in range(50):
+        instance = FAMILIES["count_lines"].generate(random.Random(seed), "hard")
+        counts = [content.count("\n") for content in instance.files.values()]
+        assert len(set(counts)) == len(counts) and all(1 <= c <= 9 for c in counts)
+
+
+def test_grep_word_target_appears_in_one_to_three_lines() -> None:
+    for seed in range(50):
+        instance = FAMILIES["grep_word"].generate(random.Random(seed), "easy")
+        a, w = re.fullmatch(
+            r"Write the lines of (\w+)\.log that contain (\w+) to out\.txt\.", instance.instruction
+        ).groups()
+        lines = instance.files[f"{a}.log"].splitlines()
+        assert 4 <= len(lines) <= 8 and all(len(line.split()) == 3 for line in lines)
+        assert 1 <= sum(w in line.split() for line in lines) <= 3
+
+
+def test_follow_pointer_contents_are_distinct() -> None:
+    for seed in range(50):
+        instance = FAMILIES["follow_pointer"].generate(random.Random(seed), "easy")
+        a = instance.instruction.split()[2]
+        target = instance.files[a].strip()
+        assert target in instance.files and target != a and len(instance.files) == 4
+        assert len(set(instance.files.values())) == 4
+
+
+def test_corpus_covers_templates_and_words() -> None:
+    corpus = corpus_strings()
+    for family in FAMILIES.values():
+        assert family.instruction_template in corpus
+        assert set(family.demo_templates) <= set(corpus)
+    assert set(WORDS) <= set(corpus) and len(corpus) == len(set(corpus))
+
+
+def test_expected_answers_are_only_in_tests(suite: dict[str, list[Path]]) -> None:
+    for task in load_tasks(suite["train"]):
+        test_sh = (task.tests_dir / "test.sh").read_text()
+        assert "python" not in test_sh and "/logs/verifier/reward.json" in test_sh
+        env_files = {p.name for p in task.env_dir.rglob("*") if p.is_file()}
+        assert not {"answer.txt", "out.txt", "result.txt", "test.sh", "solve.sh"} & env_files
+
+
+# ---------------------------------------------------------------------------- running the tasks
+
+
+def _attempt(tmp_path: Path, task: Task) -> DirAttempt:
+    return DirAttempt(tmp_path / f"root-{task.id}", task)
+
+
+def test_oracle_scores_one(suite: dict[str, list[Path]], tmp_path: Path) -> None:
+    for task in _one_per_family(suite):
+        attempt = _attempt(tmp_path, task)
+        assert run_oracle(attempt, task).exit_code == 0
+        result = verify(attempt, task)
+        assert (result.reward, result.success, result.error) == (1.0, True, ""), task.id
+        assert set(result.metrics) == {
+            f"{stem}_{kind}" for stem in [_stem(task)] for kind in ("exists", "correct")
+        }
+
+
+def _stem(task: Task) -> str:
+    return {"count_lines": "answer", "grep_word": "out", "follow_pointer": "result"}[task.metadata["family"]]
+
+
+def test_noop_scores_zero(suite: dict[str, list[Path]], tmp_path: Path) -> None:
+    for task in _one_per_family(suite):
+        result = verify(_attempt(tmp_path, task), task)
+        assert (result.reward, result.success) == (0.0, False), task.id
+
+
+def test_demo_steps_score_one(suite: dict[str, list[Path]], tmp_path: Path) -> None:
+    for task in load_tasks(suite["heldout"]):
+        attempt = _attempt(tmp_path, task)
+        for step in task.demo_steps or []:
+            if step != "submit":
+                assert attempt.exec(step).exit_code == 0, step
+        assert verify(attempt, task).success, task.id
+
+
+@pytest.mark.parametrize(
+    ("family", "mistake"),
+    [
+        ("count_lines", "echo 0 > answer.txt"),
+        ("grep_word", "cat *.log > out.txt"),
+        ("follow_pointer", "for f in *.txt; do cp $f result.txt; break; done; echo x >> result.txt"),
+    ],
+)
+def test_wrong_answer_gets_partial_credit_only(
+    suite: dict[str, list[Path]], tmp_path: Path, family: str, mistake: str
+) -> None:
+    task = next(t for t in _one_per_family(suite) if t.metadata["family"] == family)
+    attempt = _attempt(tmp_path, task)
+    attempt.exec(mistake)
+    result = verify(attempt, task)
+    assert (result.reward, result.success) == (0.5, False)
+
+
+def test_follow_pointer_copying_the_pointer_itself_fails(
+    suite: dict[str, list[Path]], tmp_path: Path
+) -> None:
+    task = next(t for t in _one_per_family(suite) if t.metadata["family"] == "follow_pointer")
+    attempt = _attempt(tmp_path, task)
+    attempt.exec(task.demo_steps[0].replace("cat ", "cp ") + " result.txt")
+    assert verify(attempt, task).success is False
+
+
+def test_answers_are_compared_after_trimming_whitespace(suite: dict[str, list[Path]], tmp_path: Path) -> None:
+    task = next(t for t in _one_per_family(suite) if t.metadata["family"] == "count_lines")
+    attempt = _attempt(tmp_path, task)
+    attempt.exec(
+        task.demo_steps[0].replace("> answer.txt", "| sed 's/^/  /' > answer.txt; echo >> answer.txt")
+    )
+    assert verify(attempt, task).success
+
+
+def test_test_script_runs_from_any_cwd(suite: dict[str, list[Path]], tmp_path: Path) -> None:
+    task = next(t for t in _one_per_family(suite) if t.metadata["family"] == "grep_word")
+    attempt = _attempt(tmp_path, task)
+    run_oracle(attempt, task)
+    attempt.put_dir(task.tests_dir, "/tests")
+    script = attempt.map("/tests/test.sh")
+    subprocess.run(["bash", script], cwd="/", check=True, capture_output=True)
+    reward = attempt.read_file("/logs/verifier/reward.json")
+    assert reward == b'{"out_exists": 1, "out_correct": 1}\n'
+
+
+# -------------------------------------------------------------------------- verifier edge cases
+
+
+def _custom_task(tmp_path: Path, test_sh: str) -> Task:
+    task_dir = write_task(
+        tmp_path / "custom",
+        instruction="Nothing.\n",
+        task_toml={"agent": {"timeout_sec": 10}, "verifier": {"timeout_sec": 10}},
+        env_files={"app/keep.txt": "x\n"},
+        dockerfile="FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\n",
+        solve_sh="#!/bin/bash\ntrue\n",
+        test_sh=test_sh,
+    )
+    return load_task(task_dir)
+
+
+def test_a_reward_file_left_by_the_agent_is_not_trusted(tmp_path: Path) -> None:
+    task = _custom_task(tmp_path, "#!/bin/bash\necho crashed; exit 3\n")
+    attempt = _attempt(tmp_path, task)
+    attempt.exec("mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt")
+    with pytest.raises(VerifierError, match=r"custom: no reward file.*exited with code 3: crashed"):
+        verify(attempt, task)
+
+
+def test_out_of_range_reward_is_a_verifier_error(tmp_path: Path) -> None:
+    task = _custom_task(tmp_path, "#!/bin/bash\necho 2 > /logs/verifier/reward.txt\n")
+    with pytest.raises(VerifierError, match=r"reward.txt: 2.0 is not a finite number in \[0, 1\]"):
+        verify(_attempt(tmp_path, task), task)
+
+
+def test_verifier_runs_in_the_workdir_and_notes_a_failing_exit(tmp_path: Path) -> None:
+    task = _custom_task(
+        tmp_path, "#!/bin/bash\n[ -f keep.txt ] && echo 1 > /logs/verifier/reward.txt\nexit 1\n"
+    )
+    attempt = DirAttempt(tmp_path / "root", task, cwd="/")  # a shell that is not in the workdir
+    result = verify(attempt, task)
+    assert (result.reward, result.success, result.error) == (1.0, True, "test.sh exited with code 1")
