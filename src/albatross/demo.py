@@ -15,8 +15,8 @@ from typing import Any
 from albatross.config import RunConfig, load_config
 
 QUICK_OVERRIDES = [
-    "tasks.n_train=96", "tasks.n_heldout=8", "warmstart.steps=150", "warmstart.check_every=50",
-    "orchestrator.max_steps=6", "orchestrator.max_minutes=1.0", "orchestrator.groups_per_step=2",
+    "tasks.n_train=240", "tasks.n_heldout=8", "warmstart.steps=300", "warmstart.check_every=25",
+    "orchestrator.max_steps=8", "orchestrator.max_minutes=1.0", "orchestrator.groups_per_step=2",
     "eval.trials=3",
 ]
 
@@ -66,7 +66,7 @@ class Demo:
         backend = self._backend()
         try:
             agent = make_agent(cfg, None, backend, tokenizer)
-            torch.set_num_threads(2)
+            torch.set_num_threads(cfg.engine.threads)
             base_dir = warm_start(cfg, tokenizer, agent, train, self._pass_rate_fn(agent, train),
                                   cache_root(), self.log)
             torch.set_num_threads(cfg.engine.threads)

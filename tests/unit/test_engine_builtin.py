@@ -22,10 +22,26 @@ PROMPTS = [[5, 17, 33, 2], [9], [250, 3, 3, 41, 77, 120, 8, 19, 64], [1, 2, 3, 4
 def tiny_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = transformers.Qwen2Config(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
     )
     return transformers.Qwen2ForCausalLM(config).eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """A tiny model is fastest on one thread, and it keeps the tests quick on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -90,7 +106,9 @@ def test_sampled_logprobs_equal_full_forward_at_temperature_one(engine: BuiltinE
         assert len(set(got.token_ids)) > 5  # really sampled, not a repeated argmax
 
 
-def truncated_logprob(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, token: int) -> float:
+def truncated_logprob(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, token: int
+) -> float:
     """Independent reference: top-k, then top-p on the renormalised top-k, renormalised again."""
     probs = (logits / temperature).softmax(-1).tolist()
     order = sorted(range(len(probs)), key=lambda i: -probs[i])[:top_k]
@@ -108,7 +126,9 @@ def test_top_k_top_p_logprobs_are_renormalised_over_the_support(engine: BuiltinE
     params = SamplingParams(temperature=0.7, top_k=8, top_p=0.8, max_tokens=15, seed=11)
     for prompt, got in zip(PROMPTS, engine.generate(PROMPTS, params), strict=True):
         with torch.no_grad():
-            logits = engine.model(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+            logits = (
+                engine.model(torch.tensor([prompt + got.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+            )
         expected = [truncated_logprob(logits[t], 0.7, 8, 0.8, tok) for t, tok in enumerate(got.token_ids)]
         assert got.logprobs == pytest.approx(expected, abs=1e-4)
 
@@ -118,7 +138,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: BuiltinEngin
     alone = engine.generate([PROMPTS[2]], params)[0]
     in_batch = engine.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], params)[1]
     assert_same(alone, in_batch)
-    other_seed = engine.generate([PROMPTS[2]], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=43))
+    other_seed = engine.generate(
+        [PROMPTS[2]], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=43)
+    )
     assert other_seed[0].token_ids != alone.token_ids
 
 
@@ -205,6 +227,18 @@ def test_close_joins_the_worker_and_refuses_new_work() -> None:
     assert not eng.scheduler._thread.is_alive()
     with pytest.raises(EngineClosed):
         eng.generate([PROMPTS[0]], greedy(2))
+
+
+def test_close_during_generation_fails_the_request_and_joins() -> None:
+    eng = BuiltinEngine(tiny_model(0))
+    running = threading.Event()
+    eng.scheduler.step_hook = running.set
+    future = eng.submit(PROMPTS[0], SamplingParams(max_tokens=400, seed=0))
+    assert running.wait(timeout=20)
+    eng.close()
+    assert not eng.scheduler._thread.is_alive()
+    with pytest.raises(EngineClosed):
+        future.result(timeout=5)
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -304,5 +338,7 @@ def test_engine_loads_a_model_directory(tmp_path) -> None:
     model = tiny_model(0)
     model.save_pretrained(str(tmp_path / "m"))
     with BuiltinEngine(str(tmp_path / "m")) as from_dir, BuiltinEngine(model) as from_module:
-        for got, want in zip(from_dir.generate(PROMPTS, greedy()), from_module.generate(PROMPTS, greedy()), strict=True):
+        for got, want in zip(
+            from_dir.generate(PROMPTS, greedy()), from_module.generate(PROMPTS, greedy()), strict=True
+        ):
             assert_same(got, want)

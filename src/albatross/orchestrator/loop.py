@@ -132,7 +132,8 @@ class AsyncLoop:
         stopping = False
         while True:
             elapsed = time.monotonic() - start
-            stopping = stopping or self.state.step >= oc.max_steps or elapsed > oc.max_minutes * 60
+            enough = self._batches_sent >= oc.max_steps
+            stopping = stopping or enough or elapsed > oc.max_minutes * 60
             if stopping and not inflight and not ready_batches:
                 break
             while not stopping and len(inflight) < max_inflight and len(ready_batches) < 1:
@@ -175,7 +176,7 @@ class AsyncLoop:
                 continue
             trajs = [f.result() for f in pg.futures]
             batch = self._finish_group(pg, trajs)
-            if batch is not None:
+            if batch is not None and self._batches_sent < self.cfg.orchestrator.max_steps:
                 ready_batches.append(batch)
                 self._batches_sent += 1
         return still
@@ -210,14 +211,20 @@ class AsyncLoop:
             if block:
                 return
 
+    def _window_pass_rate(self) -> float:
+        """Pass rate of the attempts finished since the last step (the last value if none finished)."""
+        if self._window["attempts"]:
+            self._last_pass_rate = self._window["solved"] / self._window["attempts"]
+        return getattr(self, "_last_pass_rate", 0.0)
+
     def _on_step(self, msg: dict[str, Any]) -> None:
         self.engine.update_weights(msg["path"], msg["version"])
-        self.state.step = msg["version"] - self._start_version
+        self.state.step = int(msg["version"]) - self._start_version
         self.state.max_staleness_seen = max(self.state.max_staleness_seen, int(msg.get("staleness_max", 0)))
         self.state.counts["dropped_stale_tokens"] += int(msg.get("stale_tokens_dropped", 0))
         c = self.state.counts
         record = {"step": self.state.step, "version": msg["version"], "time": time.time(),
-                  "pass_rate": self._window["solved"] / max(1, self._window["attempts"]),
+                  "pass_rate": self._window_pass_rate(),
                   "groups": self.builder.counts["groups"],
                   "zero_signal_groups": self.builder.counts["dropped_zero_signal"],
                   "infra_error_attempts": c["infra_error_attempts"],

@@ -100,7 +100,7 @@ CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 MNT_DETACH = 2
-PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER = 4, 24, 36
+PR_SET_DUMPABLE, PR_CAPBSET_DROP = 4, 24
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 # Capabilities kept in the bounding set of sandboxed commands (Docker's default set minus MKNOD):
 # CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID SETPCAP NET_BIND_SERVICE NET_RAW SYS_CHROOT
@@ -204,6 +204,9 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes, list[int]]:
 
 def _setup_root(cfg: dict[str, Any]) -> int:
     """Mount the overlay and pseudo file systems, pivot into it; return an fd of the pids cgroup dir."""
+    for path in (cfg["memory_cgroup"], cfg["pids_cgroup"]):
+        with open(f"{path}/cgroup.procs", "w") as f:
+            f.write("0")
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     scratch = cfg["scratch"]
     size_mb = cfg["disk_mb"] if cfg["upper"] is None else 1
@@ -227,8 +230,6 @@ def _setup_root(cfg: dict[str, Any]) -> int:
         f.write(cfg["state"])
     if cfg["workdir"]:
         os.makedirs(cfg["workdir"], exist_ok=True)
-    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
-        f.write("-1000")  # the OOM killer picks the command, never the holder (needs CAP_SYS_RESOURCE)
     last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     for cap in range(last_cap + 1):
         if cap not in _KEPT_CAPS:
@@ -365,45 +366,45 @@ class _Holder:
                     os.close(fd)
 
     def start(self, msg: dict[str, Any], out_fd: int) -> None:
-        cgroup = msg["cgroup"]
+        """Start a command with posix_spawn (vfork: ~3x faster than fork here) in its own session and
+        pids cgroup: the holder steps into the command's cgroup for the spawn, then steps back."""
+        cgroup, argv, env = msg["cgroup"], msg["argv"], msg["env"]
         try:
             os.mkdir(cgroup, dir_fd=self.cgroup_fd)
-            pid = os.fork()
-        except OSError as err:  # e.g. the pids limit is exhausted by the agent's own processes
-            os.write(out_fd, f"albatross: cannot start the command: {err}\n".encode())
-            _send(self.sock, {"exit": 126})
+            self.join(cgroup)
+            try:
+                with contextlib.suppress(OSError):
+                    os.chdir(msg["cwd"])
+                path = shutil.which(argv[0], path=env.get("PATH", DEFAULT_PATH)) or argv[0]
+                pid = os.posix_spawn(
+                    path,
+                    argv,
+                    env,
+                    file_actions=[
+                        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                        (os.POSIX_SPAWN_DUP2, out_fd, 1),
+                        (os.POSIX_SPAWN_DUP2, out_fd, 2),
+                    ],
+                    setsid=True,
+                    setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT),
+                )
+            finally:
+                os.chdir("/")
+                self.join(".")
+        except OSError as err:  # no such program, or the agent exhausted its pids limit
+            os.write(out_fd, f"albatross: cannot run {argv[0]}: {err}\n".encode())
+            with contextlib.suppress(OSError):
+                os.rmdir(cgroup, dir_fd=self.cgroup_fd)
+            _send(self.sock, {"exit": 127 if isinstance(err, FileNotFoundError) else 126})
             return
-        if pid == 0:
-            _exec_child(msg["argv"], msg["env"], msg["cwd"], self.cgroup_fd, cgroup, out_fd)
         self.running[pid] = cgroup
 
-
-def _exec_child(
-    argv: list[str], env: dict[str, str], cwd: str, cgroup_fd: int, cgroup: str, out_fd: int
-) -> None:
-    try:
-        os.setsid()
-        fd = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY, dir_fd=cgroup_fd)
-        os.write(fd, b"0")
-        os.close(fd)
-        null = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(out_fd, 1)
-        os.dup2(out_fd, 2)
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
-            f.write("0")
+    def join(self, cgroup: str) -> None:
+        fd = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY, dir_fd=self.cgroup_fd)
         try:
-            os.chdir(cwd)
-        except OSError:
-            os.chdir("/")
-        os.execvpe(argv[0], argv, env)
-    except BaseException as err:  # noqa: BLE001 - report and exit like a shell would
-        with contextlib.suppress(OSError):
-            os.write(2, f"albatross: cannot run {argv[0]}: {err}\n".encode())
-    os._exit(127)
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
 
 
 # ---- the zygote: forks holders, owns the parent layers --------------------------------------------------
@@ -417,7 +418,7 @@ def zygote_main() -> None:
     _mount("tmpfs", root, "tmpfs", 0, "mode=700")
     os.mkdir(f"{root}/scratch")
     os.mkdir(f"{root}/parents")
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # holders are re-parented to us; we reap them
+    own_ns = [os.open(f"/proc/self/ns/{ns}", os.O_RDONLY) for ns in ("mnt", "pid", "net", "ipc", "uts")]
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -436,7 +437,7 @@ def zygote_main() -> None:
             except (EOFError, OSError):
                 return
             try:
-                reply = _zygote_handle(root, msg, fds)
+                reply = _zygote_handle(root, msg, fds, own_ns)
             except Exception as err:  # noqa: BLE001 - every failure goes back to the host
                 reply = {"error": str(err)}
             for fd in fds:
@@ -454,10 +455,10 @@ def _reap_all() -> None:
             return
 
 
-def _zygote_handle(root: str, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+def _zygote_handle(root: str, msg: dict[str, Any], fds: list[int], own_ns: list[int]) -> dict[str, Any]:
     op = msg["op"]
     if op == "spawn":
-        return {"pid": _spawn_holder(msg["cfg"], fds[0])}
+        return {"pid": _spawn_holder(msg["cfg"], fds[0], own_ns)}
     if op == "parent_new":
         base = f"{root}/parents/{msg['key']}"
         os.makedirs(f"{base}/layer")
@@ -475,63 +476,44 @@ def _zygote_handle(root: str, msg: dict[str, Any], fds: list[int]) -> dict[str, 
 
 
 def _hide(layer: str, path: str) -> None:
-    """Make ``path`` (a host path) an empty opaque directory, or a whiteout, in the overlay layer."""
-    if not os.path.lexists(path):
-        return
+    """Make ``path`` (a host path) an empty opaque directory, or a whiteout, in the overlay layer.
+
+    A path missing on the host becomes an empty directory too, so it stays hidden if created later."""
     parts = Path(path).parts[1:]
-    for i in range(1, len(parts)):  # parent directories, with the host's mode and owner
-        host = "/" + "/".join(parts[:i])
-        target = os.path.join(layer, *parts[:i])
+    for i in range(1, len(parts) + 1):  # parent directories keep the host's mode and owner
+        host, target = "/" + "/".join(parts[:i]), os.path.join(layer, *parts[:i])
+        try:
+            st = os.lstat(host)
+        except FileNotFoundError:
+            st = None
+        if i == len(parts) and st is not None and not stat.S_ISDIR(st.st_mode):
+            os.mknod(target, stat.S_IFCHR, os.makedev(0, 0))  # overlay whiteout
+            return
         if not os.path.isdir(target):
-            st = os.stat(host)
-            os.mkdir(target)
-            os.chmod(target, stat.S_IMODE(st.st_mode))
-            os.chown(target, st.st_uid, st.st_gid)
-    target = os.path.join(layer, *parts)
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        os.makedirs(target, exist_ok=True)
-        os.chmod(target, stat.S_IMODE(st.st_mode))
-        os.chown(target, st.st_uid, st.st_gid)
-        os.setxattr(target, "trusted.overlay.opaque", b"y")
-    else:
-        os.mknod(target, stat.S_IFCHR, os.makedev(0, 0))  # overlay whiteout
+            os.mkdir(target, 0o755)
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                os.chmod(target, stat.S_IMODE(st.st_mode))
+                os.chown(target, st.st_uid, st.st_gid)
+    os.setxattr(os.path.join(layer, *parts), "trusted.overlay.opaque", b"y")
 
 
-def _spawn_holder(cfg: dict[str, Any], sock_fd: int) -> int:
-    """Fork a child that joins the cgroups, unshares the namespaces and forks the holder (pid 1)."""
-    read_fd, write_fd = os.pipe()
-    child = os.fork()
-    if child == 0:
-        os.close(read_fd)
-        _unshare_and_fork(cfg, sock_fd, write_fd)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as f:
-        answer = f.read().decode()
-    os.waitpid(child, 0)
-    if not answer.startswith("P"):
-        raise OSError(f"cannot start the sandbox: {answer[1:] or 'no answer'}")
-    return int(answer[1:])
-
-
-def _unshare_and_fork(cfg: dict[str, Any], sock_fd: int, answer_fd: int) -> None:
+def _spawn_holder(cfg: dict[str, Any], sock_fd: int, own_ns: list[int]) -> int:
+    """Unshare the namespaces, fork the holder (pid 1 of the new pid namespace), and step back into
+    our own namespaces (setns), so no intermediate process is needed."""
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    _unshare(flags | (CLONE_NEWNET if cfg["new_net"] else 0))
     try:
-        signal.set_wakeup_fd(-1)
-        _close_fds_except({0, 1, 2, sock_fd, answer_fd})
-        for path in (cfg["memory_cgroup"], cfg["pids_cgroup"]):
-            with open(f"{path}/cgroup.procs", "w") as f:
-                f.write("0")
-        flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-        _unshare(flags | (CLONE_NEWNET if cfg["new_net"] else 0))
         pid = os.fork()
         if pid == 0:
-            os.close(answer_fd)
-            _holder_main(cfg, sock_fd)
-        os.write(answer_fd, f"P{pid}".encode())
-    except BaseException as err:  # noqa: BLE001 - reported through the pipe
-        with contextlib.suppress(OSError):
-            os.write(answer_fd, f"E{err}".encode())
-    os._exit(0)
+            try:
+                signal.set_wakeup_fd(-1)
+                _close_fds_except({0, 1, 2, sock_fd})
+            finally:
+                _holder_main(cfg, sock_fd)
+    finally:
+        for fd in own_ns:
+            _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(0)), "setns back to the zygote's namespace")
+    return pid
 
 
 def _close_fds_except(keep: set[int]) -> None:
@@ -633,16 +615,14 @@ class _Zygote:
 
         self.root = tempfile.mkdtemp(prefix="albatross-zygote-")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
         src = str(Path(albatross.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-        code = "from albatross.sandbox.local import zygote_main; zygote_main()"
+        # -S: no site-packages (a smaller process forks faster); the zygote needs only the stdlib
+        code = f"import sys; sys.path.insert(0, {src!r}); from albatross.sandbox.local import zygote_main; zygote_main()"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, self.root, str(theirs.fileno())],
+            [sys.executable, "-S", "-c", code, self.root, str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            env=env,
         )
         theirs.close()
         self.sock = ours
@@ -1144,20 +1124,43 @@ def copy_tar(ins: Copy, env_dir: Path, cwd: str) -> bytes:
     return buf.getvalue()
 
 
+_PROBE = """
+import os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+from albatross.sandbox import local as L
+L._unshare(L.CLONE_NEWNS | L.CLONE_NEWPID | L.CLONE_NEWNET | L.CLONE_NEWIPC | L.CLONE_NEWUTS)
+L._mount("none", "/", None, L.MS_REC | L.MS_PRIVATE)
+root = tempfile.mkdtemp(prefix="albatross-probe-")
+try:
+    L._mount("tmpfs", root, "tmpfs", 0, "size=1m")
+    for d in ("u", "w", "m"):
+        os.mkdir(f"{root}/{d}")
+    os.setxattr(f"{root}/u", "trusted.overlay.opaque", b"y")
+    L._mount("overlay", f"{root}/m", "overlay", 0, f"lowerdir=/,upperdir={root}/u,workdir={root}/w")
+    assert os.path.isdir(f"{root}/m/usr"), "overlay of / is empty"
+finally:
+    os.system(f"umount -R {root} 2>/dev/null")
+    os.rmdir(root)
+"""
+
+
 @lru_cache(maxsize=1)
 def local_available() -> bool:
-    """True when this machine can run LocalBackend: root, cgroup v1 memory+pids, namespaces, overlay."""
-    if sys.platform != "linux" or os.geteuid() != 0:
+    """True when this machine can run LocalBackend: Linux, root, cgroup v1 memory and pids controllers,
+    unshare(2) of mount/pid/net/ipc/uts namespaces, and an overlay whose lower layer is the host root
+    (probed in a throwaway process)."""
+    if sys.platform != "linux" or os.geteuid() != 0 or platform.machine() not in _SYS_PIVOT_ROOT:
         return False
-    if not all(Path(f"/sys/fs/cgroup/{c}/cgroup.procs").exists() for c in ("memory", "pids")):
+    if not all(_cgroup_root(c).parent.is_dir() for c in ("memory", "pids")):
         return False
+    import albatross
+
+    src = str(Path(albatross.__file__).resolve().parents[1])
     try:
-        backend = LocalBackend()
-        try:
-            with backend.fork(None, limits=Limits(memory_mb=64, pids=16, disk_mb=4)) as attempt:
-                return attempt.exec("echo ok", timeout_s=10).output == "ok\n"
-        finally:
-            backend.close()
-    except (SandboxError, OSError) as err:
+        probe = subprocess.run([sys.executable, "-S", "-c", _PROBE, src], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
         log.info("local sandbox unavailable: %s", err)
         return False
+    if probe.returncode != 0:
+        log.info("local sandbox unavailable: %s", probe.stderr.decode(errors="replace")[-500:])
+    return probe.returncode == 0

@@ -38,7 +38,9 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, vocab_si
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
-        raise ValueError(f"prompt_ids must lie in [0, {vocab_size}); got min {min(prompt_ids)}, max {max(prompt_ids)}")
+        raise ValueError(
+            f"prompt_ids must lie in [0, {vocab_size}); got min {min(prompt_ids)}, max {max(prompt_ids)}"
+        )
     if params.temperature < 0:
         raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
     if not 0 < params.top_p <= 1:
@@ -103,7 +105,9 @@ def build_sampling_tensors(
 
     return SamplingTensors(
         greedy_B=tensor(greedy, torch.bool),
-        temperature_B=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32),
+        temperature_B=tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
+        ),
         top_k_B=tensor(top_k, torch.long),
         top_p_B=tensor(top_p, torch.float32),
         uniforms_BT=torch.stack([_uniforms(p, n_steps, seed_source) for p in params]).to(device),
@@ -129,7 +133,9 @@ def _truncate(scaled_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         sorted_BK, order_BK = scaled_BV.topk(st.k_max, dim=-1, sorted=True)
     else:
         sorted_BK, order_BK = scaled_BV.sort(-1, descending=True)
-    keep_BV = torch.zeros_like(scaled_BV, dtype=torch.bool).scatter_(1, order_BK, _support_sorted(sorted_BK, st))
+    keep_BV = torch.zeros_like(scaled_BV, dtype=torch.bool).scatter_(
+        1, order_BK, _support_sorted(sorted_BK, st)
+    )
     return scaled_BV.masked_fill(~keep_BV, float("-inf"))
 
 
@@ -150,7 +156,9 @@ def sample(logits_BV: torch.Tensor, st: SamplingTensors, step: int) -> tuple[tor
     return _avoid_excluded(ids_B, logprobs_B, logp_BV)
 
 
-def _avoid_excluded(ids_B: torch.Tensor, logprobs_B: torch.Tensor, logp_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _avoid_excluded(
+    ids_B: torch.Tensor, logprobs_B: torch.Tensor, logp_BV: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Float rounding at the top of the CDF can land on an excluded id; take the row's best id instead."""
     ids_B = torch.where(torch.isinf(logprobs_B), logp_BV.argmax(-1), ids_B)
     return ids_B, logp_BV.gather(1, ids_B[:, None]).squeeze(1)
@@ -177,6 +185,8 @@ class _Batch:
         self.next_pos_B, self.st = self.next_pos_B[idx], self.st.select(idx)
         if self.mask_BL is not None:
             self.mask_BL = self.mask_BL[idx]
+            if bool(self.mask_BL.all()):  # the padded rows are gone
+                self.mask_BL = None
 
 
 @dataclass
@@ -212,10 +222,82 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
 
 
 def _new_cache(model: torch.nn.Module) -> object:
+    """A ``DynamicCache`` whose plain full-attention layers grow in place (see ``_growing_layer_class``)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     config = getattr(model, "config", None)
-    return DynamicCache(config=config) if config is not None else DynamicCache()
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    layers = getattr(cache, "layers", [])
+    grow = _growing_layer_class()
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer:
+            layers[i] = grow()
+    return cache
+
+
+_GROWING_LAYER: type | None = None
+
+
+def _growing_layer_class() -> type:
+    """A ``DynamicLayer`` that appends into a buffer with spare capacity instead of concatenating.
+
+    ``DynamicLayer`` copies the whole cache on every decode step (``torch.cat``); this one doubles its buffer
+    when full, so a step writes one position. ``keys`` / ``values`` are views of the filled part.
+    """
+    global _GROWING_LAYER
+    if _GROWING_LAYER is not None:
+        return _GROWING_LAYER
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            self.length = 0
+            self.buf_k: torch.Tensor | None = None
+            self.buf_v: torch.Tensor | None = None
+
+        def _reserve(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
+            if self.buf_k is not None and need <= self.buf_k.shape[-2]:
+                return
+            cap = max(need, 64, 2 * (0 if self.buf_k is None else self.buf_k.shape[-2]))
+            new_k = k.new_empty(*k.shape[:-2], cap, k.shape[-1])
+            new_v = v.new_empty(*v.shape[:-2], cap, v.shape[-1])
+            if self.buf_k is not None:
+                new_k[..., : self.length, :] = self.buf_k[..., : self.length, :]
+                new_v[..., : self.length, :] = self.buf_v[..., : self.length, :]
+            self.buf_k, self.buf_v = new_k, new_v
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            self._reserve(key_states, value_states, end)
+            self.buf_k[..., self.length : end, :] = key_states
+            self.buf_v[..., self.length : end, :] = value_states
+            self.length = end
+            self.keys, self.values = self.buf_k[..., :end, :], self.buf_v[..., :end, :]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length if self.is_initialized else 0
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.get_seq_length() > 0:
+                self.buf_k, self.buf_v = self.buf_k[indices], self.buf_v[indices]
+                self.keys, self.values = self.buf_k[..., : self.length, :], self.buf_v[..., : self.length, :]
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove < 0 and self.is_initialized:
+                self.length = max(0, self.length + tokens_to_remove)
+                self.keys, self.values = self.buf_k[..., : self.length, :], self.buf_v[..., : self.length, :]
+            else:
+                super().crop(tokens_to_remove)
+
+    _GROWING_LAYER = GrowingLayer
+    return GrowingLayer
 
 
 class ModelRunner:
@@ -243,12 +325,20 @@ class ModelRunner:
 
     # ---------------------------------------------------------------------------------- generation
 
-    def _forward(self, ids_BL: torch.Tensor, batch_mask: torch.Tensor | None, pos_BL: torch.Tensor, cache: object,
-                 last_only: bool) -> torch.Tensor:
+    def _forward(
+        self,
+        ids_BL: torch.Tensor,
+        batch_mask: torch.Tensor | None,
+        pos_BL: torch.Tensor,
+        cache: object,
+        last_only: bool,
+    ) -> torch.Tensor:
         kwargs: dict[str, object] = {self._cache_kwarg: cache}
         if last_only and self._keep_last:
             kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=ids_BL, attention_mask=batch_mask, position_ids=pos_BL, use_cache=True, **kwargs)
+        out = self.model(
+            input_ids=ids_BL, attention_mask=batch_mask, position_ids=pos_BL, use_cache=True, **kwargs
+        )
         return out.logits[:, -1, :]
 
     def _prefill(self, requests: Sequence[Request]) -> tuple[_Batch, torch.Tensor]:
@@ -257,7 +347,9 @@ class ModelRunner:
         padded = bool((mask_BL == 0).any())
         cache = _new_cache(self.model)
         logits_BV = self._forward(ids_BL, mask_BL if padded else None, pos_BL, cache, last_only=True)
-        st = build_sampling_tensors([r.params for r in requests], logits_BV.shape[-1], self.device, self._seed_source)
+        st = build_sampling_tensors(
+            [r.params for r in requests], logits_BV.shape[-1], self.device, self._seed_source
+        )
         rows_B = torch.arange(len(requests), device=self.device)
         batch = _Batch(rows_B, rows_B, mask_BL if padded else None, pos_BL[:, -1] + 1, st, cache)
         return batch, logits_BV
@@ -266,8 +358,9 @@ class ModelRunner:
         if batch.mask_BL is not None:
             ones_B1 = batch.mask_BL.new_ones(batch.mask_BL.shape[0], 1)
             batch.mask_BL = torch.cat([batch.mask_BL, ones_B1], dim=1)
-        logits_BV = self._forward(batch.last_ids_B[:, None], batch.mask_BL, batch.next_pos_B[:, None], batch.cache,
-                                  last_only=False)
+        logits_BV = self._forward(
+            batch.last_ids_B[:, None], batch.mask_BL, batch.next_pos_B[:, None], batch.cache, last_only=False
+        )
         batch.next_pos_B = batch.next_pos_B + 1
         return logits_BV
 
@@ -294,8 +387,12 @@ class ModelRunner:
                 self._run([requests[i] for i in todo], between_steps, lambda r, c: finish(todo[r], c))
         return [c for c in results if c is not None]
 
-    def _run(self, requests: Sequence[Request], between_steps: Callable[[], None] | None,
-             finish: Callable[[int, Completion], None]) -> None:
+    def _run(
+        self,
+        requests: Sequence[Request],
+        between_steps: Callable[[], None] | None,
+        finish: Callable[[int, Completion], None],
+    ) -> None:
         if between_steps is not None:
             between_steps()
         batch, logits_BV = self._prefill(requests)
@@ -313,8 +410,14 @@ class ModelRunner:
                 between_steps()
             logits_BV = self._decode(batch)
 
-    def _sample_step(self, batch: _Batch, logits_BV: torch.Tensor, step: int, out: _Outputs,
-                     finish: Callable[[int, Completion], None]) -> bool:
+    def _sample_step(
+        self,
+        batch: _Batch,
+        logits_BV: torch.Tensor,
+        step: int,
+        out: _Outputs,
+        finish: Callable[[int, Completion], None],
+    ) -> bool:
         """Sample one token per active row, finish rows that are done; return whether any row is left."""
         ids_B, logprobs_B = sample(logits_BV, batch.st, step)
         out.ids_RT[batch.rows_B, step] = ids_B
@@ -349,7 +452,11 @@ def check_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
         if k in targets and tuple(v.shape) != tuple(targets[k].shape)
     ]
     present = {targets[k].data_ptr() for k in state_dict if k in targets}
-    problems += [f"missing key {k!r}" for k, t in targets.items() if k not in state_dict and t.data_ptr() not in present]
+    problems += [
+        f"missing key {k!r}"
+        for k, t in targets.items()
+        if k not in state_dict and t.data_ptr() not in present
+    ]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise ValueError(f"checkpoint does not match the model: {shown}")
@@ -363,7 +470,11 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"weights directory not found: {root}")
-    files = [root / "model.safetensors"] if (root / "model.safetensors").is_file() else sorted(root.glob("*.safetensors"))
+    files = (
+        [root / "model.safetensors"]
+        if (root / "model.safetensors").is_file()
+        else sorted(root.glob("*.safetensors"))
+    )
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {root}")
     merged: dict[str, torch.Tensor] = {}

@@ -47,7 +47,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------ callers
 
-    def submit_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Future[Completion]]:
+    def submit_many(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Future[Completion]]:
         """Queue several requests at once (they land in the same batch when it has room)."""
         requests = [Request(list(p), params) for p in prompts]
         for r in requests:
@@ -125,8 +127,9 @@ class Scheduler:
             return
         futures = [f for _, f in live]
         try:
-            self.runner.generate([r for r, _ in live], self._between_steps,
-                                 lambda i, c: futures[i].set_result(c))
+            self.runner.generate(
+                [r for r, _ in live], self._between_steps, lambda i, c: futures[i].set_result(c)
+            )
         except Exception as exc:
             for f in futures:
                 if not f.done():

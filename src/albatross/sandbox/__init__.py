@@ -1,0 +1,40 @@
+"""Sandboxes: a task's prepared environment (parent) and the isolated attempts forked from it.
+
+``make_backend("local")`` is the isolated backend (namespaces + overlayfs + cgroups, needs root);
+``make_backend("process")`` runs commands unisolated in a temporary directory (development only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from albatross.sandbox.base import Attempt, Backend, ExecResult, Limits, SandboxError
+from albatross.sandbox.dockerfile import DockerfileError, parse_dockerfile
+from albatross.sandbox.local import EnvBuildError, LocalBackend, local_available
+from albatross.sandbox.process import ProcessBackend
+
+BACKENDS = {"local": LocalBackend, "process": ProcessBackend}
+
+__all__ = [
+    "Attempt",
+    "Backend",
+    "DockerfileError",
+    "EnvBuildError",
+    "ExecResult",
+    "Limits",
+    "LocalBackend",
+    "ProcessBackend",
+    "SandboxError",
+    "local_available",
+    "make_backend",
+    "parse_dockerfile",
+]
+
+
+def make_backend(kind: str, **kw: Any) -> Backend:
+    """Create the sandbox backend named ``kind`` ("local" or "process") with its keyword options."""
+    try:
+        cls = BACKENDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown sandbox backend {kind!r}; choose one of {sorted(BACKENDS)}") from None
+    return cls(**kw)
