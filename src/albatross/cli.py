@@ -94,6 +94,51 @@ def cmd_tasks_families(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    import importlib
+
+    from albatross.bench import BENCHES
+
+    module = importlib.import_module(BENCHES[args.bench_name])
+    module.run(args)
+    return 0
+
+
+# Command groups contributed by the stage packages: each module has `register(subparsers)` and imports
+# nothing heavy at module level.
+PLUGINS = ("albatross.sandbox.commands", "albatross.tasks.commands", "albatross.engine.commands",
+           "albatross.eval.commands", "albatross.orchestrator.commands")
+
+
+def _register_plugins(sub, tasks_sub) -> None:
+    import importlib
+    import importlib.util
+
+    for name in PLUGINS:
+        if importlib.util.find_spec(name) is None:
+            continue
+        importlib.import_module(name).register(sub, tasks_sub)
+
+
+def _add_bench(sub) -> None:
+    import importlib
+    import importlib.util
+
+    from albatross.bench import BENCHES
+
+    bench = sub.add_parser("bench", help="benchmarks: print a table and write JSON")
+    bsub = bench.add_subparsers(dest="bench_name", required=True)
+    for name, mod in BENCHES.items():
+        if importlib.util.find_spec(mod) is None:
+            continue
+        module = importlib.import_module(mod)
+        p = bsub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(p)
+        p.set_defaults(fn=cmd_bench)
+
+
 def _log(line: str) -> None:
     print(line, flush=True)
 
@@ -131,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(fn=cmd_tasks_new)
+    _add_bench(sub)
+    _register_plugins(sub, tasks)
     return parser
 
 
@@ -151,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     fn: Callable[[argparse.Namespace, list[str]], int] = args.fn
-    if extra and fn not in (cmd_demo, cmd_train, cmd_config):
+    if extra and not getattr(args, "accepts_overrides", fn in (cmd_demo, cmd_train, cmd_config)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return fn(args, extra)

@@ -43,8 +43,8 @@ def test_oracle_steps_solve_every_family(setup):
         families.add(task.metadata["family"])
         s = traj.samples[0]
         # token-in/token-out: model tokens carry the engine's version; the rest are masked
-        assert all(v == 7 for v, m in zip(s.versions, s.loss_mask) if m)
-        assert all(v == -1 for v, m in zip(s.versions, s.loss_mask) if not m)
+        assert all(v == 7 for v, m in zip(s.versions, s.loss_mask, strict=True) if m)
+        assert all(v == -1 for v, m in zip(s.versions, s.loss_mask, strict=True) if not m)
         assert s.num_model_tokens == traj.completion_tokens
         assert len(s.token_ids) == traj.prompt_tokens + traj.completion_tokens
     assert len(families) >= 3

@@ -1,0 +1,22 @@
+"""`albatross bench NAME`: one module per headline figure; each prints a table and writes JSON."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHES = {
+    "sandbox": "albatross.bench.sandbox",
+    "trainer": "albatross.bench.trainer",
+    "engine": "albatross.bench.engine",
+    "harness": "albatross.bench.harness",
+    "loop": "albatross.bench.loop",
+}
+
+
+def available() -> list[str]:
+    """Benchmarks whose module exists in this installation."""
+    out = []
+    for name, mod in BENCHES.items():
+        if importlib.util.find_spec(mod) is not None:
+            out.append(name)
+    return out
