@@ -54,12 +54,19 @@ def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    """A training run is the demo pipeline driven by a config file."""
+    """A training run is the demo pipeline driven by a config file; `--resume DIR` continues one."""
     from albatross.config import load_config
     from albatross.demo import Demo, format_table
 
-    cfg = load_config(args.config, _overrides(args, extra))
-    summary = Demo(cfg, log=_log).run()
+    if args.resume:
+        if args.config or extra or args.set:
+            raise UserError("--resume takes the run directory only; its config.json is reused")
+        demo = Demo.resumed(args.resume, log=_log)
+    elif args.config:
+        demo = Demo(load_config(args.config, _overrides(args, extra)), log=_log)
+    else:
+        raise UserError("train needs a CONFIG file or --resume RUN_DIR")
+    summary = demo.run()
     print(format_table(summary), flush=True)
     return 0
 
@@ -157,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML config (default: configs/demo.toml)")
     _add_config_args(p)
     p.set_defaults(fn=cmd_demo)
-    p = sub.add_parser("train", help="train with a TOML config")
-    p.add_argument("config", help="TOML file describing the run")
+    p = sub.add_parser("train", help="train with a TOML config, or resume a run")
+    p.add_argument("config", nargs="?", help="TOML file describing the run")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped or crashed run (its --out dir)")
     _add_config_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("config", help="print every config field with its default and meaning, or a "
@@ -194,6 +202,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _runtime_failures() -> tuple[type[BaseException], ...]:
+    """Failures of a component that stop a run cleanly (no traceback; the message says what to do)."""
+    import importlib.util
+
+    if importlib.util.find_spec("albatross.orchestrator.loop") is None:  # pragma: no cover
+        return ()
+    from albatross.orchestrator.loop import TrainerDied
+
+    return (TrainerDied,)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -207,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"albatross: error: {msg}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("albatross: interrupted", file=sys.stderr)
+        print("albatross: interrupted; a training run can be continued with --resume", file=sys.stderr)
         return 130
+    except _runtime_failures() as e:
+        print(f"albatross: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

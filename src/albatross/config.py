@@ -114,6 +114,8 @@ class OrchestratorConfig(_Section):
     max_minutes: float = Field(6.0, gt=0, description="Stop training after this wall time.")
     queue_size: int = Field(2, ge=1, description="Batches that may wait for the trainer.")
     rollout_workers: int = Field(32, ge=1, description="Attempts run concurrently.")
+    checkpoint_every: int = Field(1, ge=1, description="Trainer steps between resumable checkpoints.")
+    wandb_project: str = Field("", description="Log to this Weights & Biases project (needs wandb).")
 
 
 class EvalConfig(_Section):

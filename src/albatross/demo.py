@@ -45,9 +45,17 @@ def demo_config(config_path: str | None, quick: bool, out: str | None, overrides
 class Demo:
     """Runs the demo pipeline; each stage logs progress lines."""
 
-    def __init__(self, cfg: RunConfig, log: Callable[[str], None] = print) -> None:
-        self.cfg, self.log = cfg, log
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None] = print, resume: bool = False) -> None:
+        self.cfg, self.log, self.resume = cfg, log, resume
         self.out = Path(cfg.out).resolve()
+
+    @classmethod
+    def resumed(cls, out_dir: str | Path, log: Callable[[str], None] = print) -> Demo:
+        """Continue a stopped or crashed run from its directory (its config.json and state.json)."""
+        path = Path(out_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not a run directory (no config.json)")
+        return cls(RunConfig.model_validate_json(path.read_text()), log, resume=True)
 
     def run(self) -> dict[str, Any]:
         import torch
@@ -61,7 +69,7 @@ class Demo:
         t0 = time.monotonic()
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self._prepare_out()
         train, heldout, tokenizer = self._tasks()
         backend = self._backend()
         try:
@@ -74,10 +82,11 @@ class Demo:
             self.log(f"[model] {num_parameters(model) / 1e6:.2f}M parameters, vocab {tokenizer.vocab_size}")
             agent.engine = engine = BuiltinEngine(model, max_batch_size=cfg.engine.max_batch_size)
             try:
-                base = evaluate(agent, heldout, cfg.eval.trials, out_jsonl=self.out / "eval_base.jsonl")
+                base = self._base_eval(agent, heldout)
                 self.log(f"[eval] base held-out pass@1 {base.pass_at_1:.3f} ({len(heldout)} tasks "
                          f"x {cfg.eval.trials} trials)")
-                loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log)
+                loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log,
+                                 resume=self.resume)
                 state = loop.run()
                 trained = evaluate(agent, heldout, cfg.eval.trials, out_jsonl=self.out / "eval_trained.jsonl")
                 self.log(f"[eval] trained held-out pass@1 {trained.pass_at_1:.3f}")
@@ -87,14 +96,41 @@ class Demo:
             backend.close()
         return self._summary(base, trained, state, loop, len(heldout), time.monotonic() - t0)
 
+    def _prepare_out(self) -> None:
+        """A fresh run starts from an empty output directory; a resumed one keeps everything."""
+        import shutil
+
+        if not self.resume:
+            for name in ("run", "tasks"):
+                shutil.rmtree(self.out / name, ignore_errors=True)
+            for name in ("eval_base.jsonl", "eval_trained.jsonl", "summary.json"):
+                (self.out / name).unlink(missing_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+
+    def _base_eval(self, agent, heldout):
+        from albatross.eval.run import EvalResult, evaluate
+        from albatross.records import Trajectory, read_jsonl
+
+        path = self.out / "eval_base.jsonl"
+        rows = read_jsonl(path)
+        if self.resume and len(rows) == len(heldout) * self.cfg.eval.trials:
+            self.log("[resume] base evaluation already done")
+            return EvalResult([Trajectory.from_dict(r) for r in rows])
+        path.unlink(missing_ok=True)
+        return evaluate(agent, heldout, self.cfg.eval.trials, out_jsonl=path)
+
     def _tasks(self):
         from albatross.harness.chat import TinyTokenizer
         from albatross.tasks.builtin import corpus_strings, generate_tasks
         from albatross.tasks.format import load_tasks
 
         tc = self.cfg.tasks
+        generated = self.out / "tasks"
         if tc.train:
             train, heldout = load_tasks(tc.train), load_tasks(tc.heldout)
+        elif self.resume and (generated / "train").is_dir():
+            train, heldout = load_tasks(generated / "train"), load_tasks(generated / "heldout")
         else:
             paths = generate_tasks(self.out / "tasks", families=tc.families or None, n_train=tc.n_train,
                                    n_heldout=tc.n_heldout, seed=tc.seed)

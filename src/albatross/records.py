@@ -17,7 +17,8 @@ STATUS_OK = "ok"
 STATUS_AGENT_TIMEOUT = "agent_timeout"
 STATUS_FORMAT_ERROR = "format_error"
 STATUS_MAX_TURNS = "max_turns"
-STATUS_MAX_TOKENS = "max_tokens"
+STATUS_MAX_TOKENS = "max_tokens"  # the generated-token budget of the attempt
+STATUS_MAX_CONTEXT = "max_context"  # the context budget, after any compression
 STATUS_INFRA_ERROR = "infra_error"
 STATUSES = (
     STATUS_OK,
@@ -25,6 +26,7 @@ STATUSES = (
     STATUS_FORMAT_ERROR,
     STATUS_MAX_TURNS,
     STATUS_MAX_TOKENS,
+    STATUS_MAX_CONTEXT,
     STATUS_INFRA_ERROR,
 )
 
@@ -41,6 +43,8 @@ class Turn:
     exit_code: int | None = None
     timed_out: bool = False
     seconds: float = 0.0
+    tool: str | None = None  # the tool called ("bash", "read_file", ...), None if the action was malformed
+    context_tokens: int = 0  # length of the context the model saw when it wrote this action
 
 
 @dataclass
@@ -109,6 +113,11 @@ class Trajectory:
     completion_tokens: int = 0
     wall_seconds: float = 0.0
     cost: float = 0.0
+    # Tokens the engine read over all model calls (each call reads its whole context): with
+    # ``completion_tokens``, what a trial costs.
+    input_tokens: int = 0
+    # Each context compression: {"turn", "reason", "method", "tokens_before", "tokens_after", "sample"}.
+    compressions: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def success(self) -> bool:

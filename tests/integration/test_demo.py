@@ -13,9 +13,9 @@ from albatross.sandbox import local_available
 
 @pytest.mark.slow
 @pytest.mark.skipif(not local_available(), reason="needs root, namespaces and overlayfs")
-def test_demo_quick(tmp_path):
+def test_demo_quick(tmp_path, demo_cache):
     out = tmp_path / "out"
-    env = {**os.environ, "ALBATROSS_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "ALBATROSS_CACHE": str(demo_cache)}
     r = subprocess.run([sys.executable, "-m", "albatross.cli", "demo", "--quick", "--out", str(out)],
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -6,7 +6,9 @@ import torch
 from albatross.rl.losses import (
     LOSSES,
     cispo_loss,
+    entropy_bonus,
     get_loss_fn,
+    kl_penalty,
     masked_is_loss,
     ppo_clip_loss,
     sft_loss,
@@ -156,3 +158,26 @@ def test_registry():
         get_loss_fn("kl")
     with pytest.raises(ValueError):
         get_loss_fn("tis", eps_high=0.3)
+
+
+def test_kl_penalty_value_and_gradient():
+    new = _lp(NEW, grad=True)
+    value, m = kl_penalty(new, _lp(OLD), MASK, coef=0.5)
+    k3 = [0.0, 0.5 + math.log(2) - 1, 5 - math.log(5) - 1]  # r - log r - 1 with r = 1, 0.5, 5
+    assert value.item() == pytest.approx(0.5 * sum(k3) / 3, rel=1e-5)
+    assert m["kl_penalty"] == pytest.approx(value.item())
+    value.backward()
+    # d/dlogp (r - log r - 1) = r - 1; the prompt token gives nothing
+    assert new.grad.tolist() == pytest.approx([0.0, 0.5 * -0.5 / 3, 0.5 * 4 / 3, 0.0], rel=1e-5)
+    assert kl_penalty(new, _lp(OLD), MASK, coef=0.5, num_batch_tokens=6)[0].item() == pytest.approx(
+        value.item() / 2
+    )
+
+
+def test_entropy_bonus_value():
+    entropy = torch.tensor([1.0, 2.0, 4.0, 8.0], requires_grad=True)
+    value, m = entropy_bonus(entropy, MASK, coef=0.1)
+    assert value.item() == pytest.approx(-0.1 * 7 / 3)
+    value.backward()
+    assert entropy.grad.tolist() == pytest.approx([-0.1 / 3] * 3 + [0.0])
+    assert m["entropy_bonus"] == pytest.approx(value.item())

@@ -2,7 +2,14 @@ import math
 
 import pytest
 
-from albatross.rl.rewards import efficiency_adjust, efficiency_penalties, partial_credit, score
+from albatross.rl.rewards import (
+    calibrate,
+    efficiency_adjust,
+    efficiency_penalties,
+    fit_isotonic,
+    partial_credit,
+    score,
+)
 
 
 def test_partial_credit_uniform_weights():
@@ -49,3 +56,21 @@ def test_efficiency_default_eps_and_single_success():
     assert efficiency_penalties([False, False], [5, 10]) == [0.0, 0.0]
     with pytest.raises(ValueError):
         efficiency_penalties([True], [1, 2])
+
+
+def test_isotonic_fit_pools_violators():
+    # (0.2, 1) then (0.3, 0) violate monotonicity and pool to 0.5
+    assert fit_isotonic([0.1, 0.2, 0.3, 0.4], [0, 1, 0, 1]) == [(0.1, 0.0), (0.2, 0.5), (0.3, 0.5), (0.4, 1.0)]
+    # equal x values are pooled first, with weights
+    assert fit_isotonic([0.5, 0.5, 1.0], [1, 0, 1], weights=[3, 1, 1]) == [(0.5, 0.75), (1.0, 1.0)]
+    assert fit_isotonic([0.9, 0.1], [0.2, 0.6]) == [(0.1, 0.4), (0.9, 0.4)]
+    with pytest.raises(ValueError):
+        fit_isotonic([0.1], [1, 0])
+
+
+def test_calibrate_interpolates_between_knots():
+    knots = fit_isotonic([0.0, 0.5, 0.5, 1.0], [0, 1, 0, 1])
+    assert knots == [(0.0, 0.0), (0.5, 0.5), (1.0, 1.0)]
+    assert calibrate(0.25, knots) == pytest.approx(0.25)
+    assert calibrate(-1.0, knots) == 0.0 and calibrate(2.0, knots) == 1.0
+    assert calibrate(0.7, [(0.2, 0.1), (0.6, 0.3)]) == 0.3

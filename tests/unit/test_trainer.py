@@ -16,6 +16,7 @@ from albatross.trainer.checkpoint import (
     save_state,
 )
 from albatross.trainer.logprobs import chunked_logprobs
+from albatross.trainer.model import tiny_causal_lm
 from albatross.trainer.packing import block_causal_mask, first_fit_decreasing, pack
 from albatross.trainer.step import Trainer, merge_metrics
 
@@ -97,37 +98,36 @@ def test_block_causal_mask():
     assert mask[0, 0, 2, 0].item() == torch.finfo(torch.float32).min
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_equals_one_by_one(attn: str):
-    model = tiny_model(attn)
+@pytest.mark.parametrize(
+    ("attention", "attn"), [("varlen", "sdpa"), ("dense", "sdpa"), ("dense", "eager")]
+)
+def test_packed_equals_one_by_one(attention: str, attn: str):
     batch = make_batch([12, 7, 9], [1.0, -0.5, 0.25])
-    trainer = Trainer(model, micro_batch_tokens=4096)
     (mb,) = pack(batch.samples, 4096)
     n = mb.num_loss_tokens
-    trainer.optimizer.zero_grad()
-    packed_loss, _ = tis_loss(*_inputs(trainer, mb), current_version=0, num_batch_tokens=n)
-    packed_loss.backward()
-    packed = grads(model)
-    trainer.optimizer.zero_grad()
+    reference = tiny_model(attn)  # each sample alone, the model's own causal attention, no mask
     single_loss = 0.0
     for ts in batch.samples:
         (one,) = pack([ts], 4096)
-        loss, _ = tis_loss(*_inputs(trainer, one, mask=False), current_version=0, num_batch_tokens=n)
+        loss, _ = tis_loss(*_inputs(reference, one), current_version=0, num_batch_tokens=n)
         loss.backward()
         single_loss += loss.item()
+    trainer = Trainer(tiny_model(attn), micro_batch_tokens=4096, attention=attention)
+    logprobs, _ = trainer.forward_logprobs(mb)
+    packed_loss, _ = tis_loss(logprobs, mb.logprobs, mb.advantages, mb.loss_mask, mb.versions,
+                              current_version=0, num_batch_tokens=n)
+    packed_loss.backward()
     assert packed_loss.item() == pytest.approx(single_loss, abs=1e-5)
-    single = grads(model)
+    packed, single = grads(trainer.model), grads(reference)
     assert packed.keys() == single.keys() and packed
     for name in packed:
         torch.testing.assert_close(packed[name], single[name], atol=1e-5, rtol=1e-4)
 
 
-def _inputs(trainer: Trainer, mb, mask: bool = True) -> tuple[torch.Tensor, ...]:
-    if mask:
-        logprobs, _ = trainer.forward_logprobs(mb)
-    else:  # a single unpacked sequence, no mask: the model's own causal attention
-        hidden = trainer.model.get_decoder()(input_ids=mb.input_ids).last_hidden_state[0]
-        logprobs, _ = chunked_logprobs(hidden, trainer.model.get_output_embeddings(), mb.targets)
+def _inputs(model: torch.nn.Module, mb) -> tuple[torch.Tensor, ...]:
+    """A single unpacked sequence through the model's own attention: the reference for packing."""
+    hidden = model.get_decoder()(input_ids=mb.input_ids).last_hidden_state[0]
+    logprobs, _ = chunked_logprobs(hidden, model.get_output_embeddings(), mb.targets)
     return logprobs, mb.logprobs, mb.advantages, mb.loss_mask, mb.versions
 
 
@@ -138,7 +138,7 @@ def test_packing_without_mask_would_leak_across_samples():
     (mb,) = pack(batch.samples, 4096)
     hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=None).last_hidden_state[0]
     leaky, _ = chunked_logprobs(hidden, model.get_output_embeddings(), mb.targets)
-    masked, _ = Trainer(model).forward_logprobs(mb)
+    masked, _ = Trainer(model, attention="varlen").forward_logprobs(mb)
     assert not torch.allclose(leaky[7:], masked[7:], atol=1e-4)
     torch.testing.assert_close(leaky[:7], masked[:7], atol=1e-5, rtol=1e-5)
 
@@ -274,20 +274,36 @@ def test_exported_weights_load_back(tmp_path):
     assert dst.lm_head.weight.data_ptr() == dst.model.embed_tokens.weight.data_ptr()
 
 
-def test_save_and_load_state_resume(tmp_path):
-    batch = make_batch([10, 8], [1.0, -1.0])
-    trainer = Trainer(tiny_model(seed=1))
-    trainer.step(batch)
-    trainer.save(str(tmp_path / "state.pt"))
-    resumed = Trainer(tiny_model(seed=2))
-    resumed.load(str(tmp_path / "state.pt"))
-    assert resumed.version == 1 and resumed.steps == 1
-    trainer.step(batch)
-    resumed.step(batch)
+def _dropout_trainer(seed: int) -> Trainer:
+    # Dropout makes every step draw random numbers, so an exact resume needs the RNG state too.
+    return Trainer(tiny_causal_lm(VOCAB, seed=seed, attention_dropout=0.3), lr=1e-3, seed=seed)
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
+    batches = [make_batch([10, 8, 12], [1.0, -1.0, 0.5], seed=s) for s in range(5)]
+    straight = _dropout_trainer(seed=1)
+    losses = [straight.step(b)["loss"] for b in batches]
+    first = _dropout_trainer(seed=1)
+    for b in batches[:2]:
+        first.step(b)
+    first.save(tmp_path / "state.pt")
+    torch.manual_seed(1234)  # a fresh process: other weights, other RNG state
+    resumed = _dropout_trainer(seed=2)
+    resumed.load(tmp_path / "state.pt")
+    assert resumed.version == 2 and resumed.steps == 2
+    assert [resumed.step(b)["loss"] for b in batches[2:]] == losses[2:]
     for (name, a), (_, b) in zip(
-        trainer.model.named_parameters(), resumed.model.named_parameters(), strict=True
+        straight.model.named_parameters(), resumed.model.named_parameters(), strict=True
     ):
-        torch.testing.assert_close(a, b, msg=name)
+        assert torch.equal(a, b), name
+
+
+def test_resume_without_rng_would_differ(tmp_path):
+    # Guards the test above: dropout really consumes the RNG, so losses depend on its state.
+    batch = make_batch([10, 8, 12], [1.0, -1.0, 0.5])
+    a, b = _dropout_trainer(seed=1), _dropout_trainer(seed=1)
+    torch.manual_seed(99)
+    assert a.rl_gradients(batch, 0)["loss"] != b.rl_gradients(batch, 0)["loss"]
 
 
 def test_save_state_function_roundtrip(tmp_path):

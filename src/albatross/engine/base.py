@@ -17,6 +17,7 @@ class SamplingParams:
     max_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (in the generated text); need a tokenizer
 
 
 @dataclass
@@ -24,7 +25,9 @@ class Completion:
     token_ids: list[int]  # generated ids, including the stop token if one was hit
     logprobs: list[float]  # log-prob of each generated id under the sampling distribution
     versions: list[int]  # policy version that produced each id
-    finish_reason: str  # "stop" (stop token) or "length"
+    finish_reason: str  # "stop" (stop token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled again)
 
 
 class Engine(Protocol):

@@ -1,35 +1,54 @@
 """The agent loop: one attempt at one task, token-in/token-out, in a forked sandbox.
 
 Control flow by small exceptions, as in mini-swe-agent: a malformed action is an observation, a budget
-ends the attempt with its own status, an infrastructure failure ends it as ``infra_error`` (retried by
-the caller, never scored).
+ends the attempt with its own status (turns ``max_turns``, generated tokens ``max_tokens``, context
+``max_context``, wall time ``agent_timeout``), an infrastructure failure ends it as ``infra_error``
+(retried by the caller, never scored). Before a turn that would not fit under ``compress_at`` of the
+context budget, the context is compressed (``context.py``); each compression starts a new sample.
+
+``albatross train`` and ``albatross eval`` both run attempts through ``Agent.run`` with the same
+``[harness]`` config section (build it with ``build_agent``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from albatross.config import HarnessConfig
-from albatross.engine.base import Engine, SamplingParams
-from albatross.harness.chat import TinyChatFormat
-from albatross.harness.parsers import SUBMIT, FormatError, parse_bash_block
-from albatross.harness.tools import format_observation
+from albatross.engine.base import Completion, Engine, SamplingParams
+from albatross.harness.chat import ChatFormat, make_chat_format
+from albatross.harness.context import SUMMARY_REQUEST, Context
+from albatross.harness.parsers import SUBMIT, BashBlockParser, FormatError, Parser, ToolCallParser
+from albatross.harness.tools import BASH_TOOLS_HINT, TOOL_SCHEMAS, TOOLS, Observation, Toolbox
 from albatross.records import (
     STATUS_AGENT_TIMEOUT,
     STATUS_FORMAT_ERROR,
     STATUS_INFRA_ERROR,
+    STATUS_MAX_CONTEXT,
     STATUS_MAX_TOKENS,
     STATUS_MAX_TURNS,
     STATUS_OK,
     Reward,
-    Sample,
     Trajectory,
     Turn,
 )
 from albatross.sandbox.base import Attempt, Backend, Limits, SandboxError
 from albatross.tasks.format import Task
 from albatross.tasks.verify import VerifierError, verify
+
+# Knobs read with their defaults, so the harness also runs with a HarnessConfig that predates them.
+DEFAULTS: dict[str, Any] = {
+    "redirect_output": True, "bash_tools_hint": False, "max_generated_tokens": 0,
+    "compression": "mask_summary", "compress_at": 1.0, "compress_target": 0.5, "keep_observations": 3,
+    "summary_max_tokens": 256,
+}
+
+
+def knob(cfg: HarnessConfig, name: str) -> Any:
+    return getattr(cfg, name, DEFAULTS[name])
 
 
 class _Done(Exception):
@@ -47,92 +66,181 @@ class AttemptSpec:
 class Agent:
     """Runs attempts with one engine, sandbox backend, chat format and harness config."""
 
-    def __init__(self, engine: Engine, backend: Backend, fmt: TinyChatFormat, cfg: HarnessConfig,
+    def __init__(self, engine: Engine | None, backend: Backend, fmt: ChatFormat, cfg: HarnessConfig,
                  sampling: SamplingParams, limits: Limits) -> None:
         self.engine, self.backend, self.fmt, self.cfg = engine, backend, fmt, cfg
         self.limits = limits
         self.sampling = SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=cfg.max_tokens_per_turn, stop_token_ids=fmt.stop_ids, seed=sampling.seed)
+        self.tool_calls = cfg.action_format == "tool_calls"
+        self.parser: Parser = ToolCallParser(TOOL_SCHEMAS) if self.tool_calls else BashBlockParser()
 
     def run(self, spec: AttemptSpec, engine: Engine | None = None) -> Trajectory:
         traj = Trajectory(task_id=spec.task.id, group_id=spec.group_id, attempt=spec.attempt)
         start = time.monotonic()
         attempt: Attempt | None = None
+        episode: Episode | None = None
         try:
             attempt = self.backend.fork(spec.task.env_dir, spec.task.workdir, self.limits)
-            traj.status = self._loop(spec.task, attempt, traj, engine or self.engine, start)
+            episode = Episode(self, spec.task, attempt, traj, engine or self.engine, start)
+            traj.status = episode.run()
             self._verify(spec.task, attempt, traj)
         except (SandboxError, VerifierError, OSError) as e:
             traj.status, traj.error = STATUS_INFRA_ERROR, f"{type(e).__name__}: {e}"
         finally:
             if attempt is not None:
-                try:
-                    attempt.close()
-                except Exception as e:  # a failed close is an infra error, never a crash
-                    traj.status, traj.error = STATUS_INFRA_ERROR, f"close failed: {e}"
+                self._close(attempt, episode, traj)
         traj.wall_seconds = time.monotonic() - start
         return traj
 
-    def _loop(self, task: Task, attempt: Attempt, traj: Traj, engine: Engine, start: float) -> str:
-        sample = Sample([], [], [], [])
-        traj.samples.append(sample)
-        prompt = self.fmt.initial_prompt(task.instruction)
-        sample.extend(prompt, model=False)
-        traj.prompt_tokens += len(prompt)
-        format_errors = 0
+    def _close(self, attempt: Attempt, episode: Episode | None, traj: Trajectory) -> None:
+        if episode is not None and episode.toolbox.dir and not getattr(self.backend, "isolated", True):
+            with contextlib.suppress(Exception):  # an isolated sandbox's close kills jobs itself
+                episode.toolbox.kill_jobs()
         try:
-            for _ in range(self.cfg.max_turns):
-                self._check_budgets(sample, start, task)
-                text = self._generate(engine, sample, traj)
-                try:
-                    command = parse_bash_block(text)
-                    format_errors = 0
-                except FormatError as e:
-                    format_errors += 1
-                    if format_errors >= self.cfg.max_format_errors:
-                        raise _Done(STATUS_FORMAT_ERROR) from None
-                    self._observe(sample, traj, text, None, str(e) + "\n", None)
-                    continue
-                if command.strip() == SUBMIT:
-                    traj.turns.append(Turn(text, command, "", 0, 0))
-                    return STATUS_OK
-                result = attempt.exec(command, self.limits.command_timeout_s)
-                obs = format_observation(result, self.cfg.max_observation_chars)
-                self._observe(sample, traj, text, command, obs, result)
-            return STATUS_MAX_TURNS
-        except _Done as done:
-            return done.status
-
-    def _check_budgets(self, sample: Sample, start: float, task: Task) -> None:
-        if len(sample.token_ids) + self.cfg.max_tokens_per_turn > self.cfg.max_context_tokens:
-            raise _Done(STATUS_MAX_TOKENS)
-        limit = min(self.cfg.attempt_timeout_s, task.agent_timeout_s or self.cfg.attempt_timeout_s)
-        if time.monotonic() - start > limit:
-            raise _Done(STATUS_AGENT_TIMEOUT)
-
-    def _generate(self, engine: Engine, sample: Sample, traj: Traj) -> str:
-        completion = engine.generate([list(sample.token_ids)], self.sampling)[0]
-        sample.extend(completion.token_ids, model=True, logprobs=completion.logprobs,
-                      versions=completion.versions)
-        traj.completion_tokens += len(completion.token_ids)
-        traj.turns.append(Turn(self.fmt.tokenizer.decode(completion.token_ids), None, "",
-                               len(completion.token_ids), 0))
-        return traj.turns[-1].action
-
-    def _observe(self, sample: Sample, traj: Traj, text: str, command: str | None, obs: str,
-                 result) -> None:
-        ids = self.fmt.observation(obs)
-        sample.extend(ids, model=False)
-        traj.prompt_tokens += len(ids)
-        turn = traj.turns[-1]
-        turn.command, turn.observation, turn.observation_tokens = command, obs, len(ids)
-        if result is not None:
-            turn.exit_code, turn.timed_out, turn.seconds = result.exit_code, result.timed_out, result.seconds
+            attempt.close()
+        except Exception as e:  # a failed close is an infra error, never a crash
+            traj.status, traj.error = STATUS_INFRA_ERROR, f"close failed: {e}"
 
     def _verify(self, task: Task, attempt: Attempt, traj: Trajectory) -> None:
         result = verify(attempt, task)
         traj.reward = Reward(metrics=dict(result.metrics), success=result.success)
 
 
-Traj = Trajectory
+class Episode:
+    """The state of one attempt in progress: its context, tools, budgets and trajectory."""
+
+    def __init__(self, agent: Agent, task: Task, attempt: Attempt, traj: Trajectory, engine: Engine | None,
+                 start: float) -> None:
+        if engine is None:
+            raise ValueError("Agent.run needs an engine (set agent.engine or pass engine=)")
+        self.agent, self.cfg, self.fmt, self.traj, self.engine = agent, agent.cfg, agent.fmt, traj, engine
+        self.wall_limit = min(self.cfg.attempt_timeout_s, task.agent_timeout_s or self.cfg.attempt_timeout_s)
+        self.start = start
+        self.toolbox = Toolbox(attempt, self.cfg.max_observation_chars, agent.limits.command_timeout_s,
+                               redirect=knob(self.cfg, "redirect_output"))
+        self.toolbox.deadline = start + self.wall_limit
+        instruction = task.instruction
+        if not agent.tool_calls and knob(self.cfg, "bash_tools_hint"):
+            instruction = instruction.strip() + "\n" + BASH_TOOLS_HINT
+        self.ctx = Context(self.fmt, instruction, TOOLS if agent.tool_calls else None)
+        self._new_sample(len(self.ctx))
+        self.format_errors = 0
+
+    def run(self) -> str:
+        self.toolbox.setup()
+        try:
+            for _ in range(self.cfg.max_turns):
+                self._check_budgets()
+                self._act(self._generate())
+            return STATUS_MAX_TURNS
+        except _Done as done:
+            return done.status
+
+    # budgets and compression ------------------------------------------------------------------------
+    def _check_budgets(self) -> None:
+        cfg, per_turn = self.cfg, self.cfg.max_tokens_per_turn
+        if knob(cfg, "compression") != "none" and len(self.ctx) + per_turn > knob(cfg, "compress_at") * \
+                cfg.max_context_tokens:
+            self._compress()
+        if len(self.ctx) + per_turn > cfg.max_context_tokens:
+            raise _Done(STATUS_MAX_CONTEXT)
+        if time.monotonic() - self.start > self.wall_limit:
+            raise _Done(STATUS_AGENT_TIMEOUT)
+        if self._generation_left() <= 0:
+            raise _Done(STATUS_MAX_TOKENS)
+
+    def _generation_left(self) -> int:
+        budget = knob(self.cfg, "max_generated_tokens")
+        return budget - self.traj.completion_tokens if budget > 0 else 1 << 62
+
+    def _compress(self) -> None:
+        cfg, keep = self.cfg, knob(self.cfg, "keep_observations")
+        before = len(self.ctx)
+        ids = self.ctx.masked_ids(keep)
+        method, extra = "mask", {}
+        if (len(ids) + cfg.max_tokens_per_turn > knob(cfg, "compress_target") * cfg.max_context_tokens
+                and knob(cfg, "compression") == "mask_summary"):
+            method, extra = "summary", {"summary_tokens": self._summarise(ids)}
+            ids = self.ctx.summarised(self.ctx.summary_text, keep)
+        elif len(ids) >= before:
+            return  # nothing to gain; the context budget ends the attempt
+        self.ctx.restart(ids)
+        self._new_sample(len(ids))
+        self.traj.compressions.append({
+            "turn": len(self.traj.turns), "reason": "context", "method": method, "tokens_before": before,
+            "tokens_after": len(ids), "sample": len(self.traj.samples) - 1, **extra})
+
+    def _summarise(self, masked: list[int]) -> int:
+        """Continue the masked context with the summary request and let the model write the summary
+        (its own sample: the summary's tokens are the model's); returns how many tokens it wrote."""
+        self.ctx.restart(masked)
+        self._new_sample(len(masked))
+        request = self.fmt.user(SUMMARY_REQUEST, closed=False)
+        self.ctx.sample.extend(request, model=False)
+        self.traj.prompt_tokens += len(request)
+        room = min(knob(self.cfg, "summary_max_tokens"), self.cfg.max_context_tokens - len(self.ctx),
+                   self._generation_left())
+        self.ctx.summary_text = ""
+        if room < 1:
+            return 0
+        completion = self._complete(room)
+        self.ctx.sample.extend(completion.token_ids, model=True, logprobs=completion.logprobs,
+                               versions=completion.versions)
+        self.ctx.summary_text = self.fmt.decode(completion.token_ids)
+        return len(completion.token_ids)
+
+    def _new_sample(self, prompt_tokens: int) -> None:
+        self.traj.samples.append(self.ctx.sample)
+        self.traj.prompt_tokens += prompt_tokens
+
+    # one turn -----------------------------------------------------------------------------------------
+    def _complete(self, max_tokens: int) -> Completion:
+        params = replace(self.agent.sampling, max_tokens=max_tokens)
+        completion = self.engine.generate([list(self.ctx.sample.token_ids)], params)[0]
+        self.traj.input_tokens += len(self.ctx)
+        self.traj.completion_tokens += len(completion.token_ids)
+        return completion
+
+    def _generate(self) -> str:
+        context = len(self.ctx)
+        completion = self._complete(min(self.cfg.max_tokens_per_turn, self._generation_left()))
+        self.ctx.add_action(completion.token_ids, completion.logprobs, completion.versions)
+        text = self.fmt.decode(completion.token_ids)
+        self.traj.turns.append(Turn(text, None, "", len(completion.token_ids), 0, context_tokens=context))
+        return text
+
+    def _act(self, text: str) -> None:
+        try:
+            action = self.agent.parser.parse(text)
+        except FormatError as e:
+            self.format_errors += 1
+            if self.format_errors >= self.cfg.max_format_errors:
+                raise _Done(STATUS_FORMAT_ERROR) from None
+            self._observe(Observation(str(e) + "\n"))
+            return
+        self.format_errors = 0
+        turn = self.traj.turns[-1]
+        turn.tool, turn.command = action.tool, action.command
+        if action.tool == SUBMIT:
+            raise _Done(STATUS_OK)
+        self._observe(self.toolbox.call(action))
+
+    def _observe(self, obs: Observation) -> None:
+        ids = self.ctx.add_observation(obs.text)
+        self.traj.prompt_tokens += len(ids)
+        turn = self.traj.turns[-1]
+        turn.observation, turn.observation_tokens = obs.text, len(ids)
+        if obs.exit_code is not None:
+            turn.exit_code, turn.timed_out, turn.seconds = obs.exit_code, obs.timed_out, obs.seconds
+
+
+def build_agent(cfg: Any, engine: Engine | None, backend: Backend, tokenizer: Any) -> Agent:
+    """The agent of a run config (``RunConfig``): the one constructor ``train`` and ``eval`` share."""
+    sc = cfg.sandbox
+    limits = Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb,
+                    command_timeout_s=sc.command_timeout_s)
+    sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                              top_k=cfg.sampling.top_k)
+    return Agent(engine, backend, make_chat_format(tokenizer, cfg.harness), cfg.harness, sampling, limits)

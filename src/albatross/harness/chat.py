@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|obs|>", "<|end|>"]
 SYMBOLS = ["```bash\n", "\n```", " > ", " < ", ".txt", ".log", " -l", "\n"]
@@ -107,12 +107,38 @@ class TinyTokenizer:
         return cls(data["words"])
 
 
+class ChatFormat(Protocol):
+    """How a conversation becomes token ids, append-only (the harness never re-renders history).
+
+    ``initial_prompt`` ends where the model writes its first action; ``observation`` and ``user`` are the
+    ids appended after a completion (``closed``: the completion ended with a stop token) that end where
+    the model writes its next action; ``action`` is the ids of a model action (demonstrations, scripted
+    policies)."""
+
+    tokenizer: Any
+
+    @property
+    def stop_ids(self) -> list[int]: ...
+
+    def initial_prompt(self, instruction: str, tools: list[dict[str, Any]] | None = None) -> list[int]: ...
+
+    def observation(self, text: str, closed: bool = True) -> list[int]: ...
+
+    def user(self, text: str, closed: bool = True) -> list[int]: ...
+
+    def action(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 @dataclass
 class TinyChatFormat:
     """Prompt layout of the demo model.
 
     ``<|user|> instruction <|assistant|>`` then the model writes an action ending in ``<|end|>``; each
-    observation is appended as ``<|obs|> text <|assistant|>``.
+    observation is appended as ``<|obs|> text <|assistant|>``. The layout has no separator that an
+    unclosed completion would need, so ``closed`` changes nothing; a user message is laid out like an
+    observation. With ``tools`` (JSON tool calls) the first prompt lists them after the instruction.
     """
 
     tokenizer: TinyTokenizer
@@ -121,17 +147,37 @@ class TinyChatFormat:
     def stop_ids(self) -> list[int]:
         return [self.tokenizer.special("<|end|>"), self.tokenizer.eos_id]
 
-    def initial_prompt(self, instruction: str) -> list[int]:
-        t = self.tokenizer
-        return [t.special("<|user|>")] + t.encode(instruction.strip()) + [t.special("<|assistant|>")]
+    def initial_prompt(self, instruction: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        from albatross.harness.tools import describe_tools
 
-    def observation(self, text: str) -> list[int]:
+        t = self.tokenizer
+        text = instruction.strip() + ("\n\n" + describe_tools(tools) if tools else "")
+        return [t.special("<|user|>")] + t.encode(text) + [t.special("<|assistant|>")]
+
+    def observation(self, text: str, closed: bool = True) -> list[int]:
         t = self.tokenizer
         return [t.special("<|obs|>")] + t.encode(text) + [t.special("<|assistant|>")]
+
+    def user(self, text: str, closed: bool = True) -> list[int]:
+        return self.observation(text, closed)
 
     def action(self, text: str) -> list[int]:
         """Token ids of a model action (used for demonstrations and scripted policies)."""
         return self.tokenizer.encode(text) + [self.tokenizer.special("<|end|>")]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def make_chat_format(tokenizer: Any, harness_cfg: Any) -> ChatFormat:
+    """The demo's ``TinyChatFormat`` for a ``TinyTokenizer``; otherwise the tokenizer's own chat template
+    (``hf_chat.HFChatFormat``), with observations as ``tool`` messages when actions are JSON tool calls."""
+    if isinstance(tokenizer, TinyTokenizer):
+        return TinyChatFormat(tokenizer)
+    from albatross.harness.hf_chat import HFChatFormat
+
+    role = "tool" if getattr(harness_cfg, "action_format", "bash_block") == "tool_calls" else "user"
+    return HFChatFormat(tokenizer, observation_role=role)
 
 
 def load_tokenizer(model_dir: str | Path) -> TinyTokenizer:

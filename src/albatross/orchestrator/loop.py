@@ -3,29 +3,37 @@
 Rollout threads run attempts (the engine batches their generate calls); finished groups are scored and
 packed into batches on a bounded queue; the trainer process steps and exports weights v+1; the engine
 loads them between decode steps, so every token carries the version that produced it. Tokens more than
-``max_staleness`` versions old get no gradient (masked in the loss and counted).
+``max_staleness`` versions old get no gradient (masked in the loss and counted). A new group is admitted
+only while it can still be trained within ``max_staleness`` versions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
+import os
 import queue
-import random
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from albatross.config import RunConfig
 from albatross.harness.agent import Agent, AttemptSpec
 from albatross.orchestrator.buffer import BatchBuilder, GroupScorer
+from albatross.orchestrator.metrics import MetricsSink
+from albatross.orchestrator.state import RunState, TaskSampler, count_lines, truncate_lines
 from albatross.orchestrator.trainer_worker import trainer_main
 from albatross.records import STATUS_INFRA_ERROR, Group, Trajectory, append_jsonl
 from albatross.tasks.format import Task
+
+
+class TrainerDied(RuntimeError):
+    """The trainer process failed; the run stopped with everything needed to resume."""
 
 
 def run_with_retries(agent: Agent, spec: AttemptSpec, retries: int, counts: Counter) -> Trajectory:
@@ -41,21 +49,6 @@ def run_with_retries(agent: Agent, spec: AttemptSpec, retries: int, counts: Coun
     return traj
 
 
-class TaskSampler:
-    """Cycles through tasks in a seeded shuffled order; its position is part of a run's state."""
-
-    def __init__(self, tasks: list[Task], seed: int) -> None:
-        self.tasks, self.rng, self.order, self.pos = tasks, random.Random(seed), [], 0
-
-    def next(self) -> Task:
-        if self.pos >= len(self.order):
-            self.order = list(range(len(self.tasks)))
-            self.rng.shuffle(self.order)
-            self.pos = 0
-        self.pos += 1
-        return self.tasks[self.order[self.pos - 1]]
-
-
 @dataclass
 class _PendingGroup:
     task: Task
@@ -63,52 +56,75 @@ class _PendingGroup:
     futures: list[Future]
 
 
-@dataclass
-class LoopState:
-    step: int = 0
-    counts: Counter = field(default_factory=Counter)
-    max_staleness_seen: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-
 class AsyncLoop:
     """One training run: ``run()`` returns the final state; metrics and attempts go to ``run_dir``."""
 
     def __init__(self, cfg: RunConfig, agent: Agent, engine, tasks: list[Task], model_dir: Path,
-                 run_dir: Path, log: Callable[[str], None] = print) -> None:
+                 run_dir: Path, log: Callable[[str], None] = print, resume: bool = False) -> None:
         self.cfg, self.agent, self.engine, self.tasks = cfg, agent, engine, tasks
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = GroupScorer(cfg.rl)
         self.builder = BatchBuilder(cfg.orchestrator.groups_per_step)
-        self.sampler = TaskSampler(tasks, cfg.seed)
-        self.state = LoopState()
-        self._group_seq = 0
+        self.sampler = TaskSampler(len(tasks), cfg.seed)
+        self.state = RunState(version=engine.version)
+        self.counts: Counter = Counter()
+        self._window: Counter = Counter()  # attempts, solves, rewards since the last step
         self._batches_sent = 0
-        self._start_version = engine.version
-        self._window = Counter()  # attempts and solves since the last step
+        self._last_pass_rate = 0.0
+        self._t0 = time.monotonic()
+        if resume:
+            self._restore()
+        self._start_version = self.state.version - self.state.step
 
-    def run(self) -> LoopState:
+    # ---- resume -------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        saved = RunState.load(self.run_dir)
+        if saved is None:
+            self.log(f"[resume] no {self.run_dir}/state.json yet: starting the run from the beginning")
+            return
+        self.state = saved
+        self.counts = Counter(saved.counts)
+        self.builder.counts = Counter(saved.batch_counts)
+        self.sampler.restore(saved.sampler)
+        self._batches_sent = saved.step
+        for name, n in saved.lines.items():
+            truncate_lines(self.run_dir / name, n)
+        self.engine.update_weights(str(self.run_dir / "weights" / f"v{saved.version:06d}"), saved.version)
+        self.log(f"[resume] from step {saved.step} (version {saved.version}); in-flight attempts re-run")
+
+    def _save_state(self, checkpoint: str) -> None:
+        s = self.state
+        s.counts, s.batch_counts = dict(self.counts), dict(self.builder.counts)
+        s.sampler, s.trainer_checkpoint = self.sampler.state(), checkpoint
+        s.lines = {name: count_lines(self.run_dir / name) for name in ("trajectories.jsonl", "metrics.jsonl")}
+        s.elapsed_s += time.monotonic() - self._t0
+        self._t0 = time.monotonic()
+        s.save(self.run_dir)
+
+    # ---- processes ----------------------------------------------------------------------------
+    def run(self) -> RunState:
         ctx = mp.get_context("spawn")
         batch_q, result_q = ctx.Queue(maxsize=self.cfg.orchestrator.queue_size), ctx.Queue()
-        weights_dir = self.run_dir / "weights"
         proc = ctx.Process(target=trainer_main, daemon=True, name="albatross-trainer",
-                           args=(str(self.model_dir), str(weights_dir), self.cfg.model_dump_json(),
-                                 batch_q, result_q, self.engine.version))
+                           args=(str(self.model_dir), str(self.run_dir), self.cfg.model_dump_json(),
+                                 batch_q, result_q, self.state.version, self.state.trainer_checkpoint))
         proc.start()
+        (self.run_dir / "pids.json").write_text(json.dumps({"orchestrator": os.getpid(), "trainer": proc.pid}))
+        self.sink = MetricsSink(self.run_dir, self.cfg.orchestrator.max_steps, self.log,
+                                self.cfg.orchestrator.wandb_project, self.cfg.model_dump())
         pool = ThreadPoolExecutor(self.cfg.orchestrator.rollout_workers, thread_name_prefix="rollout")
         try:
             self._wait_ready(result_q, proc)
             self._drive(pool, batch_q, result_q, proc)
+        except KeyboardInterrupt:
+            self.log(f"[train] interrupted at step {self.state.step}; resume with "
+                     f"`albatross train --resume {self.run_dir.parent}`")
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-            try:
-                batch_q.put(None, timeout=5)
-            except queue.Full:
-                pass
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            _stop_trainer(proc, batch_q)
+            self.sink.close()
         return self.state
 
     def _wait_ready(self, result_q, proc) -> None:
@@ -117,68 +133,70 @@ class AsyncLoop:
                 msg = result_q.get(timeout=1.0)
             except queue.Empty:
                 if not proc.is_alive():
-                    raise RuntimeError("trainer process died during start-up") from None
+                    raise TrainerDied(f"trainer process exited with code {proc.exitcode} during start-up") \
+                        from None
                 continue
             if "error" in msg:
-                raise RuntimeError(f"trainer failed to start:\n{msg['error']}")
+                raise TrainerDied(f"trainer failed to start:\n{msg['error']}")
             return
 
+    # ---- the scheduling loop ------------------------------------------------------------------
     def _drive(self, pool, batch_q, result_q, proc) -> None:
         oc = self.cfg.orchestrator
-        start = time.monotonic()
+        deadline = time.monotonic() + oc.max_minutes * 60 - self.state.elapsed_s
         inflight: list[_PendingGroup] = []
-        ready_batches: list = []
-        max_inflight = oc.groups_per_step * (oc.queue_size + 1)
-        stopping = False
+        ready: list = []
         while True:
-            elapsed = time.monotonic() - start
-            enough = self._batches_sent >= oc.max_steps
-            stopping = stopping or enough or elapsed > oc.max_minutes * 60
-            if stopping and not inflight and not ready_batches:
+            out_of_time = time.monotonic() > deadline
+            stopping = out_of_time or self._batches_sent + len(ready) >= oc.max_steps
+            if out_of_time:
+                ready.clear()  # not trained: the time budget is spent
+            if stopping and not inflight and not ready:
                 break
-            while not stopping and len(inflight) < max_inflight and len(ready_batches) < 1:
+            while not stopping and not ready and self._admit(inflight, len(ready)):
                 inflight.append(self._start_group(pool))
-            inflight = self._collect(inflight, ready_batches)
-            while ready_batches:
+            inflight = self._collect(inflight, ready)
+            while ready:
                 try:
-                    batch_q.put_nowait(ready_batches[0])
-                    ready_batches.pop(0)
+                    batch_q.put_nowait(ready[0])
                 except queue.Full:
                     break
-            if stopping:
-                ready_batches.clear()
+                ready.pop(0)
+                self._batches_sent += 1
             self._drain_results(result_q, proc, block=False)
-            if stopping and self.state.step >= oc.max_steps and not inflight:
-                break
+            self.sink.status(self._status(inflight))
             time.sleep(0.02)
-        self._finish_inflight_steps(batch_q, result_q, proc)
+        self._finish_queued_steps(result_q, proc)
 
-    def _finish_inflight_steps(self, batch_q, result_q, proc) -> None:
-        """Let the trainer finish the batches already queued so no finished step is lost."""
-        deadline = time.monotonic() + 120
-        while self.state.step < self._batches_sent and time.monotonic() < deadline and proc.is_alive():
-            self._drain_results(result_q, proc, block=True)
+    def _admit(self, inflight: list[_PendingGroup], n_ready: int) -> bool:
+        """Start a group only if it can still be trained within ``max_staleness`` versions: count the
+        batches not yet trained and the groups ahead of it (pending and in flight)."""
+        oc = self.cfg.orchestrator
+        untrained = self._batches_sent + n_ready - self.state.step
+        groups_ahead = len(self.builder.pending) + len(inflight) + 1
+        steps_until_trained = untrained + math.ceil(groups_ahead / oc.groups_per_step)
+        if self._batches_sent + n_ready + math.ceil(groups_ahead / oc.groups_per_step) > oc.max_steps:
+            return False
+        return steps_until_trained <= max(1, self.cfg.rl.max_staleness)
 
     def _start_group(self, pool) -> _PendingGroup:
-        task = self.sampler.next()
-        gid = f"g{self._group_seq:05d}"
-        self._group_seq += 1
+        task = self.tasks[self.sampler.next()]
+        gid = f"g{self.state.group_seq:06d}"
+        self.state.group_seq += 1
         retries = self.cfg.sandbox.max_infra_retries
-        futures = [pool.submit(run_with_retries, self.agent, AttemptSpec(task, gid, i), retries,
-                               self.state.counts) for i in range(self.cfg.orchestrator.group_size)]
+        futures = [pool.submit(run_with_retries, self.agent, AttemptSpec(task, gid, i), retries, self.counts)
+                   for i in range(self.cfg.orchestrator.group_size)]
         return _PendingGroup(task, gid, futures)
 
-    def _collect(self, inflight: list[_PendingGroup], ready_batches: list) -> list[_PendingGroup]:
+    def _collect(self, inflight: list[_PendingGroup], ready: list) -> list[_PendingGroup]:
         still = []
         for pg in inflight:
             if not all(f.done() for f in pg.futures):
                 still.append(pg)
                 continue
-            trajs = [f.result() for f in pg.futures]
-            batch = self._finish_group(pg, trajs)
-            if batch is not None and self._batches_sent < self.cfg.orchestrator.max_steps:
-                ready_batches.append(batch)
-                self._batches_sent += 1
+            batch = self._finish_group(pg, [f.result() for f in pg.futures])
+            if batch is not None and self._batches_sent + len(ready) < self.cfg.orchestrator.max_steps:
+                ready.append(batch)
         return still
 
     def _finish_group(self, pg: _PendingGroup, trajs: list[Trajectory]):
@@ -188,58 +206,88 @@ class AsyncLoop:
             group.dropped = "infra_error"
         else:
             self.scorer.score_group(group)
-        self.state.counts["attempts"] += len(trajs)
-        self.state.counts["solved"] += sum(t.success for t in ok)
-        self._window["attempts"] += len(ok)
-        self._window["solved"] += sum(t.success for t in ok)
-        for t, adv in zip(group.trajectories, group.advantages or [0.0] * len(ok), strict=False):
-            append_jsonl(self.run_dir / "trajectories.jsonl", {**t.to_dict(), "advantage": adv,
-                                                                 "dropped": group.dropped})
+        self.counts["attempts"] += len(trajs)
+        self.counts["solved"] += sum(t.success for t in ok)
+        self.counts["completion_tokens"] += sum(t.completion_tokens for t in ok)
+        self._window.update(attempts=len(ok), solved=sum(t.success for t in ok))
+        self._window["reward_x1000"] += int(1000 * sum(t.reward.score for t in ok))
+        advantages = group.advantages or [0.0] * len(ok)
+        for t, adv in zip(group.trajectories, advantages, strict=True):
+            append_jsonl(self.run_dir / "trajectories.jsonl",
+                         {**t.to_dict(), "advantage": adv, "dropped": group.dropped})
         return self.builder.add(group)
 
+    # ---- trainer results ----------------------------------------------------------------------
     def _drain_results(self, result_q, proc, block: bool) -> None:
         while True:
             try:
                 msg = result_q.get(timeout=1.0) if block else result_q.get_nowait()
             except queue.Empty:
-                if not proc.is_alive() and self.state.step < self._batches_sent:
-                    raise RuntimeError("trainer process died; the run can be resumed") from None
+                if not proc.is_alive():
+                    raise TrainerDied(f"trainer process exited with code {proc.exitcode}; resume with "
+                                      f"`albatross train --resume {self.run_dir.parent}`") from None
                 return
             if "error" in msg:
-                raise RuntimeError(f"trainer failed:\n{msg['error']}")
+                raise TrainerDied(f"trainer failed:\n{msg['error']}")
             self._on_step(msg)
             if block:
                 return
 
-    def _window_pass_rate(self) -> float:
-        """Pass rate of the attempts finished since the last step (the last value if none finished)."""
-        if self._window["attempts"]:
-            self._last_pass_rate = self._window["solved"] / self._window["attempts"]
-        return getattr(self, "_last_pass_rate", 0.0)
+    def _finish_queued_steps(self, result_q, proc) -> None:
+        """Let the trainer finish the batches already queued, so no finished step is lost."""
+        deadline = time.monotonic() + 300
+        while self.state.step < self._batches_sent and time.monotonic() < deadline:
+            self._drain_results(result_q, proc, block=True)
 
     def _on_step(self, msg: dict[str, Any]) -> None:
         self.engine.update_weights(msg["path"], msg["version"])
-        self.state.step = int(msg["version"]) - self._start_version
+        self.state.version = int(msg["version"])
+        self.state.step = self.state.version - self._start_version
         self.state.max_staleness_seen = max(self.state.max_staleness_seen, int(msg.get("staleness_max", 0)))
-        self.state.counts["dropped_stale_tokens"] += int(msg.get("stale_tokens_dropped", 0))
-        c = self.state.counts
-        record = {"step": self.state.step, "version": msg["version"], "time": time.time(),
-                  "pass_rate": self._window_pass_rate(),
-                  "groups": self.builder.counts["groups"],
-                  "zero_signal_groups": self.builder.counts["dropped_zero_signal"],
-                  "infra_error_attempts": c["infra_error_attempts"],
-                  **{k: v for k, v in msg.items() if isinstance(v, (int, float)) and k != "version"}}
+        self.counts["dropped_stale_tokens"] += int(msg.get("stale_tokens_dropped", 0))
+        record = self._step_record(msg)
+        self.sink.step(record)
+        if msg.get("checkpoint"):
+            self._save_state(msg["checkpoint"])
+
+    def _step_record(self, msg: dict[str, Any]) -> dict[str, Any]:
+        c, w, bc = self.counts, self._window, self.builder.counts
+        if w["attempts"]:
+            self._last_pass_rate = w["solved"] / w["attempts"]
+        elapsed = self.state.elapsed_s + time.monotonic() - self._t0
+        record = {
+            "step": self.state.step, "version": self.state.version, "time": time.time(),
+            "pass_rate": self._last_pass_rate,
+            "reward_mean": w["reward_x1000"] / 1000 / max(1, w["attempts"]),
+            "groups": bc["groups"], "zero_signal_groups": bc["dropped_zero_signal"],
+            "zero_signal_share": bc["dropped_zero_signal"] / max(1, bc["groups"]),
+            "infra_dropped_groups": bc["dropped_infra_error"],
+            "infra_error_attempts": c["infra_error_attempts"],
+            "dropped_stale_tokens_total": c["dropped_stale_tokens"],
+            "queue_depth": self._batches_sent - self.state.step,
+            "engine_tokens_per_s": c["completion_tokens"] / max(elapsed, 1e-6),
+            "trainer_idle_share": msg.get("trainer_wait_s", 0.0) / max(msg.get("seconds", 0.0)
+                                                                     + msg.get("trainer_wait_s", 0.0), 1e-6),
+            **{k: v for k, v in msg.items() if isinstance(v, (int, float)) and k != "version"},
+        }
         self._window.clear()
-        self.state.history.append(record)
-        append_jsonl(self.run_dir / "metrics.jsonl", record)
-        self.log(_progress_line(record, self.cfg.orchestrator.max_steps))
+        return record
+
+    def _status(self, inflight: list[_PendingGroup]) -> dict[str, Any]:
+        return {"step": f"{self.state.step}/{self.cfg.orchestrator.max_steps}",
+                "pass": self._last_pass_rate, "groups in flight": len(inflight),
+                "batches waiting": self._batches_sent - self.state.step,
+                "attempts": self.counts["attempts"], "infra": self.counts["infra_error_attempts"]}
 
 
-def _progress_line(r: dict[str, Any], max_steps: int) -> str:
-    return (f"[train] step {r['step']:>3}/{max_steps}  loss {r.get('loss', 0.0):+.4f}  "
-            f"pass {r['pass_rate']:.2f}  stale max {r.get('staleness_max', 0)}  "
-            f"kl {r.get('mismatch_kl', 0.0):.4f}  tok/s {r.get('tokens_per_s', 0.0):.0f}")
-
-
-def dump_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+def _stop_trainer(proc, batch_q) -> None:
+    """Ask the trainer to finish, then make sure it is gone (by the pid we started)."""
+    if proc.is_alive():
+        try:
+            batch_q.put(None, timeout=5)
+        except queue.Full:
+            pass
+        proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+    proc.join()

@@ -1,22 +1,30 @@
-"""The trainer as its own process: batches in over a queue, versioned weights out on disk."""
+"""The trainer as its own process: batches in over a queue, versioned weights and checkpoints out on disk."""
 
 from __future__ import annotations
 
+import signal
+import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 
-def trainer_main(model_dir: str, weights_dir: str, cfg_json: str, batch_q: Any, result_q: Any,
-                 start_version: int) -> None:
-    """Entry point of the trainer process (spawned). Puts one dict per step on ``result_q``."""
+def trainer_main(model_dir: str, run_dir: str, cfg_json: str, batch_q: Any, result_q: Any,
+                 start_version: int, resume_ckpt: str) -> None:
+    """Entry point of the trainer process (spawned). Puts one dict per step on ``result_q``.
+
+    SIGINT is ignored here: on Ctrl-C the orchestrator stops the trainer in order, so the last
+    checkpoint stays whole.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        _serve(model_dir, weights_dir, cfg_json, batch_q, result_q, start_version)
+        _serve(model_dir, Path(run_dir), cfg_json, batch_q, result_q, start_version, resume_ckpt)
     except Exception:  # the parent stops the run cleanly and reports this
         result_q.put({"error": traceback.format_exc()})
 
 
-def _serve(model_dir: str, weights_dir: str, cfg_json: str, batch_q: Any, result_q: Any,
-           version: int) -> None:
+def _serve(model_dir: str, run_dir: Path, cfg_json: str, batch_q: Any, result_q: Any, version: int,
+           resume_ckpt: str) -> None:
     import torch
 
     from albatross.config import RunConfig
@@ -27,17 +35,35 @@ def _serve(model_dir: str, weights_dir: str, cfg_json: str, batch_q: Any, result
     cfg = RunConfig.model_validate_json(cfg_json)
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)
-    model = load_model(model_dir)
-    trainer = make_trainer(Trainer, model, cfg)
-    result_q.put({"ready": True})
+    trainer = make_trainer(Trainer, load_model(model_dir), cfg)
+    trainer.version = version
+    if resume_ckpt:
+        trainer.load(resume_ckpt)
+    result_q.put({"ready": True, "version": trainer.version})
+    every = cfg.orchestrator.checkpoint_every
     while True:
+        t_wait = time.monotonic()
         batch = batch_q.get()
+        wait_s = time.monotonic() - t_wait
         if batch is None:
             return
-        metrics = trainer.step(batch, current_version=version)
-        version += 1
-        path = export_weights(model, weights_dir, version, keep=cfg.trainer.keep_versions)
-        result_q.put({"version": version, "path": str(path), **metrics})
+        metrics = trainer.step(batch, current_version=trainer.version)
+        path = export_weights(trainer.model, run_dir / "weights", trainer.version, keep=cfg.trainer.keep_versions)
+        ckpt = ""
+        if trainer.version % every == 0:
+            ckpt = str(save_checkpoint(trainer, run_dir / "checkpoints"))
+        result_q.put({**metrics, "version": trainer.version, "path": str(path), "checkpoint": ckpt,
+                      "trainer_wait_s": wait_s})
+
+
+def save_checkpoint(trainer, directory: Path, keep: int = 2) -> Path:
+    """Save trainer + optimizer state for version ``trainer.version``; keep the last ``keep``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"trainer-v{trainer.version:06d}.pt"
+    trainer.save(path)
+    for old in sorted(directory.glob("trainer-v*.pt"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
 
 
 def make_trainer(trainer_cls, model, cfg):

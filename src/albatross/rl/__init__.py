@@ -5,12 +5,21 @@
 """
 
 from albatross.rl.advantages import ADVANTAGES, get_advantage_fn, grpo, is_zero_signal, rloo, topk
-from albatross.rl.rewards import efficiency_adjust, efficiency_penalties, partial_credit, score
+from albatross.rl.rewards import (
+    calibrate,
+    efficiency_adjust,
+    efficiency_penalties,
+    fit_isotonic,
+    partial_credit,
+    score,
+)
 
 __all__ = [
     "ADVANTAGES",
+    "calibrate",
     "efficiency_adjust",
     "efficiency_penalties",
+    "fit_isotonic",
     "get_advantage_fn",
     "grpo",
     "is_zero_signal",

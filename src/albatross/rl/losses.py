@@ -225,6 +225,35 @@ def cispo_loss(
     return _assemble(surrogate, cut, log_ratio, active, metrics, loss_mask, num_batch_tokens, n_floor)
 
 
+def kl_penalty(
+    logprobs_new: Tensor,
+    logprobs_old: Tensor,
+    loss_mask: Tensor,
+    *,
+    coef: float,
+    num_batch_tokens: int | None = None,
+) -> LossOutput:
+    """Optional KL term (off by default): coef * sum_t m_t (r_t - log r_t - 1) / N, r_t = exp(new - old).
+
+    On tokens sampled from the rollout policy mu this is the k3 estimate of KL(mu || pi_theta); its
+    gradient pulls the trainer towards the rollout policy. N as in the policy losses.
+    """
+    log_ratio = logprobs_new - logprobs_old
+    k3 = log_ratio.exp() - log_ratio - 1
+    n = int(loss_mask.sum()) if num_batch_tokens is None else num_batch_tokens
+    value = coef * (k3 * loss_mask).sum() / max(n, 1)
+    return value, {"kl_penalty": float(value.detach())}
+
+
+def entropy_bonus(
+    entropy: Tensor, loss_mask: Tensor, *, coef: float, num_batch_tokens: int | None = None
+) -> LossOutput:
+    """Optional entropy term (off by default): -coef * sum_t m_t H_t / N; minimising it raises entropy."""
+    n = int(loss_mask.sum()) if num_batch_tokens is None else num_batch_tokens
+    value = -coef * (entropy * loss_mask).sum() / max(n, 1)
+    return value, {"entropy_bonus": float(value.detach())}
+
+
 def sft_loss(logprobs: Tensor, loss_mask: Tensor, *, num_batch_tokens: int | None = None) -> LossOutput:
     """Masked cross-entropy: -sum_t m_t * logp_t / N, N the batch's loss-token count (for the warm start)."""
     n = int(loss_mask.sum()) if num_batch_tokens is None else num_batch_tokens

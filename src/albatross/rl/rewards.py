@@ -3,11 +3,13 @@
 DESIGN.md: s_i = 1 if the attempt succeeded (all tests pass), else c * p_i, where p_i is the weighted
 fraction of tests passed and tests that the untouched environment already passes have weight 0. With
 c < 1 every success outranks every failure. For successes only, the efficiency term
-lambda * (T_i - T_min) / (T_max - T_min + eps) over the group's successes is subtracted.
+lambda * (T_i - T_min) / (T_max - T_min + eps) over the group's successes is subtracted. Optional isotonic
+calibration maps raw credit p_i to observed solve rates from probes (``fit_isotonic``, ``calibrate``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 
@@ -75,3 +77,42 @@ def efficiency_adjust(
         "efficiency/max_penalty": max(penalties, default=0.0),
     }
     return adjusted, metrics
+
+
+def fit_isotonic(
+    xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None
+) -> list[tuple[float, float]]:
+    """Non-decreasing least-squares fit of ``ys`` on ``xs`` (pool adjacent violators); returns knots (x, y).
+
+    For calibrating partial credit: ``xs`` raw credits p_i seen in probes, ``ys`` whether the task was
+    then solved (or its observed solve rate). Equal x values are pooled first; knots are sorted by x.
+    """
+    if not (len(xs) == len(ys) and (weights is None or len(weights) == len(xs))):
+        raise ValueError("xs, ys and weights differ in length")
+    if not xs:
+        raise ValueError("isotonic fit needs at least one point")
+    pooled: dict[float, list[float]] = {}
+    for x, y, w in zip(xs, ys, weights or [1.0] * len(xs), strict=True):
+        acc = pooled.setdefault(float(x), [0.0, 0.0])
+        acc[0] += w * y
+        acc[1] += w
+    blocks: list[list[float]] = []  # [first x, last x, weighted sum, weight]
+    for x in sorted(pooled):
+        blocks.append([x, x, *pooled[x]])
+        while len(blocks) > 1 and blocks[-2][2] / blocks[-2][3] > blocks[-1][2] / blocks[-1][3]:
+            _, hi, total, weight = blocks.pop()
+            blocks[-1][1:] = [hi, blocks[-1][2] + total, blocks[-1][3] + weight]
+    knots = []
+    for lo, hi, total, weight in blocks:
+        knots += [(lo, total / weight)] + ([(hi, total / weight)] if hi != lo else [])
+    return knots
+
+
+def calibrate(p: float, knots: Sequence[tuple[float, float]]) -> float:
+    """Calibrated credit: ``knots`` from ``fit_isotonic`` interpolated linearly, constant beyond the ends."""
+    if p <= knots[0][0]:
+        return knots[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(knots):
+        if p <= x1:
+            return y0 + (y1 - y0) * (p - x0) / (x1 - x0)
+    return knots[-1][1]

@@ -8,26 +8,40 @@ from __future__ import annotations
 
 from typing import Any
 
-from albatross.sandbox.base import Attempt, Backend, ExecResult, Limits, SandboxError
+from albatross.sandbox.base import (
+    LIMITS,
+    Attempt,
+    Backend,
+    ExecResult,
+    ForkError,
+    Limits,
+    SandboxDied,
+    SandboxError,
+)
+from albatross.sandbox.build import EnvBuildError
 from albatross.sandbox.dockerfile import DockerfileError, parse_dockerfile
-from albatross.sandbox.local import EnvBuildError, LocalBackend, local_available
+from albatross.sandbox.local import LocalBackend, local_available, userns_available
 from albatross.sandbox.process import ProcessBackend
 
 BACKENDS = {"local": LocalBackend, "process": ProcessBackend}
 
 __all__ = [
+    "LIMITS",
     "Attempt",
     "Backend",
     "DockerfileError",
     "EnvBuildError",
     "ExecResult",
+    "ForkError",
     "Limits",
     "LocalBackend",
     "ProcessBackend",
+    "SandboxDied",
     "SandboxError",
     "local_available",
     "make_backend",
     "parse_dockerfile",
+    "userns_available",
 ]
 
 

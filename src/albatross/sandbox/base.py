@@ -3,6 +3,9 @@
 An attempt is one isolated, copy-on-write view of its task's prepared environment with a persistent
 shell state (working directory and exported environment persist between ``exec`` calls). Backends are
 siblings: ``local.py`` (Linux namespaces + overlayfs) and ``process.py`` (no isolation, dev only).
+
+Hitting a limit is an outcome of the command, not an error: ``ExecResult.limit`` names it. An
+infrastructure failure raises ``SandboxError`` (``ForkError``, ``SandboxDied``); it is never scored.
 """
 
 from __future__ import annotations
@@ -11,9 +14,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+# Values of ExecResult.limit, most decisive first (when several are hit, the first one is reported).
+LIMIT_OOM = "oom"  # the memory limit was hit: the kernel killed a process of the attempt
+LIMIT_PIDS = "pids"  # the process limit was hit: every process the agent started was killed
+LIMIT_ATTEMPT_TIMEOUT = "attempt_timeout"  # the attempt's wall-time budget is spent
+LIMIT_TIMEOUT = "timeout"  # the command ran past its timeout and was killed
+LIMIT_DISK = "disk"  # the attempt's writable layer is full
+LIMIT_OUTPUT = "output"  # output beyond max_output_bytes was dropped
+LIMITS = (LIMIT_OOM, LIMIT_PIDS, LIMIT_ATTEMPT_TIMEOUT, LIMIT_TIMEOUT, LIMIT_DISK, LIMIT_OUTPUT)
+
 
 class SandboxError(RuntimeError):
     """An infrastructure failure (fork failed, sandbox died). Never scored; retried."""
+
+
+class ForkError(SandboxError):
+    """An attempt could not be created."""
+
+
+class SandboxDied(SandboxError):
+    """An attempt's sandbox went away while in use."""
 
 
 @dataclass
@@ -23,15 +43,39 @@ class ExecResult:
     timed_out: bool = False
     seconds: float = 0.0
     truncated_bytes: int = 0  # bytes dropped because output exceeded max_output_bytes
+    limit: str = ""  # the limit the command hit (one of LIMITS), "" if none
 
 
-@dataclass
+@dataclass(frozen=True)
 class Limits:
     memory_mb: int = 512
     pids: int = 256
-    disk_mb: int = 256
+    disk_mb: int = 256  # bytes the attempt may write (its upper layer, /tmp, /dev/shm together)
     command_timeout_s: float = 10.0
     max_output_bytes: int = 1 << 20
+    attempt_timeout_s: float | None = None  # wall time from fork; None: no limit
+
+
+def pick_limit(hit: dict[str, bool]) -> str:
+    """The most decisive limit among those hit, or ""."""
+    return next((name for name in LIMITS if hit.get(name)), "")
+
+
+class Output:
+    """Collects a command's output up to a cap; counts (and discards) the rest."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.chunks, self.kept, self.dropped = cap, [], 0, 0
+
+    def add(self, data: bytes) -> None:
+        room = max(0, self.cap - self.kept)
+        if room:
+            self.chunks.append(data[:room])
+            self.kept += min(room, len(data))
+        self.dropped += max(0, len(data) - room)
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode("utf-8", errors="replace")
 
 
 class Attempt(Protocol):

@@ -31,9 +31,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from albatross.sandbox.base import ExecResult, Limits, SandboxError
+from albatross.sandbox.base import (
+    LIMIT_OUTPUT,
+    LIMIT_TIMEOUT,
+    ExecResult,
+    ForkError,
+    Limits,
+    Output,
+    SandboxDied,
+    SandboxError,
+    pick_limit,
+)
+from albatross.sandbox.build import copy_tar, env_key
 from albatross.sandbox.dockerfile import Copy, Env, Run, Workdir, parse_dockerfile
-from albatross.sandbox.local import _Output, copy_tar, env_key
+from albatross.sandbox.faults import FAULT_DIE, FAULT_FORK, FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +83,7 @@ class ProcessAttempt:
         self._lock = threading.Lock()
         self._groups: set[int] = set()
         self._closed = False
+        self.dead = False  # fault injection: the attempt behaves as if its sandbox had died
 
     def host_path(self, sandbox_path: str) -> Path:
         """Where the sandbox path ``sandbox_path`` lives on the host (inside the attempt directory)."""
@@ -83,6 +95,8 @@ class ProcessAttempt:
         with self._lock:
             if self._closed:
                 raise SandboxError(f"attempt {self.id} is closed")
+            if self.dead:
+                raise SandboxDied(f"attempt {self.id}: sandbox died")
             start = time.monotonic()
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SANDBOX_ROOT": str(self.root)}
             try:
@@ -98,14 +112,15 @@ class ProcessAttempt:
             except OSError as err:
                 raise SandboxError(f"attempt {self.id}: cannot start bash: {err}") from err
             self._groups.add(proc.pid)
-            out = _Output(self.limits.max_output_bytes)
+            out = Output(self.limits.max_output_bytes)
             timed_out = self._collect(proc, out, start + timeout)
             code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        limit = pick_limit({LIMIT_TIMEOUT: timed_out, LIMIT_OUTPUT: out.dropped > 0})
         return ExecResult(
-            out.text(), -1 if timed_out else code, timed_out, time.monotonic() - start, out.dropped
+            out.text(), -1 if timed_out else code, timed_out, time.monotonic() - start, out.dropped, limit
         )
 
-    def _collect(self, proc: subprocess.Popen[bytes], out: _Output, deadline: float) -> bool:
+    def _collect(self, proc: subprocess.Popen[bytes], out: Output, deadline: float) -> bool:
         assert proc.stdout is not None
         fd = proc.stdout.fileno()
         pidfd = os.pidfd_open(proc.pid)
@@ -134,10 +149,18 @@ class ProcessAttempt:
             proc.stdout.close()
         return timed_out
 
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise SandboxError(f"attempt {self.id} is closed")
+        if self.dead:
+            raise SandboxDied(f"attempt {self.id}: sandbox died")
+
     def put_dir(self, host_dir: Path, sandbox_path: str) -> None:
+        self._check_alive()
         shutil.copytree(host_dir, self.host_path(sandbox_path), symlinks=True, dirs_exist_ok=True)
 
     def read_file(self, sandbox_path: str) -> bytes | None:
+        self._check_alive()
         try:
             return self.host_path(sandbox_path).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -166,7 +189,17 @@ class ProcessBackend:
     name = "process"
     isolated = False
 
-    def __init__(self, state_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path | None = None,
+        hide_paths: object = (),
+        fail_rate: float = 0.0,
+        fault_seed: int | None = None,
+        **ignored: object,
+    ) -> None:
+        """``hide_paths`` and the isolated backend's options (``base``, ``warm``, ...) are accepted and
+        ignored: nothing is hidden here. ``fail_rate``: share of forks made to fail (tests only)."""
+        self.faults = FaultInjector(fail_rate, fault_seed)
         self._root = Path(tempfile.mkdtemp(prefix="albatross-process-", dir=state_dir))
         self._lock = threading.Lock()
         self._parents: dict[str, _Parent] = {}
@@ -204,6 +237,9 @@ class ProcessBackend:
     def fork(
         self, env_dir: Path | None, workdir: str = "/app", limits: Limits | None = None
     ) -> ProcessAttempt:
+        fault = self.faults.draw()
+        if fault == FAULT_FORK:
+            raise ForkError("injected fault: fork failed")
         parent = self.prepare(env_dir)
         with self._lock:
             self._count += 1
@@ -224,6 +260,7 @@ class ProcessBackend:
         _state_file(root).write_text("\n".join(state) + "\n")
         with self._lock:
             self._attempts.add(attempt)
+        attempt.dead = fault == FAULT_DIE
         return attempt
 
     def close(self) -> None:

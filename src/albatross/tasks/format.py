@@ -11,6 +11,12 @@ A task directory holds::
 ``solution/demo.json`` (``{"steps": ["cmd", ..., "submit"]}``) is the oracle as one shell command per
 agent turn, used for supervised warm starts. A malformed directory raises ``TaskFormatError`` whose
 message is one line naming the file and the field.
+
+Terminal-Bench 0.2 directories (``task.yaml``, ``run-tests.sh``, ``solution.sh``, ``tests/``) load too:
+they are converted to this layout first (``legacy.py``). An environment whose Dockerfile needs the
+network (apt-get, pip, curl, ...) or starts from a python image is built from an adapted copy that
+carries the offline toolkit (``offline.py``): ``Task.env_dir`` is that copy, ``Task.source_env_dir`` the
+task's own ``environment/``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_TIMEOUT_S = 600.0  # Harbor's default for [agent] and [verifier] timeout_sec
+DEFAULT_BUILD_TIMEOUT_S = 600.0  # Harbor's default for [environment] build_timeout_sec
 DEFAULT_MEMORY_MB = 2048
 DEFAULT_STORAGE_MB = 10240
 DEFAULT_WORKDIR = "/app"
@@ -60,6 +67,15 @@ class Task:
     allow_internet: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     demo_steps: list[str] | None = None
+    build_timeout_s: float = DEFAULT_BUILD_TIMEOUT_S
+    source_env_dir: Path | None = None  # the task's own environment/ (env_dir may be an adapted copy)
+    source_path: Path | None = None  # the directory the task was loaded from (differs when converted)
+    offline: Any = None  # offline.OfflineEnv when env_dir is an adapted copy, else None
+
+    @property
+    def dockerfile(self) -> Path:
+        """The task's own Dockerfile (not the adapted copy's)."""
+        return (self.source_env_dir or self.env_dir) / "Dockerfile"
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -67,14 +83,15 @@ class Task:
 
 def load_task(path: str | Path) -> Task:
     """Load and validate one task directory. Raises ``TaskFormatError``."""
-    path = Path(path)
-    if not path.is_dir():
-        raise TaskFormatError(f"{path}: not a task directory")
+    source = Path(path)
+    if not source.is_dir():
+        raise TaskFormatError(f"{source}: not a task directory")
+    path = _harbor_dir(source)
     toml_path = path / "task.toml"
     cfg = _read_toml(toml_path)
     env = _table(cfg, "environment", toml_path)
-    return Task(
-        id=path.name,
+    task = Task(
+        id=source.name,
         path=path,
         instruction=_read_instruction(path / "instruction.md"),
         agent_timeout_s=_timeout(cfg, "agent", toml_path),
@@ -89,7 +106,36 @@ def load_task(path: str | Path) -> Task:
         allow_internet=_bool(env, "allow_internet", toml_path),
         metadata=dict(_table(cfg, "metadata", toml_path)),
         demo_steps=_read_demo(path / "solution" / "demo.json"),
+        build_timeout_s=_positive(env, "build_timeout_sec", "[environment]", toml_path, DEFAULT_BUILD_TIMEOUT_S),
+        source_env_dir=path / "environment",
+        source_path=source,
     )
+    return _with_offline_env(task)
+
+
+def _harbor_dir(source: Path) -> Path:
+    """``source``, or its converted copy when it is a Terminal-Bench 0.2 task."""
+    from albatross.tasks.legacy import convert_legacy, is_legacy_task
+    from albatross.tasks.offline import cache_root
+
+    if not is_legacy_task(source):
+        return source
+    try:
+        return convert_legacy(source, cache_root())
+    except OSError as e:
+        raise TaskFormatError(f"{source}: cannot convert the Terminal-Bench 0.2 task: {e}") from None
+
+
+def _with_offline_env(task: Task) -> Task:
+    from albatross.tasks.offline import adapt_environment
+
+    try:
+        adapted = adapt_environment(task.env_dir)
+    except OSError as e:
+        raise TaskFormatError(f"{task.env_dir}: cannot write the offline copy of the environment: {e}") from None
+    if adapted is not None:
+        task.env_dir, task.offline = adapted.env_dir, adapted
+    return task
 
 
 def load_tasks(paths: list[str | Path] | str | Path) -> list[Task]:
@@ -112,20 +158,33 @@ def load_tasks(paths: list[str | Path] | str | Path) -> list[Task]:
     return tasks
 
 
+def find_task_dirs(paths: list[str | Path] | str | Path) -> list[Path]:
+    """The task directories in ``paths`` (each a task directory or a folder of them), in order.
+
+    Raises ``TaskFormatError`` for a path that does not exist or holds no task directory."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    return [d for root in map(Path, paths) for d in _task_dirs(root)]
+
+
 def _task_dirs(root: Path) -> list[Path]:
     if not root.is_dir():
         raise TaskFormatError(f"{root}: no such directory")
-    if (root / "task.toml").is_file():
+    if _is_task_dir(root):
         return [root]
     found: list[Path] = []
     for child in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if (child / "task.toml").is_file():
+        if _is_task_dir(child):
             found.append(child)
         else:
             found.extend(_task_dirs_below(child))
     if not found:
-        raise TaskFormatError(f"{root}: no task directories (with a task.toml) found")
+        raise TaskFormatError(f"{root}: no task directories (with a task.toml or task.yaml) found")
     return found
+
+
+def _is_task_dir(path: Path) -> bool:
+    return (path / "task.toml").is_file() or (path / "task.yaml").is_file()
 
 
 def _task_dirs_below(root: Path) -> list[Path]:

@@ -5,25 +5,37 @@ or ``/logs/verifier/reward.txt`` (one number in [0, 1]). When both exist, reward
 
 - reward.json: ``metrics`` is the object, ``reward`` the mean of its values, ``success`` is true when
   every value is 1.0.
-- reward.txt: ``metrics`` is ``{"reward": r}``, ``reward`` is r, ``success`` is ``r == 1.0``.
+- reward.txt: ``reward`` is r and ``success`` is ``r == 1.0``. ``metrics`` holds the per-test results
+  (1.0 passed, 0.0 failed) when the verifier ran pytest through the offline toolkit (its plugin writes
+  ``/logs/verifier/albatross-tests.json``) or wrote ``/logs/verifier/ctrf.json`` itself; otherwise
+  ``{"reward": r}``. Per-test results that contradict r (a pass with a failed test, a fail with none)
+  are noted in ``problem`` (the well-formed-reward gate fails on it).
 
 A missing or malformed reward file, a non-finite value or one outside [0, 1] raises ``VerifierError``:
 it is an infrastructure or task error and is never scored as zero.
+
+Scripts that call apt-get, pip, uv/uvx, curl, wget or pytest run with a fresh copy of the offline
+toolkit first on ``PATH`` (``offline.py``), so Terminal-Bench verifiers run without the internet.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from albatross.sandbox.base import Attempt, ExecResult
+from albatross.tasks import offline
 from albatross.tasks.format import Task, TaskFormatError
 
 REWARD_DIR = "/logs/verifier"
 REWARD_JSON = f"{REWARD_DIR}/reward.json"
 REWARD_TXT = f"{REWARD_DIR}/reward.txt"
+CTRF_JSON = f"{REWARD_DIR}/ctrf.json"
+TEST_RESULTS = offline.TEST_RESULTS
 TESTS_PATH = "/tests"
 SOLUTION_PATH = "/solution"
 _OUTPUT_TAIL = 400
@@ -40,22 +52,44 @@ class VerifyResult:
     success: bool
     error: str = ""  # a non-fatal note, e.g. "test.sh exited with code 1"; empty when clean
     output: str = field(default="", repr=False)  # what test.sh printed
+    source: str = "reward.json"  # reward.json, reward.txt, or reward.txt+tests (per-test metrics)
+    problem: str = ""  # per-test results that contradict the reward; empty when consistent
+
+
+@dataclass
+class VerifierRun:
+    """One run of test.sh: what it printed and either a usable result or why there is none."""
+
+    run: ExecResult
+    result: VerifyResult | None
+    error: str = ""
 
 
 def verify(attempt: Attempt, task: Task) -> VerifyResult:
     """Copy tests/ to /tests, run test.sh from the task's workdir, and read the reward it wrote."""
+    outcome = run_verifier(attempt, task)
+    if outcome.result is None:
+        raise VerifierError(f"{task.id}: {outcome.error}")
+    return outcome.result
+
+
+def run_verifier(attempt: Attempt, task: Task) -> VerifierRun:
+    """Like ``verify`` but returns the run and the error instead of raising (for the gates)."""
     # Remove any reward file the agent may have left, so only test.sh can produce one.
-    attempt.exec(f"rm -f {REWARD_JSON} {REWARD_TXT}", timeout_s=30)
+    attempt.exec(f"rm -f {REWARD_JSON} {REWARD_TXT} {CTRF_JSON} {TEST_RESULTS}", timeout_s=30)
     attempt.put_dir(task.tests_dir, TESTS_PATH)
-    command = f"mkdir -p {REWARD_DIR} && cd {shlex.quote(task.workdir)} && bash {TESTS_PATH}/test.sh"
+    prefix = _toolkit_prefix(attempt, task.tests_dir)
+    command = (f"mkdir -p {REWARD_DIR} && {prefix}export ALBATROSS_TEST_RESULTS={TEST_RESULTS} && "
+               f"cd {shlex.quote(task.workdir)} && bash {TESTS_PATH}/test.sh")
     run = attempt.exec(f"( {command} )", timeout_s=task.verifier_timeout_s)
+    tests = attempt.read_file(TEST_RESULTS) or attempt.read_file(CTRF_JSON)
     try:
-        result = parse_reward(attempt.read_file(REWARD_JSON), attempt.read_file(REWARD_TXT))
+        result = parse_reward(attempt.read_file(REWARD_JSON), attempt.read_file(REWARD_TXT), tests)
     except VerifierError as e:
-        raise VerifierError(f"{task.id}: {e}{_describe(run)}") from None
+        return VerifierRun(run, None, f"{e}{_describe(run)}")
     result.error = _describe(run).removeprefix("; ")
     result.output = run.output
-    return result
+    return VerifierRun(run, result)
 
 
 def run_oracle(attempt: Attempt, task: Task) -> ExecResult:
@@ -63,20 +97,62 @@ def run_oracle(attempt: Attempt, task: Task) -> ExecResult:
     if not (task.solution_dir / "solve.sh").is_file():
         raise TaskFormatError(f"{task.solution_dir / 'solve.sh'}: missing")
     attempt.put_dir(task.solution_dir, SOLUTION_PATH)
-    command = f"cd {shlex.quote(task.workdir)} && bash {SOLUTION_PATH}/solve.sh"
+    prefix = _toolkit_prefix(attempt, task.solution_dir)
+    command = f"{prefix}cd {shlex.quote(task.workdir)} && bash {SOLUTION_PATH}/solve.sh"
     return attempt.exec(f"( {command} )", timeout_s=task.agent_timeout_s)
 
 
-def parse_reward(reward_json: bytes | None, reward_txt: bytes | None) -> VerifyResult:
-    """Turn the contents of reward.json / reward.txt (None if absent) into a ``VerifyResult``."""
+def _toolkit_prefix(attempt: Attempt, scripts_dir: Path) -> str:
+    """Put a fresh toolkit (at a path the agent cannot predict) into the attempt when the scripts in
+    ``scripts_dir`` call a tool it stands in for; returns the shell prefix that puts it on PATH."""
+    scripts = [p for p in sorted(scripts_dir.rglob("*.sh")) if p.is_file()]
+    if not any(offline.uses_toolkit(p.read_text(encoding="utf-8", errors="replace")) for p in scripts):
+        return ""
+    path = f"{offline.TOOLKIT_PATH}-{secrets.token_hex(6)}"
+    attempt.put_dir(offline.toolkit_dir(), path)
+    return f"export PATH={path}/bin:$PATH && "
+
+
+def parse_reward(
+    reward_json: bytes | None, reward_txt: bytes | None, tests_json: bytes | None = None
+) -> VerifyResult:
+    """Turn the contents of reward.json / reward.txt / per-test results (None if absent) into a
+    ``VerifyResult``."""
     if reward_json is not None:
         metrics = _parse_json(reward_json)
         values = list(metrics.values())
         return VerifyResult(metrics, sum(values) / len(values), all(v == 1.0 for v in values))
     if reward_txt is not None:
         reward = _check("reward.txt", _parse_number(reward_txt))
-        return VerifyResult({"reward": reward}, reward, reward == 1.0)
+        tests = parse_test_results(tests_json)
+        if not tests:
+            return VerifyResult({"reward": reward}, reward, reward == 1.0, source="reward.txt")
+        return VerifyResult(tests, reward, reward == 1.0, source="reward.txt+tests",
+                            problem=_contradiction(reward, tests))
     raise VerifierError(f"no reward file: test.sh wrote neither {REWARD_JSON} nor {REWARD_TXT}")
+
+
+def parse_test_results(raw: bytes | None) -> dict[str, float]:
+    """Per-test results (name -> 1.0 passed / 0.0 failed; skipped tests left out) from the toolkit's
+    results file or a CTRF report; {} when absent or unreadable."""
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw.decode("utf-8"))
+        tests = data["results"]["tests"] if "results" in data else data["tests"]
+        return {str(t["name"]): 1.0 if t["status"] == "passed" else 0.0
+                for t in tests if t.get("status") in ("passed", "failed", "error")}
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _contradiction(reward: float, tests: dict[str, float]) -> str:
+    failed = sorted(name for name, value in tests.items() if value < 1.0)
+    if reward == 1.0 and failed:
+        return f"reward.txt is 1 but {len(failed)} of {len(tests)} tests failed ({', '.join(failed[:3])})"
+    if reward == 0.0 and not failed:
+        return f"reward.txt is 0 but all {len(tests)} tests passed"
+    return ""
 
 
 def _parse_json(raw: bytes) -> dict[str, float]:

@@ -9,6 +9,10 @@ Layout under ``out_root``::
 A version directory is written under a temporary name, fsynced and renamed into place, and only then is
 ``LATEST`` replaced (tmp file + rename), so a reader that follows ``LATEST`` never sees a partial export.
 Only the newest ``keep`` versions are kept.
+
+Under FSDP2 every rank calls ``export_weights`` and ``save_state`` (gathering the shards is a
+collective); only rank 0 writes. Trainer state is stored as full (unsharded) tensors keyed by parameter
+name, so a checkpoint saved with any number of ranks resumes with any other.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from albatross.trainer.distributed import barrier, full_tensor, rank
 
 WEIGHTS_NAME = "model.safetensors"
 LATEST_NAME = "LATEST"
@@ -55,30 +61,39 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard shares storage like its param
+    return local.untyped_storage().data_ptr(), local.storage_offset()
+
+
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict with tied tensors stored once, under the first name (e.g. the input embedding)."""
+    """State dict with tied tensors stored once, under the first name (e.g. the input embedding).
+
+    Sharded (FSDP2) tensors are gathered in full, so every rank must call this.
+    """
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
     for name, t in model.state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = _storage_key(t)
         if key in seen:
             continue
         seen.add(key)
-        out[name] = t.detach().contiguous().cpu()
+        out[name] = full_tensor(t.detach()).contiguous().cpu()
     return out
 
 
 def export_weights(model: nn.Module, out_root: str | Path, version: int, keep: int = 3) -> Path:
     """Write version ``version`` atomically, point LATEST at it, prune to the newest ``keep``; return its dir."""
     root = Path(out_root)
-    root.mkdir(parents=True, exist_ok=True)
     final = version_dir(root, version)
+    state = unique_state_dict(model)
+    if rank() != 0:
+        return final
+    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(
-        unique_state_dict(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "version": str(version)}
-    )
+    save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "version": str(version)})
     config = getattr(model, "config", None)
     if config is not None:
         config.save_pretrained(tmp)
@@ -130,16 +145,59 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
         raise ValueError(f"{path}: missing keys {really_missing}, unexpected keys {sorted(unexpected)}")
 
 
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full state dict of ``model`` on the CPU (gathered from the shards under FSDP2; rank 0 gets it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name (a ``torch.optim`` optimizer) or its own ``state_dict()``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer.state_dict()
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.load_state_dict(state)
+        return
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
 def save_state(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict[str, Any]
+    path: str | Path, model: nn.Module, optimizer: Any, step: int, extra: dict[str, Any]
 ) -> None:
-    """Save model and optimizer state, the step and ``extra`` for resume (tmp file + fsync + rename)."""
+    """Save model and optimizer state, the step and ``extra`` for resume (tmp file + fsync + rename).
+
+    Every rank must call it under FSDP2; rank 0 writes.
+    """
+    state = {"model": model_state(model), "optimizer": optimizer_state(model, optimizer), "step": step,
+             "extra": extra}
+    if rank() == 0:
+        write_atomic(path, state)
+    barrier()
+
+
+def write_atomic(path: str | Path, obj: Any) -> None:
+    """``torch.save`` to a temporary file, fsync, rename into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "extra": extra}
     with tmp.open("wb") as f:
-        torch.save(state, f)
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -147,11 +205,11 @@ def save_state(
 
 
 def load_state(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | Path, model: nn.Module, optimizer: Any | None = None
 ) -> tuple[int, dict[str, Any]]:
-    """Restore what ``save_state`` wrote; returns ``(step, extra)``."""
+    """Restore what ``save_state`` wrote (every rank reads the file); returns ``(step, extra)``."""
     state = torch.load(Path(path), map_location="cpu", weights_only=True)
-    model.load_state_dict(state["model"])
+    load_model_state(model, state["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(model, optimizer, state["optimizer"])
     return int(state["step"]), dict(state["extra"])

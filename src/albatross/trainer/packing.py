@@ -3,15 +3,28 @@
 A micro-batch is one row of concatenated samples. Each sample of n tokens contributes its first n - 1
 tokens as inputs and its last n - 1 tokens as targets, so every field is aligned with the *target*:
 ``loss_mask``, ``logprobs`` (rollout log-prob of the target), ``versions`` and ``advantages``.
-``position_ids`` restart at 0 for each sample, and ``block_causal_mask`` keeps attention inside a
-sample. Samples are placed first-fit decreasing; a sample longer than the budget gets a micro-batch
-of its own.
+``position_ids`` restart at 0 for each sample. Samples are placed first-fit decreasing; a sample
+longer than the budget gets a micro-batch of its own.
+
+Document masking (attention never crosses a sample boundary) has three implementations, one chosen per
+trainer at start-up (``attention_inputs``):
+
+- ``varlen`` (default): the model's attention is swapped for ``varlen_attention``, which runs causal
+  ``scaled_dot_product_attention`` on each sample's slice of the row (boundaries passed as
+  ``cu_seq_lens_q``). No T x T mask is built, attention cost follows each sample's own length, and it
+  runs on CPU and GPU. Called without boundaries (generation, padded batches) it is plain ``sdpa``.
+- ``flash``: a model loaded with a ``flash_attention_*`` implementation gets the same boundaries, which
+  transformers hands to flash-attn's varlen kernel.
+- ``dense``: an explicit [T, T] block-causal mask (``block_causal_mask``) for ``sdpa`` or ``eager``;
+  simple and exact, but quadratic in the row length; kept as a reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +50,11 @@ class MicroBatch:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def cu_seq_lens(self) -> Tensor:
+        """Cumulative sample boundaries [num_samples + 1] (int32), as varlen attention kernels take them."""
+        return torch.tensor([0, *itertools.accumulate(self.seq_lens)], dtype=torch.int32)
 
 
 def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -107,3 +125,115 @@ def block_causal_mask(
     mask = torch.zeros(t, t, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+# document masking ---------------------------------------------------------------------------------
+
+VARLEN = "albatross_varlen"  # the name ``varlen_attention`` is registered under in transformers
+
+AttentionInputs = Callable[[MicroBatch, torch.dtype, torch.device], dict[str, Any]]
+
+
+def _segment_attention(q: Tensor, k: Tensor, v: Tensor, dropout: float, scaling: float | None,
+                       sliding_window: int | None) -> Tensor:
+    """Causal sdpa over one sample, [1, heads, n, d]; a sliding window becomes an explicit band mask."""
+    gqa = q.shape[1] != k.shape[1]
+    n = q.shape[2]
+    if sliding_window is None or sliding_window >= n:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+    idx = torch.arange(n, device=q.device)
+    band = (idx[None, :] <= idx[:, None]) & (idx[:, None] - idx[None, :] < sliding_window)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=band, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+    )
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function: causal attention inside each packed sample, [B, T, heads, d] out.
+
+    With ``cu_seq_lens_q`` (a packed row, batch 1) each sample's queries attend only to its own keys;
+    without it this is transformers' ``sdpa`` (so generation with the same model keeps working).
+    """
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"varlen attention takes one packed row, got batch {query.shape[0]}")
+    bounds = cu_seq_lens_q.tolist()
+    outs = [
+        _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout, scaling,
+                           sliding_window)
+        for s, e in itertools.pairwise(bounds) if e > s
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register_varlen_attention() -> str:
+    """Register ``varlen_attention`` (and sdpa's mask builder for its fallback) with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    AttentionMaskInterface.register(VARLEN, sdpa_mask)
+    return VARLEN
+
+
+def _varlen_inputs(mb: MicroBatch, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    # An all-ones padding mask stops transformers from building its own packed [T, T] mask.
+    cu = mb.cu_seq_lens.to(device)
+    longest = max(mb.seq_lens, default=0)
+    return {"attention_mask": torch.ones(1, mb.num_tokens, dtype=torch.bool, device=device),
+            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def _flash_inputs(mb: MicroBatch, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    out = _varlen_inputs(mb, dtype, device)
+    out["attention_mask"] = None
+    return out
+
+
+def _dense_inputs(bool_mask: bool) -> AttentionInputs:
+    def inputs(mb: MicroBatch, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+        return {"attention_mask": block_causal_mask(mb.seq_lens, torch.bool if bool_mask else dtype, device)}
+
+    return inputs
+
+
+ATTENTION_MODES = ("auto", "varlen", "flash", "dense")
+
+
+def attention_inputs(model: torch.nn.Module, mode: str = "auto") -> AttentionInputs:
+    """Pick the document-masking implementation once; may switch ``model`` to ``varlen_attention``.
+
+    ``auto``: ``flash`` when the model already runs a flash-attn implementation, else ``varlen``.
+    Returns a function giving the attention keyword arguments of a micro-batch's forward.
+    """
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"unknown attention mode {mode!r}; choose one of {list(ATTENTION_MODES)}")
+    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+    if mode == "auto":
+        mode = "flash" if impl.startswith("flash") else "varlen"
+    if mode == "flash":
+        if not impl.startswith("flash"):
+            raise ValueError(f"attention 'flash' needs a flash_attention_* model, this one uses {impl!r}")
+        return _flash_inputs
+    if mode == "varlen":
+        if impl != VARLEN:
+            model.set_attn_implementation(register_varlen_attention())
+        return _varlen_inputs
+    return _dense_inputs(bool_mask=impl != "eager")

@@ -1,8 +1,9 @@
-"""Built-in PyTorch engine: one model in this process, batched generation on a worker thread.
+"""Built-in PyTorch engine: one model in this process, continuous batching on a worker thread.
 
-``BuiltinEngine`` implements ``albatross.engine.base.Engine``: the runner (``runner.py``) does batched
-generation with a KV cache; the scheduler (``scheduler.py``) batches requests from many threads and applies
-weight swaps between decode steps.
+``BuiltinEngine`` implements ``albatross.engine.base.Engine``: the runner (``runner.py``) runs the batch with a
+KV grid and a prefix cache kept across turns (``kvcache.py``), n-gram speculative decoding
+(``speculative.py``) and sampling (``sampling.py``); the scheduler (``scheduler.py``) admits requests from
+many threads at every step and applies weight swaps between forward passes.
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ from pathlib import Path
 import torch
 
 from albatross.engine.base import Completion, SamplingParams
-from albatross.engine.builtin.runner import ModelRunner, check_state_dict, read_safetensors_dir
+from albatross.engine.builtin.runner import (
+    Decode,
+    ModelRunner,
+    SpecConfig,
+    Stats,
+    check_state_dict,
+    read_safetensors_dir,
+)
 from albatross.engine.builtin.scheduler import EngineClosed, Scheduler
 
-__all__ = ["BuiltinEngine", "EngineClosed"]
+__all__ = ["BuiltinEngine", "EngineClosed", "SpecConfig", "Stats"]
 
 
 def _load_model(path: str, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -29,8 +37,22 @@ def _load_model(path: str, dtype: torch.dtype | None) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
+def _default_decode(path: str) -> Decode | None:
+    from albatross.engine.tokenizer import load_text_tokenizer
+
+    try:
+        return load_text_tokenizer(path).decode
+    except FileNotFoundError:
+        return None
+
+
 class BuiltinEngine:
-    """In-process engine. ``model`` is a transformers causal LM or the path of a directory holding one."""
+    """In-process engine. ``model`` is a transformers causal LM or the path of a directory holding one.
+
+    ``speculative``: draft tokens per row and step of n-gram speculative decoding (0 = off; or a ``SpecConfig``).
+    ``prefix_cache_tokens``: token budget of the KV kept from finished requests for the next turn (0 = off).
+    ``decode``: ids -> text, needed for stop strings (loaded from a model directory's tokenizer when there is one).
+    """
 
     def __init__(
         self,
@@ -39,12 +61,23 @@ class BuiltinEngine:
         max_batch_size: int = 64,
         version: int = 0,
         dtype: torch.dtype | None = None,
+        speculative: int | SpecConfig = 0,
+        prefix_cache_tokens: int = 65536,
+        decode: Decode | None = None,
+        max_prefill_tokens: int = 8192,
     ) -> None:
         module = _load_model(model, dtype) if isinstance(model, str) else model
         if dtype is not None:
             module = module.to(dtype)
-        self.runner = ModelRunner(module, device, version)
-        self.scheduler = Scheduler(self.runner, max_batch_size)
+        if decode is None and isinstance(model, str):
+            decode = _default_decode(model)
+        spec = speculative if isinstance(speculative, SpecConfig) else SpecConfig(draft_tokens=speculative)
+        self.runner = ModelRunner(module, device, version, prefix_cache_tokens, spec, decode)
+        self.scheduler = Scheduler(self.runner, max_batch_size, max_prefill_tokens)
+
+    @property
+    def stats(self) -> Stats:
+        return self.runner.stats
 
     @property
     def version(self) -> int:

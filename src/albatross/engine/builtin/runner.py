@@ -1,30 +1,39 @@
-"""Batched generation with a KV cache for a transformers causal LM, plus weight loading.
+"""Continuous batching on a transformers causal LM: requests join and leave the running batch at every step.
 
-One call of ``ModelRunner.generate`` runs a static batch: left-padded prefill, then one decode step per
-token with a ``DynamicCache``; finished rows are dropped from the batch (and the cache) as they finish.
+``ModelRunner`` owns the model and the running batch. Each call of ``admit`` or ``step`` is one forward pass:
+- ``admit`` prefills joining requests (only the part of each prompt the prefix cache does not hold), samples
+  their first token and merges them into the running batch's KV grid (``kvcache.Grid``);
+- ``step`` decodes one token for every running row, or, with speculative decoding on, verifies each row's
+  n-gram draft and appends 1 to ``1 + draft`` tokens per row (``speculative.py``).
+A row leaves as soon as it is done (stop token, stop string, max tokens); its KV goes to the prefix cache so the
+next turn of the same attempt prefills only its new tokens. Sampling is described in ``sampling.py``.
 
-Sampling (all rows at once, no Python loop over the batch):
-- temperature 0 is greedy; its log-prob is ``log_softmax(logits)`` of the chosen id.
-- otherwise the distribution sampled from is ``softmax(logits / T)`` restricted to the top-k ids, then to the
-  top-p nucleus of that (renormalised after top-k), renormalised. The returned log-prob is the log of that
-  truncated, renormalised distribution at the sampled id; for T = 1 with no top-k / top-p it is exactly
-  ``log_softmax(logits)``.
-- each request draws its uniforms from its own ``torch.Generator`` (seeded with ``SamplingParams.seed`` when
-  given) and samples by inverse CDF, so a seeded request gives the same ids whatever else is in the batch.
-
-Every token records the version of the weights whose forward pass produced its logits.
+Every token records the version of the weights whose forward pass produced its logits. Call everything from one
+thread (the scheduler's worker).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.builtin.kvcache import Grid, PrefixCache, new_cache, prefix_grid
+from albatross.engine.builtin.sampling import (
+    SamplingTensors,
+    build_sampling_tensors,
+    log_distribution,
+    request_uniforms,
+    sample,
+)
+from albatross.engine.builtin.speculative import NgramIndex, verify
+
+Decode = Callable[[Sequence[int]], str]
+Done = Callable[[Completion | BaseException], None]  # called once per request: its completion or its failure
 
 
 @dataclass
@@ -33,7 +42,9 @@ class Request:
     params: SamplingParams
 
 
-def validate_request(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
+def validate_request(
+    prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, can_decode: bool = True
+) -> None:
     """Raise ``ValueError`` naming the bad field; called before a request joins a batch."""
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids is empty: the engine needs at least one prompt token")
@@ -49,168 +60,48 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, vocab_si
         raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {params.top_k}")
     if params.max_tokens < 0:
         raise ValueError(f"SamplingParams.max_tokens must be >= 0, got {params.max_tokens}")
-
-
-# ----------------------------------------------------------------------------------------------- sampling
-
-
-@dataclass
-class SamplingTensors:
-    """Per-row sampling parameters of the active rows, as tensors (row r of every field is one request)."""
-
-    greedy_B: torch.Tensor  # bool
-    temperature_B: torch.Tensor  # float; 1 for greedy rows
-    top_k_B: torch.Tensor  # long; vocab size when off or greedy
-    top_p_B: torch.Tensor  # float; 1 when off or greedy
-    uniforms_BT: torch.Tensor  # float in [0, 1): the uniform for step t of each row
-    max_tokens_B: torch.Tensor  # long
-    stop_ids_BS: torch.Tensor  # long, padded with -1
-    truncate: bool  # any row uses top-k or top-p
-    k_max: int  # largest top_k (vocab size when some row has none): only the k_max best ids can be sampled
-
-    def select(self, rows: torch.Tensor) -> SamplingTensors:
-        return SamplingTensors(
-            greedy_B=self.greedy_B[rows],
-            temperature_B=self.temperature_B[rows],
-            top_k_B=self.top_k_B[rows],
-            top_p_B=self.top_p_B[rows],
-            uniforms_BT=self.uniforms_BT[rows],
-            max_tokens_B=self.max_tokens_B[rows],
-            stop_ids_BS=self.stop_ids_BS[rows],
-            truncate=self.truncate,
-            k_max=self.k_max,
-        )
-
-
-def _uniforms(params: SamplingParams, n: int, seed_source: torch.Generator) -> torch.Tensor:
-    seed = params.seed
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,), generator=seed_source))
-    generator = torch.Generator().manual_seed(seed)
-    return torch.rand(n, generator=generator)
-
-
-def build_sampling_tensors(
-    params: Sequence[SamplingParams], vocab: int, device: torch.device, seed_source: torch.Generator
-) -> SamplingTensors:
-    n_steps = max(1, max(p.max_tokens for p in params))
-    greedy = [p.temperature == 0 for p in params]
-    top_k = [vocab if g or p.top_k == 0 else min(p.top_k, vocab) for p, g in zip(params, greedy, strict=True)]
-    top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
-    n_stop = max(1, max(len(p.stop_token_ids) for p in params))
-    stops = [list(p.stop_token_ids) + [-1] * (n_stop - len(p.stop_token_ids)) for p in params]
-
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    return SamplingTensors(
-        greedy_B=tensor(greedy, torch.bool),
-        temperature_B=tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
-        ),
-        top_k_B=tensor(top_k, torch.long),
-        top_p_B=tensor(top_p, torch.float32),
-        uniforms_BT=torch.stack([_uniforms(p, n_steps, seed_source) for p in params]).to(device),
-        max_tokens_B=tensor([p.max_tokens for p in params], torch.long),
-        stop_ids_BS=tensor(stops, torch.long),
-        truncate=any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p),
-        k_max=max(top_k),
-    )
-
-
-def _support_sorted(sorted_BK: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Which of the sorted logits survive top-k and then the top-p nucleus of the renormalised top-k."""
-    rank_K = torch.arange(sorted_BK.shape[-1], device=sorted_BK.device)
-    keep_BK = rank_K[None, :] < st.top_k_B[:, None]
-    probs_BK = sorted_BK.masked_fill(~keep_BK, float("-inf")).softmax(-1)
-    mass_before_BK = probs_BK.cumsum(-1) - probs_BK
-    return keep_BK & ((mass_before_BK < st.top_p_B[:, None]) | (st.top_p_B[:, None] >= 1.0))
-
-
-def _truncate(scaled_BV: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p support to -inf, keeping vocabulary order."""
-    if st.k_max < scaled_BV.shape[-1]:  # every row has a top-k: a partial sort is enough
-        sorted_BK, order_BK = scaled_BV.topk(st.k_max, dim=-1, sorted=True)
-    else:
-        sorted_BK, order_BK = scaled_BV.sort(-1, descending=True)
-    keep_BV = torch.zeros_like(scaled_BV, dtype=torch.bool).scatter_(
-        1, order_BK, _support_sorted(sorted_BK, st)
-    )
-    return scaled_BV.masked_fill(~keep_BV, float("-inf"))
-
-
-def sample(logits_BV: torch.Tensor, st: SamplingTensors, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one id per row; return (ids_B, logprobs_B) as described in the module docstring.
-
-    The inverse CDF runs over the vocabulary in id order, so a row's id depends only on its own logits and
-    uniform, not on whether other rows in the batch made the truncation path run."""
-    scaled_BV = logits_BV.float() / st.temperature_B[:, None]
-    if st.truncate:
-        scaled_BV = _truncate(scaled_BV, st)
-    logp_BV = scaled_BV.log_softmax(-1)
-    cdf_BV = logp_BV.exp().cumsum(-1)
-    x_B1 = (st.uniforms_BT[:, step] * cdf_BV[:, -1]).unsqueeze(1)
-    ids_B = torch.searchsorted(cdf_BV, x_B1, right=True).squeeze(1).clamp_(max=logp_BV.shape[-1] - 1)
-    ids_B = torch.where(st.greedy_B, logits_BV.argmax(-1), ids_B)
-    logprobs_B = logp_BV.gather(1, ids_B[:, None]).squeeze(1)
-    return _avoid_excluded(ids_B, logprobs_B, logp_BV)
-
-
-def _avoid_excluded(
-    ids_B: torch.Tensor, logprobs_B: torch.Tensor, logp_BV: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float rounding at the top of the CDF can land on an excluded id; take the row's best id instead."""
-    ids_B = torch.where(torch.isinf(logprobs_B), logp_BV.argmax(-1), ids_B)
-    return ids_B, logp_BV.gather(1, ids_B[:, None]).squeeze(1)
-
-
-# ---------------------------------------------------------------------------------------------- generation
+    if any(not s for s in params.stop):
+        raise ValueError("SamplingParams.stop must not contain an empty string")
+    if params.stop and not can_decode:
+        raise ValueError("SamplingParams.stop needs a tokenizer: give the engine one (or use stop_token_ids)")
 
 
 @dataclass
-class _Batch:
-    """Decode state of the rows still running; ``rows_B`` maps them to request indices."""
+class Stats:
+    """Counters since start (read from any thread; written by the worker only)."""
 
-    rows_B: torch.Tensor
-    last_ids_B: torch.Tensor
-    mask_BL: torch.Tensor | None  # None when no active row has padding
-    next_pos_B: torch.Tensor
-    st: SamplingTensors
-    cache: object
-
-    def keep(self, keep_B: torch.Tensor) -> None:
-        idx = keep_B.nonzero().squeeze(1)
-        self.cache.batch_select_indices(idx)  # type: ignore[attr-defined]
-        self.rows_B, self.last_ids_B = self.rows_B[idx], self.last_ids_B[idx]
-        self.next_pos_B, self.st = self.next_pos_B[idx], self.st.select(idx)
-        if self.mask_BL is not None:
-            self.mask_BL = self.mask_BL[idx]
-            if bool(self.mask_BL.all()):  # the padded rows are gone
-                self.mask_BL = None
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forward_passes: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
-class _Outputs:
-    """Generated ids and log-probs of every request, by request index and step."""
+class _Seq:
+    """One running request."""
 
-    ids_RT: torch.Tensor
-    logprobs_RT: torch.Tensor
-    versions_T: list[int]
+    request: Request
+    done: Done
+    uniforms: torch.Tensor
+    cached: int = 0
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    ngrams: NgramIndex | None = None
+    stop_reason: int | str | None = None
 
-    def completion(self, row: int, n: int, reason: str) -> Completion:
-        return Completion(
-            token_ids=self.ids_RT[row, :n].tolist(),
-            logprobs=self.logprobs_RT[row, :n].tolist(),
-            versions=self.versions_T[:n],
-            finish_reason=reason,
-        )
+    def completion(self, reason: str) -> Completion:
+        return Completion(self.ids, self.logprobs, self.versions, reason, self.stop_reason, self.cached)
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for r, p in enumerate(prompts):
+def _left_pad(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for r, p in enumerate(seqs):
         ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[r, width - len(p) :] = 1
     return ids.to(device), mask.to(device)
@@ -221,148 +112,296 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _new_cache(model: torch.nn.Module) -> object:
-    """A ``DynamicCache`` whose plain full-attention layers grow in place (see ``_growing_layer_class``)."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+@dataclass
+class SpecConfig:
+    """n-gram speculative decoding: ``draft_tokens`` per row and step (0 = off), suffix n-grams ``n_min..n_max``."""
 
-    config = getattr(model, "config", None)
-    cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    layers = getattr(cache, "layers", [])
-    grow = _growing_layer_class()
-    for i, layer in enumerate(layers):
-        if type(layer) is DynamicLayer:
-            layers[i] = grow()
-    return cache
-
-
-_GROWING_LAYER: type | None = None
-
-
-def _growing_layer_class() -> type:
-    """A ``DynamicLayer`` that appends into a buffer with spare capacity instead of concatenating.
-
-    ``DynamicLayer`` copies the whole cache on every decode step (``torch.cat``); this one doubles its buffer
-    when full, so a step writes one position. ``keys`` / ``values`` are views of the filled part.
-    """
-    global _GROWING_LAYER
-    if _GROWING_LAYER is not None:
-        return _GROWING_LAYER
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            super().lazy_initialization(key_states, value_states)
-            self.length = 0
-            self.buf_k: torch.Tensor | None = None
-            self.buf_v: torch.Tensor | None = None
-
-        def _reserve(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
-            if self.buf_k is not None and need <= self.buf_k.shape[-2]:
-                return
-            cap = max(need, 64, 2 * (0 if self.buf_k is None else self.buf_k.shape[-2]))
-            new_k = k.new_empty(*k.shape[:-2], cap, k.shape[-1])
-            new_v = v.new_empty(*v.shape[:-2], cap, v.shape[-1])
-            if self.buf_k is not None:
-                new_k[..., : self.length, :] = self.buf_k[..., : self.length, :]
-                new_v[..., : self.length, :] = self.buf_v[..., : self.length, :]
-            self.buf_k, self.buf_v = new_k, new_v
-
-        def update(
-            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            end = self.length + key_states.shape[-2]
-            self._reserve(key_states, value_states, end)
-            self.buf_k[..., self.length : end, :] = key_states
-            self.buf_v[..., self.length : end, :] = value_states
-            self.length = end
-            self.keys, self.values = self.buf_k[..., :end, :], self.buf_v[..., :end, :]
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self.length if self.is_initialized else 0
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            if self.get_seq_length() > 0:
-                self.buf_k, self.buf_v = self.buf_k[indices], self.buf_v[indices]
-                self.keys, self.values = self.buf_k[..., : self.length, :], self.buf_v[..., : self.length, :]
-
-        def crop(self, tokens_to_remove: int) -> None:
-            if tokens_to_remove < 0 and self.is_initialized:
-                self.length = max(0, self.length + tokens_to_remove)
-                self.keys, self.values = self.buf_k[..., : self.length, :], self.buf_v[..., : self.length, :]
-            else:
-                super().crop(tokens_to_remove)
-
-    _GROWING_LAYER = GrowingLayer
-    return GrowingLayer
+    draft_tokens: int = 0
+    n_min: int = 1
+    n_max: int = 3
 
 
 class ModelRunner:
-    """Owns the model; runs static batches and applies weight swaps (call both from one thread)."""
+    """Owns the model and the running batch; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu", version: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: str | torch.device = "cpu",
+        version: int = 0,
+        prefix_cache_tokens: int = 65536,
+        spec: SpecConfig | None = None,
+        decode: Decode | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.version = version
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.spec = spec or SpecConfig()
+        self.decode = decode
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.stats = Stats()
         self._cache_kwarg = _cache_kwarg(model)
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._seed_source = torch.Generator()
         self._seed_source.seed()
+        new_cache(self.model)  # fails early for models whose cache the engine cannot manage
+        self._reset_batch()
+
+    def _reset_batch(self) -> None:
+        self.rows: list[_Seq] = []
+        self.grid: Grid | None = None
+        self.last_ids_B = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.next_pos_B = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.index_B = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.st: SamplingTensors | None = None
 
     # ---------------------------------------------------------------------------------- weights
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Check names and shapes, then copy ``state_dict`` into the model in place and set ``version``."""
+        """Check names and shapes, copy ``state_dict`` into the model in place, set ``version``. The prefix cache
+        is dropped (its KV came from the old weights); running rows keep their KV and continue."""
         targets = check_state_dict(self.model, state_dict)
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 targets[name].copy_(tensor)
         self.version = version
+        self.prefix_cache.clear()
 
-    # ---------------------------------------------------------------------------------- generation
+    # ---------------------------------------------------------------------------------- batch
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        validate_request(prompt_ids, params, self.vocab_size, self.decode is not None)
+
+    @property
+    def n_running(self) -> int:
+        return len(self.rows)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Drop every running row; each request fails with ``exc``."""
+        rows = self.rows
+        self._reset_batch()
+        for seq in rows:
+            seq.done(exc)
 
     def _forward(
-        self,
-        ids_BL: torch.Tensor,
-        batch_mask: torch.Tensor | None,
-        pos_BL: torch.Tensor,
-        cache: object,
+        self, ids_BT: torch.Tensor, mask_BL: torch.Tensor | None, pos_BT: torch.Tensor, cache: object,
         last_only: bool,
     ) -> torch.Tensor:
         kwargs: dict[str, object] = {self._cache_kwarg: cache}
         if last_only and self._keep_last:
             kwargs["logits_to_keep"] = 1
-        out = self.model(
-            input_ids=ids_BL, attention_mask=batch_mask, position_ids=pos_BL, use_cache=True, **kwargs
-        )
-        return out.logits[:, -1, :]
+        if mask_BL is not None and bool(mask_BL.all()):
+            mask_BL = None
+        self.stats.forward_passes += 1
+        out = self.model(input_ids=ids_BT, attention_mask=mask_BL, position_ids=pos_BT, use_cache=True, **kwargs)
+        return out.logits[:, -1, :] if last_only else out.logits
 
-    def _prefill(self, requests: Sequence[Request]) -> tuple[_Batch, torch.Tensor]:
-        ids_BL, mask_BL = _left_pad([r.prompt_ids for r in requests], self.device)
-        pos_BL = (mask_BL.cumsum(-1) - 1).clamp_(min=0)
-        padded = bool((mask_BL == 0).any())
-        cache = _new_cache(self.model)
-        logits_BV = self._forward(ids_BL, mask_BL if padded else None, pos_BL, cache, last_only=True)
-        st = build_sampling_tensors(
-            [r.params for r in requests], logits_BV.shape[-1], self.device, self._seed_source
-        )
-        rows_B = torch.arange(len(requests), device=self.device)
-        batch = _Batch(rows_B, rows_B, mask_BL if padded else None, pos_BL[:, -1] + 1, st, cache)
-        return batch, logits_BV
+    # ---------------------------------------------------------------------------------- admission
 
-    def _decode(self, batch: _Batch) -> torch.Tensor:
-        if batch.mask_BL is not None:
-            ones_B1 = batch.mask_BL.new_ones(batch.mask_BL.shape[0], 1)
-            batch.mask_BL = torch.cat([batch.mask_BL, ones_B1], dim=1)
+    def admit(self, items: Sequence[tuple[Request, Done]]) -> None:
+        """Prefill ``items`` (one forward pass), sample their first tokens, add the unfinished ones to the batch."""
+        seqs = []
+        for request, done in items:
+            self.stats.requests += 1
+            self.stats.prompt_tokens += len(request.prompt_ids)
+            if request.params.max_tokens == 0:
+                done(Completion([], [], [], "length"))
+            else:
+                seqs.append(_Seq(request, done, request_uniforms(request.params, self._seed_source)))
+        if seqs:
+            with torch.inference_mode():
+                self._prefill(seqs)
+
+    def _prefill(self, seqs: list[_Seq]) -> None:
+        found = [self.prefix_cache.lookup(s.request.prompt_ids, self.version) for s in seqs]
+        for seq, (_, n) in zip(seqs, found, strict=True):
+            seq.cached = n
+            self.stats.cached_prompt_tokens += n
+        deltas = [s.request.prompt_ids[s.cached :] for s in seqs]
+        ids_BT, dmask_BT = _left_pad(deltas, self.device)
+        cached_B = torch.tensor([s.cached for s in seqs], device=self.device)
+        pos_BT = cached_B[:, None] + (dmask_BT.cumsum(-1) - 1).clamp_(min=0)
+        grid = prefix_grid(self.model, [kv for kv, _ in found], self.device)
+        if grid is None:
+            grid = Grid(new_cache(self.model), dmask_BT)
+            mask_BL = dmask_BT
+        else:
+            mask_BL = grid.append_mask(dmask_BT)
+        logits_BV = self._forward(ids_BT, mask_BL, pos_BT, grid.cache, last_only=True)
+        st = self._sampling([s for s in seqs])
+        index_B = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        ids_B, logprobs_B = sample(logits_BV, st, index_B)
+        if self.spec.draft_tokens > 0:
+            for seq in seqs:
+                seq.ngrams = NgramIndex(self.spec.n_min, self.spec.n_max)
+                seq.ngrams.extend(seq.request.prompt_ids)
+        keep = self._record(seqs, ids_B.tolist(), [[lp] for lp in logprobs_B.tolist()], st, grid)
+        self._join(seqs, grid, ids_B, cached_B + dmask_BT.sum(1), keep)
+
+    def _join(
+        self, seqs: list[_Seq], grid: Grid, ids_B: torch.Tensor, next_pos_B: torch.Tensor, keep: list[bool]
+    ) -> None:
+        if not any(keep):
+            return
+        idx = torch.tensor([i for i, k in enumerate(keep) if k], device=self.device)
+        if not all(keep):
+            grid.select(idx)
+        self.grid = grid if self.grid is None else self.grid.merge(grid, self.model)
+        self.rows += [s for s, k in zip(seqs, keep, strict=True) if k]
+        self.last_ids_B = torch.cat([self.last_ids_B, ids_B[idx]])
+        self.next_pos_B = torch.cat([self.next_pos_B, next_pos_B[idx]])
+        self.index_B = torch.cat([self.index_B, torch.ones_like(idx)])
+        self.st = self._sampling(self.rows)
+        self._maybe_compact()
+
+    def _sampling(self, seqs: Sequence[_Seq]) -> SamplingTensors:
+        return build_sampling_tensors(
+            [s.request.params for s in seqs], [s.uniforms for s in seqs], self.vocab_size, self.device
+        )
+
+    # ---------------------------------------------------------------------------------- decoding
+
+    def step(self) -> None:
+        """One forward pass for every running row: a plain decode step, or a speculative one when drafts exist."""
+        if not self.rows:
+            return
+        with torch.inference_mode():
+            drafts = self._drafts() if self.spec.draft_tokens > 0 else None
+            if drafts is not None and any(drafts):
+                self._spec_step(drafts)
+            else:
+                self._decode_step()
+
+    def _decode_step(self) -> None:
+        assert self.grid is not None and self.st is not None
+        mask_BL = self.grid.append_mask(torch.ones_like(self.last_ids_B)[:, None])
         logits_BV = self._forward(
-            batch.last_ids_B[:, None], batch.mask_BL, batch.next_pos_B[:, None], batch.cache, last_only=False
+            self.last_ids_B[:, None], mask_BL, self.next_pos_B[:, None], self.grid.cache, last_only=False
         )
-        batch.next_pos_B = batch.next_pos_B + 1
-        return logits_BV
+        ids_B, logprobs_B = sample(logits_BV[:, -1], self.st, self.index_B)
+        self.last_ids_B, self.next_pos_B, self.index_B = ids_B, self.next_pos_B + 1, self.index_B + 1
+        keep = self._record(self.rows, ids_B.tolist(), [[lp] for lp in logprobs_B.tolist()], self.st, self.grid)
+        self._leave(keep)
+
+    def _drafts(self) -> list[list[int]]:
+        left = (self.st.max_tokens_B - self.index_B).tolist()  # type: ignore[union-attr]
+        k = self.spec.draft_tokens
+        return [s.ngrams.propose(min(k, n - 1)) for s, n in zip(self.rows, left, strict=True)]  # type: ignore[union-attr]
+
+    def _spec_step(self, drafts: list[list[int]]) -> None:
+        assert self.grid is not None and self.st is not None
+        B, K = len(drafts), max(len(d) for d in drafts)
+        drafts_BK = torch.full((B, K), -1, dtype=torch.long)
+        for r, d in enumerate(drafts):
+            drafts_BK[r, : len(d)] = torch.tensor(d, dtype=torch.long)
+        drafts_BK = drafts_BK.to(self.device)
+        n_drafts_B = torch.tensor([len(d) for d in drafts], device=self.device)
+        ids_BT = torch.cat([self.last_ids_B[:, None], drafts_BK.clamp(min=0)], dim=1)
+        arange_T = torch.arange(K + 1, device=self.device)
+        in_mask_BT = (arange_T[None, :] <= n_drafts_B[:, None]).long()
+        mask_BL = self.grid.append_mask(in_mask_BT)
+        logits_BTV = self._forward(
+            ids_BT, mask_BL, self.next_pos_B[:, None] + arange_T, self.grid.cache, last_only=False
+        )
+        logp_BTV = log_distribution(logits_BTV.reshape(B * (K + 1), -1), self.st.repeat(K + 1)).view(B, K + 1, -1)
+        v = verify(logp_BTV, drafts_BK, n_drafts_B, self.st, self.index_B)
+        self._after_verify(drafts, v.accepted_B, v.draft_logprobs_BK, v.final_ids_B, v.final_logprobs_B)
+
+    def _after_verify(
+        self, drafts: list[list[int]], accepted_B: torch.Tensor, draft_lp_BK: torch.Tensor,
+        final_B: torch.Tensor, final_lp_B: torch.Tensor,
+    ) -> None:
+        assert self.grid is not None and self.st is not None
+        K = draft_lp_BK.shape[1]
+        cols_T = torch.arange(K + 1, device=self.device)
+        self.grid.mask_BL[:, -(K + 1) :] *= (cols_T[None, :] <= accepted_B[:, None]).long()
+        n_acc, finals, draft_lps = accepted_B.tolist(), final_B.tolist(), draft_lp_BK.tolist()
+        final_lps = final_lp_B.tolist()
+        tokens = [drafts[r][: n_acc[r]] + [finals[r]] for r in range(len(self.rows))]
+        logprobs = [draft_lps[r][: n_acc[r]] + [final_lps[r]] for r in range(len(self.rows))]
+        self.stats.draft_tokens += sum(len(d) for d in drafts)
+        self.stats.accepted_draft_tokens += sum(n_acc)
+        self.last_ids_B = final_B
+        self.next_pos_B = self.next_pos_B + 1 + accepted_B
+        self.index_B = self.index_B + 1 + accepted_B
+        keep = self._record_multi(self.rows, tokens, logprobs, self.st)
+        self._leave(keep)
+
+    # ---------------------------------------------------------------------------------- finishing
+
+    def _record(
+        self, seqs: list[_Seq], ids: list[int], logprobs: list[list[float]], st: SamplingTensors, grid: Grid
+    ) -> list[bool]:
+        return self._record_multi(seqs, [[i] for i in ids], logprobs, st, grid)
+
+    def _record_multi(
+        self, seqs: list[_Seq], tokens: list[list[int]], logprobs: list[list[float]], st: SamplingTensors,
+        grid: Grid | None = None,
+    ) -> list[bool]:
+        """Append each row's new tokens; finish rows that are done; return which rows keep running."""
+        keep = []
+        for r, seq in enumerate(seqs):
+            reason = self._append(seq, tokens[r], logprobs[r])
+            if reason is not None:
+                self._finish(seq, r, reason, grid or self.grid)
+            keep.append(reason is None)
+        return keep
+
+    def _append(self, seq: _Seq, toks: list[int], lps: list[float]) -> str | None:
+        """Append tokens up to the first stop; return the finish reason, or None while the row runs."""
+        params = seq.request.params
+        for tok, lp in zip(toks, lps, strict=True):
+            seq.ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(self.version)
+            if seq.ngrams is not None:
+                seq.ngrams.extend([tok])
+            self.stats.generated_tokens += 1
+            if tok in params.stop_token_ids:
+                seq.stop_reason = tok
+                return "stop"
+            if params.stop and self._hit_stop_string(seq):
+                return "stop"
+            if len(seq.ids) >= params.max_tokens:
+                return "length"
+        return None
+
+    def _hit_stop_string(self, seq: _Seq) -> bool:
+        assert self.decode is not None
+        text = self.decode(seq.ids)
+        for stop in seq.request.params.stop:
+            if stop in text:
+                seq.stop_reason = stop
+                return True
+        return False
+
+    def _finish(self, seq: _Seq, row: int, reason: str, grid: Grid | None) -> None:
+        key = seq.request.prompt_ids + seq.ids[:-1]
+        if grid is not None and self.prefix_cache.max_tokens > 0:
+            self.prefix_cache.put(key, grid.row_kv(row, len(key)), self.version)
+        seq.done(seq.completion(reason))
+
+    def _leave(self, keep: list[bool]) -> None:
+        if all(keep):
+            self._maybe_compact()
+            return
+        if not any(keep):
+            self._reset_batch()
+            return
+        idx = torch.tensor([i for i, k in enumerate(keep) if k], device=self.device)
+        assert self.grid is not None
+        self.grid.select(idx)
+        self.rows = [s for s, k in zip(self.rows, keep, strict=True) if k]
+        self.last_ids_B, self.next_pos_B, self.index_B = self.last_ids_B[idx], self.next_pos_B[idx], self.index_B[idx]
+        self.st = self._sampling(self.rows)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        if self.grid is not None and self.grid.length > 64 and self.grid.waste() > 0.4:
+            self.grid.compact(self.model)
+
+    # ---------------------------------------------------------------------------------- one-shot batches
 
     def generate(
         self,
@@ -370,69 +409,30 @@ class ModelRunner:
         between_steps: Callable[[], None] | None = None,
         on_finish: Callable[[int, Completion], None] | None = None,
     ) -> list[Completion]:
-        """Run ``requests`` as one batch. ``between_steps`` runs before every forward pass (the place for weight
-        swaps); ``on_finish(index, completion)`` runs as soon as a request is done."""
+        """Run ``requests`` to completion (all admitted at once). ``between_steps`` runs before every forward pass;
+        ``on_finish(index, completion)`` runs as soon as a request is done."""
         results: list[Completion | None] = [None] * len(requests)
 
-        def finish(row: int, completion: Completion) -> None:
-            results[row] = completion
-            if on_finish is not None:
-                on_finish(row, completion)
+        def done_fn(i: int) -> Done:
+            def done(c: Completion | BaseException) -> None:
+                if isinstance(c, BaseException):
+                    raise c
+                results[i] = c
+                if on_finish is not None:
+                    on_finish(i, c)
 
-        todo = [i for i, r in enumerate(requests) if r.params.max_tokens > 0]
-        for i in sorted(set(range(len(requests))) - set(todo)):
-            finish(i, Completion([], [], [], "length"))
-        if todo:
-            with torch.inference_mode():
-                self._run([requests[i] for i in todo], between_steps, lambda r, c: finish(todo[r], c))
-        return [c for c in results if c is not None]
+            return done
 
-    def _run(
-        self,
-        requests: Sequence[Request],
-        between_steps: Callable[[], None] | None,
-        finish: Callable[[int, Completion], None],
-    ) -> None:
-        if between_steps is not None:
+        for r in requests:
+            self.validate(r.prompt_ids, r.params)
+        if between_steps is not None and any(r.params.max_tokens > 0 for r in requests):
             between_steps()
-        batch, logits_BV = self._prefill(requests)
-        n_steps = batch.st.uniforms_BT.shape[1]
-        out = _Outputs(
-            ids_RT=torch.zeros(len(requests), n_steps, dtype=torch.long, device=self.device),
-            logprobs_RT=torch.zeros(len(requests), n_steps, dtype=torch.float32, device=self.device),
-            versions_T=[],
-        )
-        for step in range(n_steps):
-            out.versions_T.append(self.version)
-            if not self._sample_step(batch, logits_BV, step, out, finish):
-                return
+        self.admit([(r, done_fn(i)) for i, r in enumerate(requests)])
+        while self.rows:
             if between_steps is not None:
                 between_steps()
-            logits_BV = self._decode(batch)
-
-    def _sample_step(
-        self,
-        batch: _Batch,
-        logits_BV: torch.Tensor,
-        step: int,
-        out: _Outputs,
-        finish: Callable[[int, Completion], None],
-    ) -> bool:
-        """Sample one token per active row, finish rows that are done; return whether any row is left."""
-        ids_B, logprobs_B = sample(logits_BV, batch.st, step)
-        out.ids_RT[batch.rows_B, step] = ids_B
-        out.logprobs_RT[batch.rows_B, step] = logprobs_B
-        stopped_B = (ids_B[:, None] == batch.st.stop_ids_BS).any(-1)
-        done_B = stopped_B | (batch.st.max_tokens_B <= step + 1)
-        batch.last_ids_B = ids_B
-        if not bool(done_B.any()):
-            return True
-        for row, stop in zip(batch.rows_B[done_B].tolist(), stopped_B[done_B].tolist(), strict=True):
-            finish(row, out.completion(row, step + 1, "stop" if stop else "length"))
-        if bool(done_B.all()):
-            return False
-        batch.keep(~done_B)
-        return True
+            self.step()
+        return [c for c in results if c is not None]
 
 
 # ------------------------------------------------------------------------------------------------ weights

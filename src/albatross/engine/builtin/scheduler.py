@@ -1,8 +1,10 @@
-"""Thread-safe request queue and the worker thread that runs batches on a ``ModelRunner``.
+"""Thread-safe request queue and the worker thread that drives a ``ModelRunner`` with continuous batching.
 
-Callers on any thread ``submit`` requests and get futures. The worker takes every pending request (up to
-``max_batch_size``) as one batch; requests that arrive while a batch runs join the next batch. Weight swaps are
-queued too and applied by the worker itself between two forward passes, never during one.
+Callers on any thread ``submit`` requests and get futures. Before every decode step the worker admits waiting
+requests into the running batch (up to ``max_batch_size`` rows, and ``max_prefill_tokens`` prompt tokens per
+admission), so a request starts as soon as there is room and leaves as soon as it is done: it never waits for
+the slowest request of a batch. Weight swaps are queued too and applied by the worker itself between two forward
+passes, never during one; running requests continue with the new weights.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from concurrent.futures import Future
 import torch
 
 from albatross.engine.base import Completion, SamplingParams
-from albatross.engine.builtin.runner import ModelRunner, Request, validate_request
+from albatross.engine.builtin.runner import Done, ModelRunner, Request
 
 
 class EngineClosed(RuntimeError):
@@ -28,14 +30,27 @@ class _Swap:
         self.future: Future[None] = Future()
 
 
-class Scheduler:
-    """Batches requests from many threads onto one runner; see the module docstring."""
+def _resolver(future: Future[Completion]) -> Done:
+    def done(result: Completion | BaseException) -> None:
+        if future.done():  # already failed (a request may be failed both as a joiner and as a running row)
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 64) -> None:
+    return done
+
+
+class Scheduler:
+    """Continuous batching of requests from many threads onto one runner; see the module docstring."""
+
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, max_prefill_tokens: int = 8192) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.runner = runner
         self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.step_hook: Callable[[], None] | None = None
         """Called by the worker before every forward pass (tests use it to act at a known step)."""
         self._cond = threading.Condition()
@@ -50,10 +65,10 @@ class Scheduler:
     def submit_many(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Future[Completion]]:
-        """Queue several requests at once (they land in the same batch when it has room)."""
+        """Queue several requests at once (they join the running batch together when there is room)."""
         requests = [Request(list(p), params) for p in prompts]
         for r in requests:
-            validate_request(r.prompt_ids, params, self.runner.vocab_size)
+            self.runner.validate(r.prompt_ids, params)
         futures: list[Future[Completion]] = [Future() for _ in requests]
         with self._cond:
             if self._closed:
@@ -79,8 +94,16 @@ class Scheduler:
         with self._cond:
             return bool(self._swaps)
 
+    @property
+    def n_waiting(self) -> int:
+        return len(self._pending)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, timeout: float | None = None) -> None:
-        """Stop the worker: the running batch ends at its next step with ``EngineClosed``, queued work too."""
+        """Stop the worker: running requests end at the next step with ``EngineClosed``, queued work too."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -92,14 +115,49 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._pending or self._swaps or self._closed):
+                while not (self._pending or self._swaps or self._closed or self.runner.n_running):
                     self._cond.wait()
                 if self._closed:
                     break
-                batch = [self._pending.popleft() for _ in range(min(self.max_batch_size, len(self._pending)))]
-            self._apply_swaps()
-            self._run_batch(batch)
+                joiners = self._take_joiners()
+            try:
+                self._iteration(joiners)
+            except EngineClosed as exc:
+                self._fail(joiners, exc)
+                break
+            except Exception as exc:  # a failed forward pass fails the requests it touched, not the engine
+                self._fail(joiners, exc)
+        self._fail(None, EngineClosed("the engine was closed during generation"))
         self._fail_queued()
+
+    def _take_joiners(self) -> list[tuple[Request, Future[Completion]]]:
+        room = self.max_batch_size - self.runner.n_running
+        joiners: list[tuple[Request, Future[Completion]]] = []
+        tokens = 0
+        while self._pending and len(joiners) < room:
+            n = len(self._pending[0][0].prompt_ids)
+            if joiners and tokens + n > self.max_prefill_tokens:
+                break
+            joiners.append(self._pending.popleft())
+            tokens += n
+        return joiners
+
+    def _iteration(self, joiners: list[tuple[Request, Future[Completion]]]) -> None:
+        live = [(r, f) for r, f in joiners if f.set_running_or_notify_cancel()]
+        if live:
+            self._between_steps()
+            self.runner.admit([(r, _resolver(f)) for r, f in live])
+        if self.runner.n_running:
+            self._between_steps()
+            self.runner.step()
+        elif not live:
+            self._apply_swaps()
+
+    def _fail(self, joiners: list[tuple[Request, Future[Completion]]] | None, exc: BaseException) -> None:
+        for _, future in joiners or []:
+            if future.running():
+                future.set_exception(exc)
+        self.runner.fail_all(exc)
 
     def _apply_swaps(self) -> None:
         while True:
@@ -120,20 +178,6 @@ class Scheduler:
         if self._closed:
             raise EngineClosed("the engine was closed during generation")
         self._apply_swaps()
-
-    def _run_batch(self, batch: list[tuple[Request, Future[Completion]]]) -> None:
-        live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
-        if not live:
-            return
-        futures = [f for _, f in live]
-        try:
-            self.runner.generate(
-                [r for r, _ in live], self._between_steps, lambda i, c: futures[i].set_result(c)
-            )
-        except Exception as exc:
-            for f in futures:
-                if not f.done():
-                    f.set_exception(exc)
 
     def _fail_queued(self) -> None:
         with self._cond:

@@ -1,0 +1,391 @@
+"""`albatross eval` and `albatross report`. Nothing heavy is imported at module level.
+
+``eval`` appends every try to OUT/attempts.jsonl as it finishes; rerun with the same OUT and it skips
+the (task, trial) pairs already finished, so an interrupted evaluation resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+AGENTS = ("model", "oracle", "noop")
+NOOP_ACTION = "```bash\nsubmit\n```"
+ATTEMPTS_FILE, CONFIG_FILE, SUMMARY_FILE = "attempts.jsonl", "eval.json", "summary.json"
+_IDENTITY = ("agent", "model", "label")
+EXIT_USER_ERROR = 2
+
+
+class EvalError(Exception):
+    """A user error of ``eval`` or ``report``: printed as one line, exit code 2."""
+
+
+def _one_line_errors(fn: Callable[[argparse.Namespace, list[str]], int]) -> Callable[..., int]:
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace, extra: list[str]) -> int:
+        try:
+            return fn(args, extra)
+        except EvalError as e:
+            print(f"albatross: error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+
+    return run
+
+
+def register(sub: Any, tasks_sub: Any) -> None:
+    """Add the ``eval`` and ``report`` commands to the top-level subparsers."""
+    p = sub.add_parser("eval", help="evaluate a model (or the tasks' oracle) on tasks: Pass@1, pass@k, "
+                       "tokens, cost; resumable")
+    p.add_argument("--model", metavar="SPEC", help="a local model directory (built-in engine) or the "
+                   "http(s) URL of a vLLM / SGLang / OpenAI-compatible server")
+    p.add_argument("--agent", choices=AGENTS, default="model", help="model: the training harness driving "
+                   "--model; oracle: each task's solution/solve.sh (checks the tasks); noop: submits at once")
+    p.add_argument("--tasks", nargs="+", required=True, metavar="DIR", help="task directories or folders "
+                   "of them")
+    p.add_argument("--trials", type=int, default=5, help="attempts per task (default 5)")
+    p.add_argument("--out", help="output directory (default runs/eval/<name>); rerun to resume")
+    p.add_argument("--tokenizer", metavar="DIR", help="directory holding albatross_tokenizer.json "
+                   "(default: the model directory; e.g. the base model of a run's weight export)")
+    p.add_argument("--name", help="label of the model in tables and plots (default: from --model)")
+    p.add_argument("--workers", type=int, default=16, help="attempts run concurrently (default 16)")
+    p.add_argument("--retries", type=int, default=3, help="fresh forks after an infrastructure error")
+    p.add_argument("--prices", metavar="TOML", help='price table: ["name"] input, cached_input, output '
+                   "in USD per million tokens (default: 0, a local model)")
+    p.add_argument("--sandbox", choices=("auto", "local", "process"), default="auto",
+                   help="auto: local (isolated) where available, else process")
+    p.add_argument("--config", help="run config TOML for the harness, sandbox limits and sampling")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. "
+                   "--set harness.max_turns=8")
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("report", help="one self-contained HTML page: Pass@1 vs cost with the Pareto "
+                       "frontier, training curves, per-category breakdown, configurations")
+    p.add_argument("dirs", nargs="+", metavar="RUN_OR_EVAL_DIR")
+    p.add_argument("--out", default="report.html", help="HTML file to write (default report.html)")
+    p.add_argument("--prices", metavar="TOML", help="reprice every result by its name from this table")
+    p.add_argument("--title", default="albatross report")
+    p.set_defaults(fn=cmd_report)
+
+
+# ---------------------------------------------------------------------------------------------- eval
+
+
+@_one_line_errors
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.config import load_config
+    from albatross.tasks.format import load_tasks
+
+    _check_counts(args)
+    cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
+    cfg.sampling.temperature = cfg.eval.temperature
+    tasks = load_tasks(args.tasks)
+    model_dir = _model_dir(args)
+    label = args.name or (model_dir.name if model_dir else args.agent)
+    out = Path(args.out or Path("runs") / "eval" / label).resolve()
+    price = _price(args.prices, label)
+    if args.agent == "oracle":
+        _check_solutions(tasks)
+    config = _eval_config(args, cfg, tasks, model_dir, label, price)
+    _check_resume(out, config)
+    with _sigterm_interrupts():
+        return _run(args, cfg, tasks, model_dir, out, config, price)
+
+
+def _normalise(override: str) -> str:
+    key, sep, value = override.partition("=")
+    return key.strip().replace("-", "_") + sep + value
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for name in ("trials", "workers"):
+        if getattr(args, name) < 1:
+            raise EvalError(f"--{name} must be at least 1")
+    if args.retries < 0:
+        raise EvalError("--retries must be 0 or more")
+
+
+def _model_dir(args: argparse.Namespace) -> Path | None:
+    spec = args.model
+    if args.agent != "model":
+        return None
+    if not spec:
+        raise EvalError("--model SPEC is required (or use --agent oracle / --agent noop)")
+    if spec.startswith(("http://", "https://")):
+        raise EvalError(f"{spec}: remote engines: not available yet (use a local model directory)")
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise EvalError(f"{spec}: not a model directory (no config.json) and not an http(s) URL")
+    tokenizer = Path(args.tokenizer or path) / "albatross_tokenizer.json"
+    if not tokenizer.is_file():
+        raise EvalError(f"{tokenizer}: missing; pass --tokenizer DIR (e.g. the run's base model directory)")
+    return path.resolve()
+
+
+def _price(path: str | None, label: str):
+    from albatross.eval.run import Price, load_prices
+
+    if path is None:
+        return Price()
+    try:
+        prices = load_prices(path)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    if label not in prices:
+        print(f"albatross: note: {path} has no [\"{label}\"] entry; cost counted as 0", file=sys.stderr)
+    return prices.get(label, Price())
+
+
+def _check_solutions(tasks: list) -> None:
+    for task in tasks:
+        if not (task.solution_dir / "solve.sh").is_file():
+            raise EvalError(f"{task.solution_dir / 'solve.sh'}: missing (needed by --agent oracle)")
+
+
+def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model_dir: Path | None, label: str,
+                 price: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    import albatross
+
+    tokenizer = args.tokenizer or model_dir
+    return {"agent": args.agent, "model": str(model_dir) if model_dir else None, "label": label,
+            "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None,
+            "tasks": [t.id for t in tasks], "task_dirs": [str(Path(d).resolve()) for d in args.tasks],
+            "trials": args.trials, "retries": args.retries, "sandbox": args.sandbox,
+            "price_per_million": asdict(price), "harness": cfg.harness.model_dump(),
+            "sampling": cfg.sampling.model_dump(), "limits": cfg.sandbox.model_dump(),
+            "albatross_version": getattr(albatross, "__version__", "")}
+
+
+def _check_resume(out: Path, config: dict[str, Any]) -> None:
+    path = out / CONFIG_FILE
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{path}: invalid JSON: {e}") from None
+        for key in _IDENTITY:
+            if old.get(key) != config[key]:
+                raise EvalError(f"{path}: {out} holds an eval with {key} {old.get(key)!r}, not "
+                                f"{config[key]!r}; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM ends the eval like Ctrl-C: attempts stop, sandboxes close, saved attempts stay."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, cfg: Any, tasks: list, model_dir: Path | None, out: Path,
+         config: dict[str, Any], price: Any) -> int:
+    from albatross.eval.run import evaluate, finished_pairs, load_attempts
+
+    records = load_attempts(out / ATTEMPTS_FILE)
+    skip = finished_pairs(records)
+    todo = sum((t.id, i) not in skip for t in tasks for i in range(args.trials))
+    print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
+          + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
+    backend = _backend(args.sandbox, [out, *args.tasks, *([model_dir] if model_dir else [])])
+    engine = None
+    start = time.monotonic()
+    try:
+        agent, engine = _agent(args, cfg, backend, model_dir)
+        progress = Progress(todo)
+        evaluate(agent, tasks, args.trials, workers=args.workers, retries=args.retries, progress=progress,
+                 skip=skip, on_try=_writer(out / ATTEMPTS_FILE, tasks, config["label"], price, progress))
+    except KeyboardInterrupt:
+        print(f"\n[eval] interrupted: finished attempts are in {out / ATTEMPTS_FILE}; rerun the same "
+              "command to resume", file=sys.stderr, flush=True)
+        raise
+    finally:
+        if engine is not None:
+            engine.close()
+        backend.close()
+    return _finish(out, tasks, args.trials, config, time.monotonic() - start)
+
+
+def _backend(kind: str, hide: list):
+    from albatross.demo import cache_root
+    from albatross.sandbox import local_available, make_backend
+
+    if kind == "auto":
+        kind = "local" if local_available() else "process"
+    if kind == "process":
+        return make_backend("process")
+    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]])
+
+
+def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model_dir: Path | None):
+    """The runner for ``--agent`` and the engine to close afterwards (None when there is none)."""
+    from albatross.demo import make_agent
+
+    kind = args.agent
+    if kind == "oracle":
+        from albatross.eval.oracle import OracleAgent
+        from albatross.sandbox.base import Limits
+
+        sc = cfg.sandbox
+        return OracleAgent(backend, Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb)), None
+    if kind == "noop":
+        from albatross.engine.scripted import ScriptedEngine
+        from albatross.harness.chat import TinyTokenizer
+        from albatross.tasks.builtin import corpus_strings
+
+        agent = make_agent(cfg, None, backend, TinyTokenizer.from_corpus(corpus_strings()))
+        agent.engine = ScriptedEngine([NOOP_ACTION], agent.fmt.action)
+        return agent, None
+    return _model_agent(cfg, backend, model_dir, Path(args.tokenizer or model_dir))
+
+
+def _model_agent(cfg: Any, backend: Any, model_dir: Path | None, tokenizer_dir: Path):
+    import torch
+
+    from albatross.demo import make_agent
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.harness.chat import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    torch.set_num_threads(cfg.engine.threads)
+    engine = BuiltinEngine(str(model_dir), max_batch_size=cfg.engine.max_batch_size)
+    return make_agent(cfg, engine, backend, tokenizer), engine
+
+
+def _writer(path: Path, tasks: list, label: str, price: Any, progress: Progress):
+    """Appends each try to the attempts file with its category, model, token usage and cost."""
+    from dataclasses import asdict
+
+    from albatross.eval.run import record_usage
+    from albatross.records import append_jsonl
+
+    categories = task_categories(tasks)
+
+    def write(traj: Any) -> None:
+        record = traj.to_dict()
+        usage = record_usage(record)
+        record.update(category=categories[traj.task_id], model=label, usage=asdict(usage),
+                      cost=price.cost(usage))
+        append_jsonl(path, record)
+        progress.on_try(traj)
+
+    return write
+
+
+def task_categories(tasks: list) -> dict[str, str]:
+    """Task id -> its [metadata] category (else family, else "uncategorized")."""
+    from albatross.eval.run import UNCATEGORIZED
+
+    return {t.id: str(t.metadata.get("category") or t.metadata.get("family") or UNCATEGORIZED)
+            for t in tasks}
+
+
+def _finish(out: Path, tasks: list, trials: int, config: dict[str, Any], seconds: float) -> int:
+    from albatross.eval.run import load_attempts, summarize
+
+    summary = summarize(load_attempts(out / ATTEMPTS_FILE), tasks=[t.id for t in tasks], trials=trials)
+    summary = {"label": config["label"], "agent": config["agent"], "model": config["model"],
+               **summary, "session_seconds": round(seconds, 1)}
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary), flush=True)
+    print(f"\nwritten: {out / SUMMARY_FILE}", flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+class Progress:
+    """A progress bar on a terminal; plain lines (about every 10%) when stdout is not a TTY."""
+
+    def __init__(self, total: int, stream: IO[str] | None = None) -> None:
+        self.total, self.stream = total, stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.solved = self.infra = 0
+        self.start = time.monotonic()
+        self._last_line = -1
+
+    def on_try(self, traj: Any) -> None:
+        self.solved += bool(traj.success)
+        self.infra += traj.status == "infra_error"
+
+    def __call__(self, done: int, total: int) -> None:
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / done * (total - done) if done else 0.0
+        text = (f"{done}/{total} attempts  solved {self.solved}  infra errors {self.infra} (retried)  "
+                f"{elapsed:.0f}s elapsed, eta {eta:.0f}s")
+        if self.tty:
+            width = 24
+            bar = "#" * (width * done // max(total, 1))
+            end = "\n" if done == total else ""
+            self.stream.write(f"\r[eval] [{bar:<{width}}] {text}\x1b[K{end}")
+        elif done == total or 10 * done // max(total, 1) > self._last_line:
+            self._last_line = 10 * done // max(total, 1)
+            self.stream.write(f"[eval] {text}\n")
+        self.stream.flush()
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The eval's figures as plain-text tables."""
+    se = s.get("pass_at_1_se")
+    tok = s["tokens_per_task"]
+    lines = ["", f"albatross eval: {s['label']}  ({s['tasks']} tasks x {s['trials']} trials, "
+             f"{s['attempts']} scored attempts)", "-" * 72,
+             f"Pass@1              {s['pass_at_1']:.3f}" + (f" ± {se:.3f} (s.e. over trials)" if se is not None else ""),
+             "pass@k              " + "  ".join(f"k={k} {v:.3f}" for k, v in s["pass_at_k"].items()),
+             f"tokens per task     input {tok['input']:.0f}  cached {tok['cached_input']:.0f}  "
+             f"output {tok['output']:.0f}",
+             f"turns per task      {s['turns_per_task']:.2f}",
+             f"wall s per task     {s['wall_seconds_per_task']:.2f}",
+             f"cost per task       ${s['cost_per_task']:.6f}  (total ${s['cost_total']:.4f})",
+             f"infra errors        {s['infra_errors']} tries (retried, never scored); "
+             f"{s['unscored_attempts']} attempts left unscored",
+             "", _table(["category", "tasks", "attempts", "pass@1", "cost/task"],
+                        [[r["category"], r["tasks"], r["attempts"], f"{r['pass_at_1']:.3f}",
+                          f"${r['cost_per_task']:.6f}"] for r in s["per_category"]]),
+             "", _table(["task", "category", "n", "pass@1", "turns", "out tok", "wall s", "cost"],
+                        [[r["task"], r["category"], r["n"], f"{r['pass_at_1']:.3f}", f"{r['turns']:.1f}",
+                          f"{r['output_tokens']:.0f}", f"{r['wall_seconds']:.1f}", f"${r['cost']:.6f}"]
+                         for r in s["per_task"]])]
+    return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*r).rstrip() for r in cells)
+
+
+# -------------------------------------------------------------------------------------------- report
+
+
+@_one_line_errors
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.eval.report import ReportError, write_report
+
+    try:
+        path = write_report(args.dirs, args.out, prices=args.prices, title=args.title)
+    except ReportError as e:
+        raise EvalError(str(e)) from None
+    print(f"written: {path}")
+    return 0

@@ -1,0 +1,457 @@
+"""`albatross report`: one self-contained HTML page from eval and training run directories.
+
+Figures (matplotlib, PNG embedded as data URIs): Pass@1 against cost per task on a log axis with the
+Pareto frontier and every result labelled; a per-category breakdown; training curves of each training
+run. Tables give the figures behind the plots and the configuration that produced each result.
+
+A directory is read as:
+- an eval directory (``albatross eval --out``): ``attempts.jsonl``, ``eval.json``, ``summary.json``;
+- a demo or training run directory: ``eval_<name>.jsonl`` files (one result each, e.g. base and
+  trained), ``run/metrics.jsonl`` or ``metrics.jsonl`` (training curves), ``run/trajectories.jsonl``
+  (reward and tokens per solve by policy version), ``summary.json`` and ``config.json`` if present.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from albatross.eval.run import Price, load_attempts, load_prices, summarize
+from albatross.records import read_jsonl
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_PRICE_KEY = "*"
+_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
+           "#7f7f7f", "#bcbd22"]
+_MARKERS = ["o", "s", "D", "^", "v", "P", "X", "*", "<", ">"]
+
+
+class ReportError(ValueError):
+    """A report input is unusable; the message is one line naming the directory or file."""
+
+
+@dataclass
+class Result:
+    """One evaluated model or checkpoint."""
+
+    label: str
+    source: Path
+    summary: dict[str, Any]
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainingRun:
+    label: str
+    source: Path
+    metrics: list[dict[str, Any]]
+    by_version: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------- load
+
+
+def load_dir(path: str | Path, prices: dict[str, Price] | None = None) -> tuple[list[Result], list[TrainingRun]]:
+    """The results and training runs found in one directory (see the module docstring)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ReportError(f"{path}: no such directory")
+    results = [_eval_result(path, prices)] if (path / "attempts.jsonl").is_file() else []
+    results += _run_results(path, prices)
+    runs = [r for r in [_training_run(path)] if r is not None]
+    if not results and not runs:
+        raise ReportError(f"{path}: no attempts.jsonl, eval_*.jsonl or metrics.jsonl found")
+    return results, runs
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: invalid JSON: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _pick_price(prices: dict[str, Price] | None, *names: str) -> Price | None:
+    if not prices:
+        return None
+    for name in (*names, DEFAULT_PRICE_KEY):
+        if name in prices:
+            return prices[name]
+    return None
+
+
+def _eval_result(path: Path, prices: dict[str, Price] | None) -> Result:
+    config = _read_json(path / "eval.json")
+    label = str(config.get("label") or _read_json(path / "summary.json").get("label") or path.name)
+    summary = summarize(load_attempts(path / "attempts.jsonl"), tasks=config.get("tasks"),
+                        trials=config.get("trials"), price=_pick_price(prices, label))
+    return Result(label, path, summary, config)
+
+
+def _run_results(path: Path, prices: dict[str, Price] | None) -> list[Result]:
+    files = sorted(path.glob("eval_*.jsonl"))
+    if not files:
+        return []
+    summary = _read_json(path / "summary.json")
+    config = {"summary.json": summary, **({"config.json": c} if (c := _read_json(path / "config.json")) else {})}
+    categories = _task_categories(path / "tasks")
+    out = []
+    for f in files:
+        label = f"{path.name} {f.stem.removeprefix('eval_')}"
+        s = summarize(read_jsonl(f), categories=categories, price=_pick_price(prices, label, path.name))
+        out.append(Result(label, path, s, config))
+    return out
+
+
+def _task_categories(tasks_dir: Path) -> dict[str, str]:
+    """Task id -> category of the task directories below ``tasks_dir`` (empty when unreadable)."""
+    out: dict[str, str] = {}
+    for toml_path in tasks_dir.glob("**/task.toml") if tasks_dir.is_dir() else []:
+        try:
+            meta = tomllib.loads(toml_path.read_text()).get("metadata", {})
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError):
+            continue
+        if isinstance(meta, dict) and (meta.get("category") or meta.get("family")):
+            out[toml_path.parent.name] = str(meta.get("category") or meta.get("family"))
+    return out
+
+
+def _training_run(path: Path) -> TrainingRun | None:
+    for run_dir in (path / "run", path):
+        if (run_dir / "metrics.jsonl").is_file():
+            metrics = read_jsonl(run_dir / "metrics.jsonl")
+            return TrainingRun(path.name, path, metrics, _by_version(run_dir / "trajectories.jsonl"))
+    return None
+
+
+def _by_version(path: Path) -> dict[int, dict[str, float]]:
+    """Mean reward and tokens per solve of the training attempts, by the newest policy version in each."""
+    acc: dict[int, list[float]] = {}
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        for line in f:
+            try:
+                t = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            versions = [v for s in t.get("samples", []) for v, m in zip(s["versions"], s["loss_mask"],
+                                                                        strict=False) if m]
+            if not versions or t.get("status") == "infra_error":
+                continue
+            a = acc.setdefault(max(versions), [0, 0.0, 0, 0])
+            ok = bool(t["reward"].get("success"))
+            a[0] += 1
+            a[1] += float(t["reward"].get("score", 0.0))
+            a[2] += ok
+            a[3] += t.get("completion_tokens", 0) if ok else 0
+    return {v: {"reward": a[1] / a[0], "tokens_per_solve": a[3] / a[2] if a[2] else math.nan}
+            for v, a in sorted(acc.items())}
+
+
+# ------------------------------------------------------------------------------------------ figures
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+_X_AXES = {
+    "cost": ("cost", "average cost per task, USD (log scale)"),
+    "tokens": ("generated tokens", "output tokens per task (log scale; no prices given: pass --prices for cost)"),
+}
+
+
+def _x_values(results: list[Result]) -> tuple[list[float], str, list[bool]]:
+    """x of each result, the axis kind ("cost", or "tokens" when no result has a price), and which
+    results are free (no price: drawn hollow one decade left of the cheapest priced result)."""
+    costs = [r.summary["cost_per_task"] for r in results]
+    if not any(c > 0 for c in costs):
+        return ([max(r.summary["tokens_per_task"]["output"], 1e-3) for r in results], "tokens",
+                [False] * len(results))
+    floor = min(c for c in costs if c > 0) / 10
+    return [c if c > 0 else floor for c in costs], "cost", [c <= 0 for c in costs]
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats (cost no higher, pass rate higher), by cost."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], -math.inf
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def fig_pareto(results: list[Result]) -> str:
+    from matplotlib.figure import Figure
+
+    xs, kind, free = _x_values(results)
+    what, xlabel = _X_AXES[kind]
+    ys = [r.summary["pass_at_1"] for r in results]
+    fig = Figure(figsize=(10, 6))
+    ax = fig.add_subplot()
+    front = pareto_front(list(zip(xs, ys, strict=True)))
+    ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="#444", lw=1.5, zorder=1,
+            label="Pareto frontier")
+    for i, r in enumerate(results):
+        se = r.summary.get("pass_at_1_se") or 0.0
+        color = _COLORS[i % len(_COLORS)]
+        ax.errorbar(xs[i], ys[i], yerr=se, fmt=_MARKERS[i % len(_MARKERS)], ms=10, capsize=4, color=color,
+                    mfc="white" if free[i] else color, zorder=3, label=r.label + (" (no price)" if free[i] else ""))
+        ax.annotate(r.label, (xs[i], ys[i]), xytext=(8, 8 if i % 2 == 0 else -14), textcoords="offset points",
+                    fontsize=10, color=color)
+    ax.set_xscale("log")
+    _log_ticks(ax, xs, dollars=kind == "cost")
+    ax.set_ylim(-0.03, 1.05)
+    ax.yaxis.set_major_formatter(_percent())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("Pass@1 (mean over trials, ±1 s.e.)")
+    ax.set_title(f"Pass@1 against {what} per task")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="best", fontsize=9)
+    return _png(fig)
+
+
+def _log_ticks(ax: Any, xs: list[float], dollars: bool) -> None:
+    """Pad the log axis around the points and label ticks as plain numbers (dollars for cost)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xlim(min(xs) / 3, max(xs) * 3)
+    fmt = FuncFormatter(lambda v, _pos: (f"${v:g}" if dollars else f"{v:g}"))
+    ax.xaxis.set_major_formatter(fmt)
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: ""))
+
+
+def _percent() -> Any:
+    from matplotlib.ticker import PercentFormatter
+
+    return PercentFormatter(xmax=1.0)
+
+
+def fig_categories(results: list[Result]) -> str:
+    from matplotlib.figure import Figure
+
+    cats = sorted({c["category"] for r in results for c in r.summary["per_category"]})
+    n = len(results)
+    fig = Figure(figsize=(10, max(2.5, 0.45 * len(cats) * max(1, n) ** 0.5 + 1.5)))
+    ax = fig.add_subplot()
+    height = 0.8 / max(n, 1)
+    for i, r in enumerate(results):
+        rates = {c["category"]: c["pass_at_1"] for c in r.summary["per_category"]}
+        ys = [j + (i - (n - 1) / 2) * height for j in range(len(cats))]
+        ax.barh(ys, [rates.get(c, 0.0) for c in cats], height=height, color=_COLORS[i % len(_COLORS)],
+                label=r.label)
+    ax.set_yticks(range(len(cats)), cats)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.xaxis.set_major_formatter(_percent())
+    ax.set_xlabel("Pass@1")
+    ax.set_title("Pass@1 by task category")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=9)
+    return _png(fig)
+
+
+def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    pts = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float)) and "step" in m]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _zero_signal_share(metrics: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Share of the groups finished during each step whose attempts all scored the same."""
+    xs, ys, prev_g, prev_z = [], [], 0, 0
+    for m in metrics:
+        if "groups" in m and "zero_signal_groups" in m:
+            dg, dz = m["groups"] - prev_g, m["zero_signal_groups"] - prev_z
+            prev_g, prev_z = m["groups"], m["zero_signal_groups"]
+            if dg > 0:
+                xs.append(m["step"])
+                ys.append(dz / dg)
+    return xs, ys
+
+
+def _training_panels(run: TrainingRun) -> list[tuple[str, str, list[tuple[str, list[float], list[float]]]]]:
+    """(title, x label, [(line label, xs, ys)]) of each training panel."""
+    m, bv = run.metrics, run.by_version
+    versions = list(bv)
+
+    def from_metrics_or_versions(key: str) -> tuple[str, list[tuple[str, list[float], list[float]]]]:
+        if any(key in r for r in m):
+            return "trainer step", [(key, *_series(m, key))]
+        return "policy version", [(key, versions, [bv[v][key] for v in versions])]
+
+    reward_x, reward = from_metrics_or_versions("reward")
+    tps_x, tps = from_metrics_or_versions("tokens_per_solve")
+    return [
+        ("reward (mean score)", reward_x, reward),
+        ("pass rate", "trainer step", [("pass_rate", *_series(m, "pass_rate"))]),
+        ("tokens per solve", tps_x, tps),
+        ("staleness (versions)", "trainer step", [("mean", *_series(m, "staleness_mean")),
+                                                  ("max", *_series(m, "staleness_max"))]),
+        ("mismatch KL", "trainer step", [("mismatch_kl", *_series(m, "mismatch_kl"))]),
+        ("entropy", "trainer step", [("entropy", *_series(m, "entropy"))]),
+        ("zero-signal group share", "trainer step", [("share", *_zero_signal_share(m))]),
+        ("infra errors (cumulative)", "trainer step", [("attempts", *_series(m, "infra_error_attempts"))]),
+    ]
+
+
+def fig_training(run: TrainingRun) -> str:
+    from matplotlib.figure import Figure
+
+    panels = _training_panels(run)
+    fig = Figure(figsize=(12, 5.6), layout="constrained")
+    axes = fig.subplots(2, 4)
+    for ax, (title, xlabel, lines) in zip(axes.flat, panels, strict=True):
+        drawn = [ax.plot(xs, ys, "o-", ms=3, lw=1.5, label=name) for name, xs, ys in lines if xs]
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="#888")
+        if len(drawn) > 1:
+            ax.legend(fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"training: {run.label}", fontsize=12)
+    return _png(fig)
+
+
+# --------------------------------------------------------------------------------------------- html
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;max-width:1120px;margin:24px auto;
+padding:0 20px;color:#222;line-height:1.45}
+h1{font-size:1.7em;margin-bottom:.2em}h2{margin-top:1.8em;border-bottom:1px solid #ddd;padding-bottom:.2em}
+.meta{color:#666;font-size:.9em}
+img{max-width:100%;height:auto;display:block;margin:12px 0;border:1px solid #eee}
+table{border-collapse:collapse;margin:10px 0;font-size:.9em}
+th,td{border:1px solid #ddd;padding:4px 10px;text-align:right}th{background:#f4f4f4}
+td:first-child,th:first-child{text-align:left}
+pre{background:#f7f7f7;padding:10px;overflow-x:auto;font-size:.8em}
+details{margin:8px 0}summary{cursor:pointer;font-weight:600}
+"""
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _img(fig_id: str, data: str, alt: str) -> str:
+    return f'<img id="{_esc(fig_id)}" alt="{_esc(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _html_table(header: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _results_table(results: list[Result]) -> str:
+    rows = []
+    for r in results:
+        s = r.summary
+        se = s.get("pass_at_1_se")
+        ks = s["pass_at_k"]
+        kmax = max(ks, key=int) if ks else "1"
+        rows.append([r.label, f"{s['pass_at_1']:.3f}" + (f" ± {se:.3f}" if se is not None else ""),
+                     f"{ks.get(kmax, 0.0):.3f} (k={kmax})", s["tasks"], s["attempts"],
+                     f"${s['cost_per_task']:.6f}", f"{s['tokens_per_task']['input']:.0f}",
+                     f"{s['tokens_per_task']['cached_input']:.0f}", f"{s['tokens_per_task']['output']:.0f}",
+                     f"{s['turns_per_task']:.2f}", f"{s['wall_seconds_per_task']:.2f}", s["infra_errors"],
+                     str(r.source)])
+    return _html_table(["result", "Pass@1 ± s.e.", "pass@k", "tasks", "attempts", "cost/task",
+                        "input tok", "cached tok", "output tok", "turns", "wall s", "infra errors",
+                        "source"], rows)
+
+
+def _category_table(results: list[Result]) -> str:
+    rows = [[r.label, c["category"], c["tasks"], c["attempts"], f"{c['pass_at_1']:.3f}",
+             f"${c['cost_per_task']:.6f}"] for r in results for c in r.summary["per_category"]]
+    return _html_table(["result", "category", "tasks", "attempts", "Pass@1", "cost/task"], rows)
+
+
+def _config_section(results: list[Result], runs: list[TrainingRun]) -> str:
+    parts = []
+    for r in results:
+        parts.append(f"<details><summary>{_esc(r.label)}</summary>"
+                     f"<pre>{_esc(json.dumps(r.config or {'note': 'no configuration recorded'}, indent=2))}"
+                     "</pre></details>")
+    for run in runs:
+        last = run.metrics[-1] if run.metrics else {}
+        parts.append(f"<details><summary>training run {_esc(run.label)} (last metrics record)</summary>"
+                     f"<pre>{_esc(json.dumps(last, indent=2))}</pre></details>")
+    return "\n".join(parts)
+
+
+def render_html(results: list[Result], runs: list[TrainingRun], title: str) -> str:
+    """The whole page as one string."""
+    body = [f"<h1>{_esc(title)}</h1>",
+            f"<p class='meta'>generated {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))} from "
+            f"{_esc(', '.join(sorted({str(x.source) for x in [*results, *runs]})))}</p>"]
+    if results:
+        body += ["<h2>Pass@1 against cost per task</h2>",
+                 "<p>Each point is one evaluated model or checkpoint; the dashed line is the Pareto "
+                 "frontier (no other result is both cheaper and better). Error bars: one standard error "
+                 "of Pass@1 over trials.</p>",
+                 _img("fig-pareto", fig_pareto(results), "Pass@1 against cost per task"),
+                 _results_table(results),
+                 "<h2>Per-category breakdown</h2>",
+                 _img("fig-categories", fig_categories(results), "Pass@1 by task category"),
+                 _category_table(results)]
+    if runs:
+        body.append("<h2>Training runs</h2>")
+        body += [_img(f"fig-training-{i}", fig_training(run), f"training curves of {run.label}")
+                 for i, run in enumerate(runs)]
+    body += ["<h2>Configurations</h2>", _config_section(results, runs)]
+    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{_esc(title)}</title>"
+            f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def _unique_labels(results: list[Result]) -> None:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.label] = counts.get(r.label, 0) + 1
+    for r in results:
+        if counts[r.label] > 1:
+            r.label = f"{r.label} ({r.source})"
+
+
+def write_report(dirs: list[str | Path], out_path: str | Path, *, prices: str | Path | None = None,
+                 title: str = "albatross report") -> Path:
+    """Write the HTML report of the eval / run directories ``dirs`` to ``out_path``; return its path.
+
+    ``prices``: a price table (see ``albatross eval --prices``) that reprices each result by its label,
+    else the ``["*"]`` entry. Raises ``ReportError`` (one line) for unusable inputs."""
+    try:
+        table = load_prices(prices) if prices is not None else None
+    except ValueError as e:
+        raise ReportError(str(e)) from None
+    results: list[Result] = []
+    runs: list[TrainingRun] = []
+    for d in dirs:
+        rs, ts = load_dir(d, table)
+        results += rs
+        runs += ts
+    _unique_labels(results)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(results, runs, title), encoding="utf-8")
+    return out.resolve()

@@ -1,0 +1,89 @@
+"""A run's resumable state: what the orchestrator must remember to continue after a stop or a crash.
+
+Written atomically after every trainer step that has a trainer checkpoint. The JSONL logs are cut back
+to the line counts recorded here on resume, so no attempt or step is ever counted twice; attempts that
+were in flight (or finished but not yet trained) are simply run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "state.json"
+
+
+@dataclass
+class RunState:
+    version: int = 0  # policy version the trainer checkpoint holds
+    step: int = 0  # trainer steps done in this run
+    group_seq: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # attempts, solved, infra errors, stale tokens
+    batch_counts: dict[str, int] = field(default_factory=dict)  # groups seen and dropped, by reason
+    max_staleness_seen: int = 0
+    sampler: dict[str, Any] = field(default_factory=dict)
+    lines: dict[str, int] = field(default_factory=dict)  # JSONL line counts at this state
+    trainer_checkpoint: str = ""
+    elapsed_s: float = 0.0
+
+    def save(self, run_dir: Path) -> None:
+        tmp = run_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, run_dir / STATE_FILE)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunState | None:
+        path = run_dir / STATE_FILE
+        if not path.is_file():
+            return None
+        return cls(**json.loads(path.read_text()))
+
+
+class TaskSampler:
+    """Cycles through tasks in a seeded shuffled order; its position is part of the run's state."""
+
+    def __init__(self, n_tasks: int, seed: int) -> None:
+        self.n, self.rng, self.order, self.pos = n_tasks, random.Random(seed), [], 0
+
+    def next(self) -> int:
+        if self.pos >= len(self.order):
+            self.order = list(range(self.n))
+            self.rng.shuffle(self.order)
+            self.pos = 0
+        self.pos += 1
+        return self.order[self.pos - 1]
+
+    def state(self) -> dict[str, Any]:
+        version, internal, gauss = self.rng.getstate()
+        return {"order": self.order, "pos": self.pos, "rng": [version, list(internal), gauss]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.order, self.pos = list(state["order"]), int(state["pos"])
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+
+def count_lines(path: Path) -> int:
+    if not path.is_file():
+        return 0
+    with path.open("rb") as f:
+        return sum(1 for _ in f)
+
+
+def truncate_lines(path: Path, keep: int) -> None:
+    """Cut a JSONL file back to its first ``keep`` lines (drops what a crashed run wrote later)."""
+    if not path.is_file():
+        return
+    with path.open("rb") as f:
+        lines = f.readlines()[:keep]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
+    os.replace(tmp, path)

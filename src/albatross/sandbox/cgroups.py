@@ -1,0 +1,145 @@
+"""Per-attempt cgroups (v1): a memory cgroup and a pids cgroup, commands in pids sub-cgroups ``c<N>``.
+
+Both live under ``<controller mount>/<our own cgroup>/albatross/<attempt id>``, so attempt limits nest
+under whatever limits this process already has. The kernel counts what we report as outcomes:
+``memory.oom_control``'s ``oom_kill`` (the memory limit killed a process) and ``pids.events``'s ``max``
+(a fork was refused at the process limit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from albatross.sandbox.base import ForkError, Limits
+
+log = logging.getLogger(__name__)
+
+
+def cgroup_root(controller: str) -> Path:
+    """``/sys/fs/cgroup/<controller>/<our own cgroup>/albatross``."""
+    mount = Path("/sys/fs/cgroup") / controller
+    own = "/"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _id, controllers, path = line.split(":", 2)
+            if controller in controllers.split(","):
+                own = path
+    return mount / own.lstrip("/") / "albatross"
+
+
+def _read_counter(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class AttemptCgroups:
+    """The cgroups of one attempt: ``memory`` (the holder) with ``memory/agent`` (every command; the
+    memory limit), and ``pids`` (the process limit) with a sub-cgroup per command. ``owner``: the host
+    uid of the holder (user-namespace mode), which moves itself between them and creates sub-cgroups."""
+
+    def __init__(self, attempt_id: str, limits: Limits, owner: int = 0) -> None:
+        self.memory = cgroup_root("memory") / attempt_id
+        self.agent = self.memory / "agent"
+        self.pids = cgroup_root("pids") / attempt_id
+        try:
+            for path in (self.agent, self.pids):
+                path.mkdir(parents=True)
+            self._set_limits(limits)
+            if owner:
+                for path in (self.pids, self.pids / "cgroup.procs", self.memory / "cgroup.procs",
+                             self.agent / "cgroup.procs"):
+                    os.chown(path, owner, owner)
+        except OSError as err:
+            self.remove()
+            raise ForkError(f"cannot create cgroups for attempt {attempt_id}: {err}") from err
+
+    def _set_limits(self, limits: Limits) -> None:
+        limit = str(limits.memory_mb << 20)
+        (self.agent / "memory.limit_in_bytes").write_text(limit)
+        memsw = self.agent / "memory.memsw.limit_in_bytes"
+        if memsw.exists():
+            memsw.write_text(limit)
+        (self.pids / "pids.max").write_text(str(limits.pids))
+
+    def counters(self) -> tuple[int, int]:
+        """(processes killed by the memory limit, forks refused at the process limit) so far."""
+        oom = _read_counter(self.agent / "memory.oom_control", "oom_kill")
+        return oom, _read_counter(self.pids / "pids.events", "max")
+
+    def command_groups(self) -> list[Path]:
+        return [p for p in self.pids.glob("c*") if p.is_dir()]
+
+    def procs(self) -> list[int]:
+        """Host pids of every process started by the attempt's commands."""
+        out: list[int] = []
+        for group in self.command_groups():
+            with contextlib.suppress(OSError, ValueError):
+                out += [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        return out
+
+    def kill(self, name: str) -> None:
+        """SIGKILL every process of one command's cgroup (repeat: a dying tree may still fork)."""
+        procs = self.pids / name / "cgroup.procs"
+        for _ in range(200):
+            try:
+                pids = [int(p) for p in procs.read_text().split()]
+            except OSError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.001)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process every command started (the holder lives in the parent cgroup)."""
+        for group in self.command_groups():
+            self.kill(group.name)
+
+    def remove(self) -> None:
+        for path in [*self.command_groups(), self.pids, self.agent, self.memory]:
+            _rmdir_retrying(path)
+
+
+def _rmdir_retrying(path: Path) -> None:
+    for delay in (0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0):
+        time.sleep(delay)
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            if err.errno != errno.EBUSY:
+                log.warning("cannot remove cgroup %s: %s", path, err)
+                return
+    log.warning("cgroup %s still busy; left behind", path)
+
+
+def remove_stale() -> None:
+    """Remove empty attempt cgroups left by processes that died without closing (``<pid>-...``)."""
+    for controller in ("memory", "pids"):
+        root = cgroup_root(controller)
+        for path in root.glob("*-*") if root.is_dir() else ():
+            owner = path.name.split("-", 1)[0]
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                for sub in [*path.glob("c*"), path / "agent", path]:
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()
+
+
+def available() -> bool:
+    return all(cgroup_root(c).parent.is_dir() for c in ("memory", "pids"))

@@ -1,0 +1,333 @@
+"""Inside an attempt: the holder, pid 1 of the attempt's pid namespace.
+
+The zygote forks the holder into fresh mount/pid/net/ipc/uts namespaces. As host root it mounts the
+attempt's root (an overlay of the parent layers over the base root, its writable upper layer on a tmpfs
+of ``disk_mb``), the pseudo file systems and the devices, brings up loopback, pivots into the new root,
+and then (user-namespace mode) joins the sandbox user namespace as its uid 0, which is an unprivileged
+uid on the host. From then on it serves the host over a Unix socket: run a command (posix_spawn in its
+own session and its own pids sub-cgroup), open an interactive terminal, write a tar, read a file.
+When the holder dies, the kernel kills every process of the pid namespace and frees every mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import select
+import shutil
+import signal
+import socket
+import stat
+import tarfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+from albatross.sandbox import linux
+from albatross.sandbox.wire import recv, send
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+STATE_FILE = "/run/albatross/state"
+MAX_READ_BYTES = 64 << 20
+_DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
+_DEV_LINKS = {
+    "fd": "/proc/self/fd",
+    "stdin": "/proc/self/fd/0",
+    "stdout": "/proc/self/fd/1",
+    "stderr": "/proc/self/fd/2",
+    "ptmx": "pts/ptmx",
+}
+_TIOCSPTLCK, _TIOCGPTN = 0x40045431, 0x80045430
+
+
+def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None) -> None:
+    """Set up the attempt's root, tell the host, then serve it until it hangs up. Never returns."""
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        fds = setup_root(cfg, userns_fd)
+    except BaseException as err:  # noqa: BLE001 - reported to the host, which raises SandboxError
+        with contextlib.suppress(OSError):
+            where = " > ".join(f"{f.name}:{f.lineno}" for f in traceback.extract_tb(err.__traceback__)[-3:])
+            send(sock, {"error": f"sandbox setup failed at {where}: {err}"})
+        os._exit(1)
+    try:
+        send(sock, {"ready": True})
+        Holder(sock, *fds).serve()
+    finally:
+        os._exit(0)
+
+
+# ---- root file system -------------------------------------------------------------------------------
+
+
+def setup_root(cfg: dict[str, Any], userns_fd: int | None) -> tuple[int, int, int | None]:
+    """Build and enter the attempt's root; returns fds of its pids and memory cgroups and of its
+    scratch tmpfs. The holder itself stays outside the memory cgroup that limits the commands
+    (``agent``), so the memory limit's OOM killer can only pick a command."""
+    for path in (cfg["memory_cgroup"], cfg["pids_cgroup"]):
+        linux.write_file(f"{path}/cgroup.procs", "0")
+    merged = _mount_overlay(cfg)
+    _mount_pseudo(merged, cfg)
+    if cfg["new_net"]:
+        _configure_net(cfg)
+    socket.sethostname("sandbox")
+    cgroup_fds = tuple(os.open(cfg[k], os.O_RDONLY | os.O_DIRECTORY) for k in ("pids_cgroup", "memory_cgroup"))
+    scratch_fd = os.open(cfg["scratch"], os.O_RDONLY | os.O_DIRECTORY) if cfg["upper"] is None else None
+    os.chdir(merged)
+    linux.pivot_root_here()
+    if userns_fd is not None:
+        _enter_userns(userns_fd)
+    linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+    os.makedirs(os.path.dirname(STATE_FILE), exist_ok=True)
+    Path(STATE_FILE).write_text(cfg["state"])
+    if cfg["workdir"]:
+        os.makedirs(cfg["workdir"], exist_ok=True)
+    linux.prctl(linux.PR_SET_DUMPABLE, 0)  # commands cannot open /proc/1/fd (our socket, cgroup dirs)
+    return cgroup_fds[0], cgroup_fds[1], scratch_fd
+
+
+def _mount_overlay(cfg: dict[str, Any]) -> str:
+    scratch = cfg["scratch"]
+    size_mb = cfg["disk_mb"] if cfg["upper"] is None else 64
+    linux.mount("tmpfs", scratch, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={size_mb}m,mode=755")
+    upper, work, merged = cfg["upper"] or f"{scratch}/u", cfg["work"] or f"{scratch}/w", f"{scratch}/m"
+    for path in (upper, work, merged):
+        os.makedirs(path, exist_ok=True)
+    os.mkdir(f"{scratch}/shm", 0o1777)
+    os.chmod(f"{scratch}/shm", 0o1777)
+    if cfg["upper"] is None and cfg["id_base"]:
+        os.chown(upper, cfg["id_base"], cfg["id_base"])  # the root directory belongs to root inside
+        os.chown(f"{scratch}/shm", cfg["id_base"], cfg["id_base"])
+    data = f"lowerdir={':'.join(cfg['lower'])},upperdir={upper},workdir={work}"
+    linux.mount("overlay", merged, "overlay", 0, data)
+    return merged
+
+
+def _mount_pseudo(root: str, cfg: dict[str, Any]) -> None:
+    nosuid = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
+    for sub in ("proc", "sys", "dev"):
+        os.makedirs(f"{root}/{sub}", exist_ok=True)
+    linux.mount("proc", f"{root}/proc", "proc", nosuid)
+    if cfg["new_net"]:  # sysfs shows the mounter's net namespace: only when that is the attempt's own
+        linux.mount("sysfs", f"{root}/sys", "sysfs", linux.MS_RDONLY | nosuid)
+    linux.mount("tmpfs", f"{root}/dev", "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC, "mode=755,size=64k")
+    old_umask = os.umask(0)
+    try:
+        for name, (major, minor) in _DEVICES.items():
+            os.mknod(f"{root}/dev/{name}", 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        for name, target in _DEV_LINKS.items():
+            os.symlink(target, f"{root}/dev/{name}")
+        os.mkdir(f"{root}/dev/shm", 0o1777)
+        os.mkdir(f"{root}/dev/pts", 0o755)
+    finally:
+        os.umask(old_umask)
+    linux.mount(f"{cfg['scratch']}/shm", f"{root}/dev/shm", None, linux.MS_BIND)  # counts as disk
+    gid = f",gid={cfg['id_base'] + 5}" if cfg["id_base"] else ""
+    linux.mount("devpts", f"{root}/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
+                f"newinstance,ptmxmode=0666,mode=0620{gid}")
+
+
+def _configure_net(cfg: dict[str, Any]) -> None:
+    if cfg.get("lo_down", True):
+        linux.loopback_up()
+    if cfg["id_base"]:  # root inside has no capability over this namespace: open low ports and ping
+        linux.write_file("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
+        linux.write_file("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
+
+
+def _enter_userns(userns_fd: int) -> None:
+    """Become uid 0 of the sandbox user namespace (an unprivileged uid on the host)."""
+    linux.setns(userns_fd, linux.CLONE_NEWUSER)
+    os.close(userns_fd)
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+
+
+# ---- the request loop ----------------------------------------------------------------------------------
+
+
+class Holder:
+    def __init__(self, sock: socket.socket, cgroup_fd: int, memory_fd: int, scratch_fd: int | None) -> None:
+        self.sock, self.cgroup_fd, self.memory_fd, self.scratch_fd = sock, cgroup_fd, memory_fd, scratch_fd
+        self.running: dict[int, str] = {}  # pid -> its pids cgroup name
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    def serve(self) -> None:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
+        while True:
+            for fd, _event in poller.poll():
+                if fd == self.wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+                    self.reap()
+                    continue
+                try:
+                    msg, payload, fds = recv(self.sock)
+                except (EOFError, OSError):
+                    return  # the host is gone: exiting kills the pid namespace
+                self.handle(msg, payload, fds)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            cgroup = self.running.pop(pid, None)
+            if cgroup is not None:
+                code = os.waitstatus_to_exitcode(status)
+                forkfail = self.forkfail(cgroup)
+                with contextlib.suppress(OSError):
+                    os.rmdir(cgroup, dir_fd=self.cgroup_fd)  # fails while background jobs live there
+                send(self.sock, {"exit": code if code >= 0 else 128 - code, "disk_free": self.disk_free(),
+                                 "forkfail": forkfail})
+
+    def forkfail(self, cgroup: str) -> int:
+        """Forks the process limit refused to the command's cgroup (cgroup v1 counts them locally)."""
+        try:
+            fd = os.open(f"{cgroup}/pids.events", os.O_RDONLY, dir_fd=self.cgroup_fd)
+        except OSError:
+            return 0
+        try:
+            text = os.read(fd, 256).decode()
+        finally:
+            os.close(fd)
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "max" and value.strip().isdigit():
+                return int(value)
+        return 0
+
+    def disk_free(self) -> int:
+        if self.scratch_fd is None:
+            return -1
+        st = os.fstatvfs(self.scratch_fd)
+        return st.f_bavail * st.f_frsize
+
+    def handle(self, msg: dict[str, Any], payload: bytes, fds: list[int]) -> None:
+        op = msg.get("op")
+        try:
+            if op == "exec":
+                self.start(msg, fds)  # the reply ({"exit": code}) is sent when the command ends
+            elif op == "pty":
+                self.start_pty(msg)
+            elif op == "put":
+                _extract(payload)
+                send(self.sock, {"ok": True})
+            elif op == "read":
+                send(self.sock, {"ok": True}, _read_regular(msg["path"]))
+            elif op == "mkdirs":
+                os.makedirs(msg["path"], exist_ok=True)
+                send(self.sock, {"ok": True})
+            else:
+                send(self.sock, {"error": f"unknown request {op!r}"})
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            send(self.sock, {"missing": True})
+        except (OSError, tarfile.TarError, ValueError) as err:
+            send(self.sock, {"error": f"{op} failed: {err}"})
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def start(self, msg: dict[str, Any], fds: list[int]) -> None:
+        actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
+        actions += [(os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[0], 2)]
+        try:
+            pid = self.spawn(msg, actions)
+        except OSError as err:  # no such program, or the agent exhausted its pids limit
+            os.write(fds[0], f"albatross: cannot run {msg['argv'][0]}: {err}\n".encode())
+            code = 127 if isinstance(err, FileNotFoundError) else 126
+            send(self.sock, {"exit": code, "disk_free": self.disk_free(), "spawn_error": err.errno})
+            return
+        self.running[pid] = msg["cgroup"]
+
+    def start_pty(self, msg: dict[str, Any]) -> None:
+        """An interactive command on a new terminal of the attempt's devpts; the master goes to the host."""
+        import fcntl
+        import struct
+
+        master = os.open("/dev/pts/ptmx", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(master, _TIOCSPTLCK, struct.pack("i", 0))
+            number = struct.unpack("i", fcntl.ioctl(master, _TIOCGPTN, struct.pack("i", 0)))[0]
+            slave = f"/dev/pts/{number}"
+            actions = [(os.POSIX_SPAWN_OPEN, 0, slave, os.O_RDWR, 0)]
+            actions += [(os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)]
+            pid = self.spawn(msg, actions)  # setsid + open of the slave: it is the controlling tty
+            self.running[pid] = msg["cgroup"]
+            send(self.sock, {"ok": True}, fds=[master])
+        finally:
+            os.close(master)
+
+    def spawn(self, msg: dict[str, Any], actions: list[tuple[Any, ...]]) -> int:
+        """posix_spawn (vfork: ~3x faster than fork here) in its own session, pids cgroup and the limited
+        memory cgroup: the holder steps into the command's cgroups for the spawn, then steps back."""
+        cgroup, argv, env = msg["cgroup"], msg["argv"], msg["env"]
+        os.mkdir(cgroup, dir_fd=self.cgroup_fd)
+        try:
+            self.join(cgroup)
+            _join(self.memory_fd, "agent")
+            try:
+                with contextlib.suppress(OSError):
+                    os.chdir(msg["cwd"])
+                path = shutil.which(argv[0], path=env.get("PATH", DEFAULT_PATH)) or argv[0]
+                pid = os.posix_spawn(
+                    path,
+                    argv,
+                    env,
+                    file_actions=actions,
+                    setsid=True,
+                    setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT),
+                )
+            finally:
+                os.chdir("/")
+                _join(self.memory_fd, ".")
+                self.join(".")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(cgroup, dir_fd=self.cgroup_fd)
+            raise
+        return pid
+
+    def join(self, cgroup: str) -> None:
+        _join(self.cgroup_fd, cgroup)
+
+
+def _join(dir_fd: int, cgroup: str) -> None:
+    fd = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY, dir_fd=dir_fd)
+    try:
+        os.write(fd, b"0")
+    finally:
+        os.close(fd)
+
+
+def _extract(payload: bytes) -> None:
+    with tarfile.open(fileobj=io.BytesIO(payload)) as tar:
+        kw = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+        tar.extractall("/", numeric_owner=True, **kw)
+
+
+def _read_regular(path: str) -> bytes:
+    """A regular file's bytes; never blocks on a FIFO or device the agent put in the way."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a directory, FIFO or device is not a file to read
+            raise FileNotFoundError(path)
+        if st.st_size > MAX_READ_BYTES:
+            raise ValueError(f"{path}: larger than {MAX_READ_BYTES >> 20} MiB")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -1,0 +1,293 @@
+"""The zygote: one small single-threaded Python process per backend that forks the attempts' holders.
+
+It lives in a private mount namespace holding, on a tmpfs, the parents' layers and the base root file
+systems, so no mount of ours ever appears on the host. At start it creates the sandbox user namespace
+(uid 0 inside = ``id_base`` on the host) and mounts the base roots *idmapped* into it, so files the
+host owns as root are owned by root inside. It drops the dangerous capabilities from its bounding set,
+which every command of every attempt inherits. While idle it prepares network namespaces with loopback
+up, so forking an attempt does not wait for the kernel to build one.
+
+Per attempt: unshare the mount/pid/ipc/uts namespaces (and take a prepared network namespace), fork the
+holder (pid 1 of the new pid namespace), and step back into its own namespaces with setns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from albatross.sandbox import linux
+from albatross.sandbox.base import ForkError, SandboxError
+from albatross.sandbox.holder import holder_main
+from albatross.sandbox.wire import recv, send
+
+ID_COUNT = 65536
+NETNS_POOL = 4
+# Capabilities kept in the bounding set of sandboxed commands (Docker's default set minus MKNOD):
+# CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID SETPCAP NET_BIND_SERVICE NET_RAW SYS_CHROOT
+# AUDIT_WRITE SETFCAP. Dropped include SYS_ADMIN (mount), DAC_READ_SEARCH, SYS_PTRACE, MKNOD, SYS_MODULE.
+KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31}
+
+
+class _State:
+    def __init__(self, root: str, opts: dict[str, Any]) -> None:
+        self.root, self.id_base = root, int(opts["id_base"])
+        self.userns_fd: int | None = _make_userns(self.id_base) if self.id_base else None
+        self.own_ns = [os.open(f"/proc/self/ns/{ns}", os.O_RDONLY) for ns in ("mnt", "pid", "net", "ipc", "uts")]
+        self.netns: list[int] = []
+        self.netns_target = int(opts.get("netns_pool", NETNS_POOL))
+        self.bases: dict[str, str] = {}
+
+    def fill_netns(self) -> None:
+        """Prepare one network namespace with loopback up (and, with a user namespace, low ports open)."""
+        linux.unshare(linux.CLONE_NEWNET)
+        try:
+            linux.loopback_up()
+            if self.id_base:
+                linux.write_file("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
+                linux.write_file("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
+            self.netns.append(os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
+        finally:
+            linux.setns(self.own_ns[2], linux.CLONE_NEWNET)
+
+
+def _make_userns(id_base: int) -> int:
+    """Create the sandbox user namespace (uid/gid 0..65535 inside = id_base.. on the host)."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            linux.unshare(linux.CLONE_NEWUSER)
+            os.write(ready_w, b"x")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        for name in ("uid_map", "gid_map"):
+            linux.write_file(f"/proc/{pid}/{name}", f"0 {id_base} {ID_COUNT}\n")
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, go_r, go_w):
+            os.close(fd)
+
+
+def zygote_main() -> None:
+    """Entry point of the zygote process (``python -c ... zygote_main()`` ROOT CONTROL_FD OPTIONS)."""
+    root, ctrl = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))
+    opts = json.loads(sys.argv[3])
+    linux.unshare(linux.CLONE_NEWNS)
+    linux.mount("none", "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    linux.mount("tmpfs", root, "tmpfs", 0, "mode=711")
+    for sub in ("scratch", "parents", "bases"):
+        os.mkdir(f"{root}/{sub}")
+    state = _State(root, opts)
+    linux.drop_bounding_caps(KEPT_CAPS)
+    _serve(ctrl, state)
+
+
+def _serve(ctrl: socket.socket, state: _State) -> None:
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    poller = select.poll()
+    poller.register(ctrl, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        idle = len(state.netns) < state.netns_target
+        events = poller.poll(0 if idle else None)
+        if not events and idle:
+            with contextlib.suppress(OSError):
+                state.fill_netns()
+            continue
+        for fd, _event in events:
+            if fd == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                _reap_all()
+                continue
+            try:
+                msg, _payload, fds = recv(ctrl)
+            except (EOFError, OSError):
+                return
+            try:
+                reply = _handle(state, msg, fds)
+            except Exception as err:  # noqa: BLE001 - every failure goes back to the host
+                reply = {"error": str(err)}
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            send(ctrl, reply)
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def _handle(state: _State, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    op = msg["op"]
+    if op == "spawn":
+        return {"pid": _spawn_holder(state, msg["cfg"], fds[0])}
+    if op == "base":
+        return {"lower": _mount_base(state, msg["name"], msg["path"])}
+    if op == "parent_new":
+        return _parent_new(state, msg["key"], msg["hide"], msg["base"])
+    if op == "rmtree":
+        path = os.path.realpath(msg["path"])
+        if not path.startswith(f"{state.root}/parents/"):
+            raise ValueError(f"refusing to remove {path}")
+        shutil.rmtree(path, ignore_errors=True)
+        return {"ok": True}
+    raise ValueError(f"unknown zygote request {op!r}")
+
+
+def _mount_base(state: _State, name: str, path: str) -> str:
+    """The lower directory for a base root: itself, or (user namespace) an idmapped mount of it."""
+    if state.userns_fd is None:
+        return path
+    if name not in state.bases:
+        target = f"{state.root}/bases/{name}"
+        os.mkdir(target)
+        linux.idmapped_mount(path, target, state.userns_fd)
+        state.bases[name] = target
+    return state.bases[name]
+
+
+def _parent_new(state: _State, key: str, hide: list[str], base: str) -> dict[str, str]:
+    top = f"{state.root}/parents/{key}"
+    layer, work = f"{top}/layer", f"{top}/work"
+    os.makedirs(layer)
+    os.makedirs(work)
+    os.chown(layer, state.id_base, state.id_base)
+    for path in hide:
+        _hide(layer, path, base, state.id_base)
+    return {"layer": layer, "work": work}
+
+
+def _hide(layer: str, path: str, base: str, id_base: int) -> None:
+    """Make ``path`` an empty opaque directory (or a whiteout, for a file) in the overlay layer.
+
+    A path missing from the base becomes an empty directory too, so it stays hidden if created later.
+    Directories on the way keep the base's mode and owner (shifted into the user namespace)."""
+    parts = Path(path).parts[1:]
+    for i in range(1, len(parts) + 1):
+        seen, target = os.path.join(base, *parts[:i]), os.path.join(layer, *parts[:i])
+        try:
+            st = os.lstat(seen)
+        except OSError:
+            st = None
+        if i == len(parts) and st is not None and not stat.S_ISDIR(st.st_mode):
+            os.mknod(target, stat.S_IFCHR, os.makedev(0, 0))  # overlay whiteout
+            return
+        if not os.path.isdir(target):
+            os.mkdir(target, 0o755)
+            uid, gid = (0, 0) if st is None else (st.st_uid, st.st_gid)
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                os.chmod(target, stat.S_IMODE(st.st_mode))
+            os.chown(target, id_base + uid if uid < ID_COUNT else uid, id_base + gid if gid < ID_COUNT else gid)
+    os.setxattr(os.path.join(layer, *parts), "trusted.overlay.opaque", b"y")
+
+
+def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> int:
+    """Unshare the namespaces, fork the holder (pid 1 of the new pid namespace), and step back into
+    our own namespaces (setns), so no intermediate process is needed."""
+    netns = state.netns.pop(0) if cfg["new_net"] and state.netns else None
+    flags = linux.CLONE_NEWNS | linux.CLONE_NEWPID | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
+    if cfg["new_net"] and netns is None:
+        flags |= linux.CLONE_NEWNET
+    cfg = {**cfg, "net_ready": netns is not None, "id_base": state.id_base}
+    try:
+        linux.unshare(flags)
+        if netns is not None:
+            linux.setns(netns, linux.CLONE_NEWNET)
+        pid = os.fork()
+        if pid == 0:
+            _become_holder(state, cfg, sock_fd)
+    finally:
+        for fd in state.own_ns:
+            linux.setns(fd)
+        if netns is not None:
+            os.close(netns)
+    return pid
+
+
+def _become_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        keep = {0, 1, 2, sock_fd} | ({state.userns_fd} if state.userns_fd is not None else set())
+        linux.close_fds_except(keep)
+    finally:
+        holder_main(cfg, sock_fd, state.userns_fd)
+
+
+# ---- host side: the zygote client ----------------------------------------------------------------------
+
+
+class Zygote:
+    """Starts the zygote process and sends it requests (one at a time)."""
+
+    def __init__(self, id_base: int) -> None:
+        import albatross
+
+        self.root = tempfile.mkdtemp(prefix="albatross-zygote-")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        src = str(Path(albatross.__file__).resolve().parents[1])
+        # -S: no site-packages (a smaller process forks faster); the zygote needs only the stdlib
+        code = f"import sys; sys.path.insert(0, {src!r}); from albatross.sandbox.zygote import zygote_main; zygote_main()"
+        opts = json.dumps({"id_base": id_base})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-S", "-c", code, self.root, str(theirs.fileno()), opts],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()
+
+    def request(self, msg: dict[str, Any], fds: Iterable[int] = ()) -> dict[str, Any]:
+        with self.lock:
+            try:
+                send(self.sock, msg, fds=fds)
+                reply, _payload, _fds = recv(self.sock)
+            except (EOFError, OSError) as err:
+                raise ForkError(f"sandbox zygote died (exit code {self.proc.poll()}): {err}") from err
+        if "error" in reply:
+            kind = ForkError if msg["op"] == "spawn" else SandboxError
+            raise kind(f"sandbox zygote: {msg['op']} failed: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()  # the zygote exits on EOF, and its mount namespace with it
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.root)

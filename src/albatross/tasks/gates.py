@@ -1,0 +1,540 @@
+"""The nine validation gates of DESIGN.md: a task enters the training pool only when it passes all nine.
+
+1 schema       files and fields valid (``load_task``) and an oracle ``solution/solve.sh`` present
+2 build        the environment builds, offline, within ``[environment] build_timeout_sec``; every
+               Dockerfile instruction is honoured (or the line is named)
+3 oracle       the oracle scores 1 (success)
+4 noop         the untouched environment scores below 1; the tests it already passes are recorded
+               (``TaskReport.untouched``: weight 0 in partial credit)
+5 determinism  oracle and no-op give the same result over ``reruns`` runs each (default 3)
+6 leakage      tests/ and solution/ are invisible to the agent: not in environment/, not copied to
+               /tests or /solution by the Dockerfile, not readable in the built environment
+7 resources    the oracle and the verifier finish within the task's time and memory limits
+8 offline      the environment builds and the oracle passes with no network
+9 reward       every verifier run wrote a finite reward in [0, 1] whose per-test breakdown agrees
+
+A gate that cannot be judged because another failed is ``skip`` (with the reason), so a broken task
+fails exactly the gate it breaks. A failure that shows network use (``offline.network_evidence``) is a
+gate 8 failure; a run killed for time or memory is re-run with generous limits to tell gate 7 from
+gate 3. Tasks are gated in parallel (``parallelism`` threads, default the number of cores); each
+task's runs are sequential.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shlex
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from albatross.sandbox.base import Backend, ExecResult, Limits, SandboxError
+from albatross.tasks.format import Task, TaskFormatError, load_task
+from albatross.tasks.offline import TOOLKIT_PATH, base_image_problem, network_evidence
+from albatross.tasks.verify import (
+    SOLUTION_PATH,
+    TESTS_PATH,
+    VerifierRun,
+    VerifyResult,
+    run_oracle,
+    run_verifier,
+)
+
+GATES = ("schema", "build", "oracle", "noop", "determinism", "leakage", "resources", "offline", "reward")
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+_KILLED = (137, -9)
+_REASON_CHARS = 400
+
+
+@dataclass
+class Gate:
+    status: str
+    reason: str = ""
+
+
+@dataclass
+class GateOptions:
+    reruns: int = 3  # runs of the oracle and of the no-op for the determinism gate (>= 2)
+    parallelism: int = 0  # tasks gated at once; 0: the number of cores
+    slack: float = 3.0  # the resource re-run gets this many times the time and memory
+    pids: int = 1024
+    max_output_bytes: int = 1 << 20
+
+
+@dataclass
+class TaskReport:
+    task: str
+    path: str
+    gates: dict[str, Gate] = field(default_factory=dict)
+    untouched: list[str] = field(default_factory=list)  # tests the untouched environment passes
+    tests: list[str] = field(default_factory=list)  # the tests of the oracle run
+    notes: dict[str, float] = field(default_factory=dict)  # seconds of the build, oracle, verifier
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(self.gates.get(g, Gate(SKIP)).status == PASS for g in GATES)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task": self.task, "path": self.path, "passed": self.passed,
+                "gates": {g: dataclasses.asdict(self.gates[g]) for g in GATES if g in self.gates},
+                "untouched": self.untouched, "tests": self.tests, "notes": self.notes,
+                "seconds": round(self.seconds, 2)}
+
+
+@dataclass
+class Run:
+    """One attempt: the oracle (or nothing) followed by the verifier."""
+
+    kind: str  # "oracle" or "noop"
+    solve: ExecResult | None = None
+    verifier: VerifierRun | None = None
+    infra: str = ""  # a sandbox error that prevented the run
+    leaks: list[str] = field(default_factory=list)  # what the untouched attempt exposes
+
+    @property
+    def result(self) -> VerifyResult | None:
+        return self.verifier.result if self.verifier else None
+
+    @property
+    def outcome(self) -> tuple | None:
+        r = self.result
+        if r is None:
+            return None
+        return (r.success, round(r.reward, 6), tuple(sorted((k, round(v, 6)) for k, v in r.metrics.items())))
+
+    @property
+    def text(self) -> str:
+        parts = [self.solve.output if self.solve else "", self.verifier.run.output if self.verifier else "",
+                 self.verifier.error if self.verifier else ""]
+        return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------- entry points
+
+
+def validate(paths: Iterable[str | Path], backend: Backend, options: GateOptions | None = None,
+             progress: Callable[[TaskReport], None] | None = None) -> list[TaskReport]:
+    """Gate every task directory in ``paths`` (task dirs; use ``find_task_dirs`` for folders)."""
+    options = options or GateOptions()
+    paths = list(paths)
+    workers = options.parallelism or os.cpu_count() or 1
+    with ThreadPoolExecutor(max(1, min(workers, len(paths) or 1)), thread_name_prefix="gate") as pool:
+        futures = [pool.submit(gate_task, p, backend, options) for p in paths]
+        reports = []
+        for f in futures:
+            reports.append(f.result())
+            if progress is not None:
+                progress(reports[-1])
+    return reports
+
+
+def gate_task(path: str | Path, backend: Backend, options: GateOptions | None = None) -> TaskReport:
+    """Run the nine gates on one task directory."""
+    start = time.monotonic()
+    report = TaskReport(task=Path(path).name, path=str(path))
+    _Gater(report, backend, options or GateOptions()).run(Path(path))
+    for name in GATES:
+        report.gates.setdefault(name, Gate(SKIP, "an earlier gate failed"))
+    report.seconds = time.monotonic() - start
+    return report
+
+
+# ------------------------------------------------------------------------------------------ the gater
+
+
+class _Gater:
+    def __init__(self, report: TaskReport, backend: Backend, options: GateOptions) -> None:
+        self.report, self.backend, self.options = report, backend, options
+        self.runs: list[Run] = []
+        self.oracle_config: tuple[Task, Limits] | None = None  # what the deciding oracle run used
+
+    def set(self, gate: str, status: str, reason: str = "") -> None:
+        self.report.gates.setdefault(gate, Gate(status, _one_line(reason)))
+
+    def run(self, path: Path) -> None:
+        task = self.schema(path)
+        if task is None:
+            return
+        self.report.task = task.id
+        static_leaks = find_static_leaks(task)
+        if not self.build(task):
+            self.set("leakage", FAIL if static_leaks else SKIP, "; ".join(static_leaks) or "not built")
+            return
+        oracle = self.oracle(task)
+        noop = self.noop(task)
+        self.determinism(task, oracle, noop)
+        leaks = static_leaks + (noop.leaks if noop else [])
+        self.set("leakage", FAIL if leaks else PASS, "; ".join(leaks) or "tests and solution not visible")
+        self.reward()
+
+    # gate 1 -------------------------------------------------------------------------------------
+    def schema(self, path: Path) -> Task | None:
+        try:
+            task = load_task(path)
+        except TaskFormatError as e:
+            self.set("schema", FAIL, str(e))
+            return None
+        solve = task.solution_dir / "solve.sh"
+        if not solve.is_file():
+            self.set("schema", FAIL, f"{solve}: missing (the oracle gates need it)")
+            return None
+        self.set("schema", PASS)
+        return task
+
+    # gates 2 and 8 (build) ------------------------------------------------------------------------
+    def build(self, task: Task) -> bool:
+        problem = dockerfile_problem(task)
+        if problem:
+            self.set("build", FAIL, problem)
+            return False
+        start = time.monotonic()
+        try:
+            _prepare(self.backend, task)
+        except (SandboxError, ValueError, OSError) as e:
+            message = task.offline.map_message(str(e)) if task.offline else str(e)
+            evidence = network_evidence(message)
+            if evidence:
+                self.set("offline", FAIL, f"the build needs the network: {evidence}")
+                self.set("build", SKIP, "needs the network (gate 8)")
+            else:
+                self.set("build", FAIL, message)
+            return False
+        seconds = time.monotonic() - start
+        self.report.notes["build_s"] = round(seconds, 2)
+        if seconds > task.build_timeout_s:
+            self.set("build", FAIL, f"took {seconds:.0f} s, over build_timeout_sec {task.build_timeout_s:.0f}")
+        else:
+            self.set("build", PASS, f"{seconds:.1f} s")
+        return True
+
+    # gates 3, 7 and 8 (oracle) ----------------------------------------------------------------
+    def oracle(self, task: Task) -> Run:
+        self.oracle_config = (task, task_limits(task, self.options))
+        run = self.attempt(task, "oracle", self.oracle_config[1])
+        if run.infra:
+            self.set("oracle", FAIL, f"sandbox error: {run.infra}")
+            return run
+        if run.result is not None and run.result.success:
+            self.oracle_passed(task, run, run)
+            return run
+        if resource_symptom(run):
+            return self.oracle_rerun(task, run)
+        self.oracle_failed(run)
+        return run
+
+    def oracle_rerun(self, task: Task, first: Run) -> Run:
+        generous = _generous(task, self.options.slack)
+        self.oracle_config = (generous, task_limits(generous, self.options, self.options.slack))
+        rerun = self.attempt(generous, "oracle", self.oracle_config[1])
+        if rerun.result is not None and rerun.result.success:
+            self.set("resources", FAIL, resource_reason(task, first, rerun, self.options.slack))
+            self.oracle_passed(task, rerun, first, resources=False)
+        else:
+            self.set("resources", SKIP, "the oracle fails even with more time and memory (gate 3)")
+            self.oracle_failed(rerun)
+        return rerun
+
+    def oracle_passed(self, task: Task, run: Run, first: Run, resources: bool = True) -> None:
+        solve_s, verify_s = run.solve.seconds, run.verifier.run.seconds
+        self.report.notes.update(oracle_s=round(solve_s, 2), verify_s=round(verify_s, 2))
+        self.report.tests = sorted(run.result.metrics) if run.result.source != "reward.txt" else []
+        self.set("oracle", PASS, f"scored 1 ({solve_s:.1f} s + verifier {verify_s:.1f} s)")
+        if resources:
+            self.set("resources", PASS, f"within {task.agent_timeout_s:.0f} s / {task.verifier_timeout_s:.0f} s "
+                     f"and {task.memory_mb} MB")
+        note = " (it declares allow_internet = true)" if task.allow_internet else ""
+        self.set("offline", PASS, f"built and solved with no network{note}")
+
+    def oracle_failed(self, run: Run) -> None:
+        evidence = network_evidence(run.text)
+        if evidence:
+            self.set("offline", FAIL, f"the oracle needs the network: {evidence}")
+            self.set("oracle", SKIP, "needs the network (gate 8)")
+        elif run.result is None:
+            self.set("oracle", SKIP, "the verifier gave no usable reward (gate 9)")
+        else:
+            self.set("oracle", FAIL, describe_failure(run))
+        self.set("resources", SKIP, "the oracle does not pass")
+        self.set("offline", SKIP, "the oracle does not pass")
+
+    # gate 4 -------------------------------------------------------------------------------------
+    def noop(self, task: Task) -> Run:
+        run = self.attempt(task, "noop", task_limits(task, self.options), scan=True)
+        result = run.result
+        if run.infra:
+            self.set("noop", FAIL, f"sandbox error: {run.infra}")
+        elif result is None:
+            self.set("noop", SKIP, "the verifier gave no usable reward on the untouched environment (gate 9)")
+        elif result.success:
+            self.set("noop", FAIL, f"the untouched environment already scores 1 ({_metrics_text(result.metrics)})")
+        else:
+            named = result.source != "reward.txt"
+            self.report.untouched = sorted(k for k, v in result.metrics.items() if v == 1.0) if named else []
+            self.set("noop", PASS, f"scores {result.reward:g}; {len(self.report.untouched)} of "
+                     f"{len(result.metrics)} tests pass untouched")
+        return run
+
+    # gate 5 -------------------------------------------------------------------------------------
+    def determinism(self, task: Task, oracle: Run, noop: Run) -> None:
+        if oracle.outcome is None or noop.outcome is None:
+            self.set("determinism", SKIP, "needs a reward from both the oracle and the no-op")
+            return
+        configs = {"oracle": self.oracle_config, "noop": (task, task_limits(task, self.options))}
+        for first in (oracle, noop):
+            run_task, limits = configs[first.kind]
+            outcomes = [first.outcome]
+            for _ in range(self.options.reruns - 1):
+                outcomes.append(self.attempt(run_task, first.kind, limits).outcome)
+            if len(set(outcomes)) > 1:
+                self.set("determinism", FAIL, f"{first.kind} results differ over {len(outcomes)} runs: "
+                         f"{describe_difference(outcomes)}")
+                return
+        self.set("determinism", PASS, f"same results over {self.options.reruns} runs each")
+
+    # gate 9 -------------------------------------------------------------------------------------
+    def reward(self) -> None:
+        runs = [r for r in self.runs if r.verifier is not None]
+        if not runs:
+            self.set("reward", SKIP, "no verifier run")
+            return
+        for run in runs:
+            if run.result is None:
+                self.set("reward", FAIL, f"{run.kind}: {run.verifier.error}")
+                return
+            if run.result.problem:
+                self.set("reward", FAIL, f"{run.kind}: {run.result.problem}")
+                return
+        self.set("reward", PASS, f"{len(runs)} verifier runs well formed")
+
+    # runs ---------------------------------------------------------------------------------------
+    def attempt(self, task: Task, kind: str, limits: Limits, scan: bool = False) -> Run:
+        error = ""
+        for _ in range(2):  # a sandbox failure is retried once on a fresh fork
+            try:
+                run = _attempt(self.backend, task, kind, limits, scan)
+            except SandboxError as e:
+                error = str(e)
+                continue
+            self.runs.append(run)
+            return run
+        return Run(kind, infra=error)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _attempt(backend: Backend, task: Task, kind: str, limits: Limits, scan: bool) -> Run:
+    attempt = backend.fork(task.env_dir, task.workdir, limits)
+    try:
+        run = Run(kind)
+        if scan:
+            run.leaks = scan_for_leaks(attempt, task)
+        if kind == "oracle":
+            run.solve = run_oracle(attempt, task)
+        run.verifier = run_verifier(attempt, task)
+        return run
+    finally:
+        attempt.close()
+
+
+def _prepare(backend: Backend, task: Task) -> None:
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(task.env_dir)
+    else:
+        backend.fork(task.env_dir, task.workdir).close()
+
+
+def task_limits(task: Task, options: GateOptions, scale: float = 1.0) -> Limits:
+    """The task's own limits (memory, storage, agent timeout), optionally scaled up."""
+    return Limits(memory_mb=int(task.memory_mb * scale), pids=options.pids,
+                  disk_mb=int(task.storage_mb * scale), command_timeout_s=task.agent_timeout_s,
+                  max_output_bytes=options.max_output_bytes)
+
+
+def _generous(task: Task, slack: float) -> Task:
+    return dataclasses.replace(task, agent_timeout_s=task.agent_timeout_s * slack + 60,
+                               verifier_timeout_s=task.verifier_timeout_s * slack + 60)
+
+
+def resource_symptom(run: Run) -> bool:
+    """The oracle or the verifier timed out or was killed (the memory limit kills with SIGKILL)."""
+    execs = [e for e in (run.solve, run.verifier.run if run.verifier else None) if e is not None]
+    return any(e.timed_out or e.exit_code in _KILLED for e in execs)
+
+
+def resource_reason(task: Task, first: Run, rerun: Run, slack: float) -> str:
+    if first.solve is not None and first.solve.timed_out:
+        return (f"the oracle needs more than [agent] timeout_sec {task.agent_timeout_s:.0f} s "
+                f"(took {rerun.solve.seconds:.1f} s with more time)")
+    if first.verifier is not None and first.verifier.run.timed_out:
+        return (f"the verifier needs more than [verifier] timeout_sec {task.verifier_timeout_s:.0f} s "
+                f"(took {rerun.verifier.run.seconds:.1f} s with more time)")
+    return (f"killed within memory {task.memory_mb} MB; passes with {int(task.memory_mb * slack)} MB")
+
+
+def describe_failure(run: Run) -> str:
+    result = run.result
+    failed = [k for k, v in result.metrics.items() if v < 1.0]
+    parts = [f"scored {result.reward:g}" + (f", failing {', '.join(failed[:4])}" if failed else "")]
+    if result.error:
+        parts.append(result.error)
+    if run.solve is not None and run.solve.exit_code != 0:
+        parts.append(f"solve.sh exited with {run.solve.exit_code}: {run.solve.output[-200:]}")
+    return "; ".join(parts)
+
+
+def describe_difference(outcomes: list[tuple | None]) -> str:
+    def show(o: tuple | None) -> str:
+        return "no reward" if o is None else f"reward {o[1]:g} {dict(o[2])}"
+
+    first = outcomes[0]
+    other = next(o for o in outcomes if o != first)
+    return f"{show(first)} vs {show(other)}"
+
+
+def _metrics_text(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in list(metrics.items())[:6])
+
+
+def _one_line(text: str) -> str:
+    text = re.sub(r"\s*\n\s*", " | ", text.strip())
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------ leakage
+
+
+def dockerfile_problem(task: Task) -> str:
+    """Why the Dockerfile cannot be built here (unparseable, unsupported instruction, unmappable
+    FROM image), or ""."""
+    from albatross.sandbox.dockerfile import DockerfileError, From, parse_dockerfile
+
+    try:
+        instructions = parse_dockerfile(task.dockerfile)
+    except DockerfileError as e:
+        return str(e)
+    for ins in instructions:
+        if isinstance(ins, From):
+            problem = base_image_problem(ins.image)
+            if problem:
+                return f"{task.dockerfile}:{ins.line}: {problem}"
+    return ""
+
+
+def _secret_hashes(task: Task) -> dict[str, str]:
+    """sha256 -> "tests/x" for every non-trivial file of tests/ and solution/."""
+    out: dict[str, str] = {}
+    for root in (task.tests_dir, task.solution_dir):
+        for path in sorted(root.rglob("*")) if root.is_dir() else []:
+            if path.is_file() and path.stat().st_size >= 16:
+                out[hashlib.sha256(path.read_bytes()).hexdigest()] = f"{root.name}/{path.relative_to(root)}"
+    return out
+
+
+def find_static_leaks(task: Task) -> list[str]:
+    """Copies of test or solution files in environment/, and Dockerfile COPYs into /tests or /solution."""
+    from albatross.sandbox.dockerfile import Copy, DockerfileError, parse_dockerfile
+
+    secrets = _secret_hashes(task)
+    env = task.source_env_dir or task.env_dir
+    leaks = [f"{secrets[h]} is in the environment as environment/{p.relative_to(env)}"
+             for p in sorted(env.rglob("*")) if p.is_file()
+             for h in [hashlib.sha256(p.read_bytes()).hexdigest()] if h in secrets]
+    try:
+        instructions = parse_dockerfile(task.dockerfile)
+    except DockerfileError:
+        return leaks
+    for ins in instructions:
+        dest = ins.dest if isinstance(ins, Copy) else ""
+        if dest.rstrip("/") in (TESTS_PATH, SOLUTION_PATH) or dest.startswith((TESTS_PATH + "/", SOLUTION_PATH + "/")):
+            leaks.append(f"{task.dockerfile}:{ins.line}: {ins.keyword} into {dest}, where the verifier's files go")
+    return leaks
+
+
+def _scan_roots(task: Task) -> list[str]:
+    from albatross.sandbox.dockerfile import Copy, DockerfileError, parse_dockerfile
+
+    roots = [task.workdir] if task.workdir != "/" else []
+    try:
+        instructions = parse_dockerfile(task.dockerfile)
+    except DockerfileError:
+        return roots
+    for ins in instructions:
+        if isinstance(ins, Copy) and ins.dest.startswith("/") and ins.dest.rstrip("/"):
+            roots.append(ins.dest)
+    return sorted(set(roots))
+
+
+def scan_for_leaks(attempt, task: Task) -> list[str]:
+    """In an untouched attempt: /tests or /solution already there, or a test/solution file readable
+    under the workdir or a COPY destination."""
+    secrets = _secret_hashes(task)
+    roots = " ".join(shlex.quote(r) for r in _scan_roots(task))
+    command = (f"for p in {TESTS_PATH} {SOLUTION_PATH}; do [ -e $p ] && echo \"EXISTS $p\"; done; "
+               + (f"find {roots} -xdev -type f -size -2048k -not -path '{TOOLKIT_PATH}*' -print0 2>/dev/null "
+                  "| head -z -n 5000 | xargs -0 -r sha256sum 2>/dev/null" if roots else "true"))
+    output = attempt.exec(command, timeout_s=60).output
+    leaks = []
+    for line in output.splitlines():
+        if line.startswith("EXISTS "):
+            leaks.append(f"{line[7:]} exists before verification")
+            continue
+        digest, _, path = line.partition("  ")
+        if digest in secrets:
+            leaks.append(f"{secrets[digest]} is readable in the environment at {path}")
+    return leaks
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+
+def partial_credit_weights(reports: Iterable[TaskReport]) -> dict[str, dict[str, float]]:
+    """task id -> {test: 0.0} for the tests that pass untouched (the no-op gate): partial-credit
+    weights for ``orchestrator.buffer.GroupScorer``."""
+    return {r.task: {name: 0.0 for name in r.untouched} for r in reports if r.untouched}
+
+
+def load_test_weights(path: str | Path) -> dict[str, dict[str, float]]:
+    """The partial-credit weights from a ``tasks validate --json`` report."""
+    data = json.loads(Path(path).read_text())
+    return {k: {t: float(w) for t, w in v.items()} for k, v in data.get("test_weights", {}).items()}
+
+
+def reports_json(reports: list[TaskReport]) -> dict[str, Any]:
+    return {"gates": list(GATES), "tasks": [r.to_dict() for r in reports],
+            "summary": {"tasks": len(reports), "passed": sum(r.passed for r in reports)},
+            "test_weights": partial_credit_weights(reports)}
+
+
+def format_table(reports: list[TaskReport]) -> str:
+    """A task x gate table (pass / FAIL / skip), the reasons for every FAIL and skip, and a total."""
+    width = max([len(r.task) for r in reports] + [4])
+    heads = [f"{i}:{g}" for i, g in enumerate(GATES, 1)]
+    lines = [f"{'task':<{width}}  " + "  ".join(heads)]
+    marks = {PASS: "pass", FAIL: "FAIL", SKIP: "skip"}
+    for r in reports:
+        cells = [f"{marks[r.gates[g].status]:<{len(h)}}" for g, h in zip(GATES, heads, strict=True)]
+        lines.append(f"{r.task:<{width}}  " + "  ".join(cells).rstrip())
+    reasons = [f"  {r.task}: gate {i} {g}: {r.gates[g].status}: {r.gates[g].reason}"
+               for r in reports for i, g in enumerate(GATES, 1) if r.gates[g].status != PASS]
+    if reasons:
+        lines += ["", "reasons:", *reasons]
+    lines += ["", summary_line(reports)]
+    return "\n".join(lines)
+
+
+def summary_line(reports: list[TaskReport]) -> str:
+    passed = sum(r.passed for r in reports)
+    failed = {g: sum(r.gates[g].status == FAIL for r in reports) for g in GATES}
+    which = ", ".join(f"{g} {n}" for g, n in failed.items() if n)
+    tail = f"; failures by gate: {which}" if which else ""
+    return f"{len(reports)} tasks: {passed} passed all nine gates, {len(reports) - passed} did not{tail}"

@@ -1,0 +1,95 @@
+"""FSDP2 on CPU: two gloo ranks under torchrun train like one process.
+
+The test runs this file as the torchrun worker script (``--worker OUT``); each rank builds the same
+tiny model and batch, trains two steps with ``fsdp=True``, exports weights, saves state, and rank 0
+writes what it saw. The single-process reference runs in the test itself.
+"""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from albatross.records import Batch, Sample, TrainSample
+from albatross.trainer.checkpoint import load_weights
+from albatross.trainer.model import tiny_causal_lm
+from albatross.trainer.step import Trainer
+
+VOCAB = 300
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def make_batch(seed: int) -> Batch:
+    rng = random.Random(seed)
+    samples = []
+    for n in (21, 14, 9, 17, 6):  # five samples, micro-batch budget 24: three micro-batches for 2 ranks
+        mask = [0] * 4 + [1] * (n - 4)
+        sample = Sample([rng.randrange(VOCAB) for _ in range(n)], mask,
+                        [-rng.uniform(4.0, 7.0) if m else 0.0 for m in mask], [0 if m else -1 for m in mask])
+        samples.append(TrainSample(sample, rng.uniform(-1.0, 1.0)))
+    return Batch(samples=samples, groups=2, min_version=0)
+
+
+def make_trainer(fsdp: bool) -> Trainer:
+    return Trainer(tiny_causal_lm(VOCAB, 64, 2, seed=3), lr=1e-3, weight_decay=0.01, micro_batch_tokens=24,
+                   fsdp=fsdp, seed=3)
+
+
+def worker(out: Path) -> None:
+    from albatross.trainer.distributed import init_distributed
+
+    rank, world = init_distributed("gloo")
+    trainer = make_trainer(fsdp=True)
+    local = {n: p.to_local().numel() for n, p in trainer.model.named_parameters()}
+    m1 = trainer.step(make_batch(0), current_version=0)
+    trainer.save(out / "state.pt")
+    m2 = trainer.step(make_batch(1), current_version=1)
+    trainer.load(out / "state.pt")
+    again = trainer.step(make_batch(1), current_version=1)
+    from albatross.trainer.checkpoint import export_weights
+
+    export_weights(trainer.model, out / "weights", 2)
+    if rank == 0:
+        (out / "result.json").write_text(json.dumps({"world": world, "losses": [m1["loss"], m2["loss"]],
+                                                     "again": again["loss"], "tokens": m1["tokens"],
+                                                     "grad_norm": m1["grad_norm"], "local": local}))
+    torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_match_a_single_process(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", __file__, "--worker", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "result.json").read_text())
+
+    single = make_trainer(fsdp=False)
+    m1, m2 = single.step(make_batch(0), current_version=0), single.step(make_batch(1), current_version=1)
+    assert got["world"] == 2
+    assert got["tokens"] == m1["tokens"]
+    for a, b in zip(got["losses"], [m1["loss"], m2["loss"]], strict=True):
+        assert abs(a - b) < 1e-5
+    assert abs(got["again"] - got["losses"][1]) < 1e-6  # resumed from the saved state under FSDP
+    assert abs(got["grad_norm"] - m1["grad_norm"]) < 1e-4
+    full = {n: p.numel() for n, p in single.model.named_parameters()}
+    assert all(got["local"][n] < full[n] for n in full if full[n] > 1)  # really sharded
+    exported = tiny_causal_lm(VOCAB, 64, 2, seed=9)
+    load_weights(exported, tmp_path / "weights" / "v000002")
+    for (name, a), (_, b) in zip(single.model.named_parameters(), exported.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a.detach(), **TOL, msg=name)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    worker(Path(sys.argv[sys.argv.index("--worker") + 1]))
