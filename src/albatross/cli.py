@@ -87,7 +87,7 @@ def cmd_tasks_new(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.tasks.builtin import generate_tasks
 
     paths = generate_tasks(Path(args.out), families=args.family or None, n_train=args.count,
-                           n_heldout=args.heldout, seed=args.seed)
+                           n_heldout=args.heldout, seed=args.seed, difficulty=args.difficulty)
     for split, ps in paths.items():
         print(f"{split}: {len(ps)} tasks under {Path(args.out) / split}")
     return 0
@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = tasks.add_parser("families", help="list built-in task families")
     p.set_defaults(fn=cmd_tasks_families)
     p = tasks.add_parser("new", help="generate built-in task directories")
-    p.add_argument("family", nargs="*", help="families to generate (default: all)")
+    p.add_argument("family", nargs="*", help="families to generate, or `all` (default: the demo's three)")
+    p.add_argument("--difficulty", choices=("easy", "medium", "hard"), default="easy", help="difficulty knob")
     p.add_argument("--count", type=int, default=16, help="training tasks")
     p.add_argument("--heldout", type=int, default=0, help="held-out tasks")
     p.add_argument("--seed", type=int, default=0)

@@ -60,12 +60,31 @@ class SandboxConfig(_Section):
 
 
 class HarnessConfig(_Section):
-    action_format: Literal["bash_block"] = Field("bash_block", description="How actions are written: "
-                                                  "fenced ```bash blocks.")
+    action_format: Literal["bash_block", "tool_calls"] = Field(
+        "bash_block", description="How actions are written: fenced ```bash blocks (small models) or JSON tool "
+        "calls in the model's chat template (Qwen/Hermes `<tool_call>`).")
     max_turns: int = Field(4, ge=1, description="Turn budget per attempt.")
     max_tokens_per_turn: int = Field(32, ge=1, description="Generated-token budget per turn.")
+    max_generated_tokens: int = Field(0, ge=0, description="Generated-token budget for the whole attempt, "
+                                      "summaries included (0 = no limit); ends it with `max_tokens`.")
     max_context_tokens: int = Field(512, ge=16, description="Context budget (prompt + all turns).")
-    max_observation_chars: int = Field(400, ge=16, description="Longer tool output is cut to head + tail.")
+    max_observation_chars: int = Field(400, ge=16, description="Longest tool output shown whole; a longer one "
+                                       "is saved to a file and shown as head + tail + path (cut in the middle "
+                                       "when `redirect_output` is off).")
+    redirect_output: bool = Field(True, description="Write each command's output to a file in the sandbox; "
+                                  "show a long one as head, tail, bytes left out and the file's path.")
+    bash_tools_hint: bool = Field(False, description="bash_block only: append a short description of the "
+                                  "helpers (`job`, output files) to the instruction.")
+    compression: Literal["none", "mask", "mask_summary"] = Field(
+        "mask_summary", description="Near the context budget: mask old observations, then (`mask_summary`) ask "
+        "the model for a summary. Each compression starts a new sample.")
+    compress_at: float = Field(1.0, gt=0, le=1, description="Compress before a turn when context plus "
+                               "`max_tokens_per_turn` would pass this share of `max_context_tokens`.")
+    compress_target: float = Field(0.5, gt=0, le=1, description="Masking is enough when it brings context plus "
+                                   "one turn under this share of the budget; otherwise summarise.")
+    keep_observations: int = Field(3, ge=0, description="Most recent observations kept in full when masking "
+                                   "or summarising.")
+    summary_max_tokens: int = Field(256, ge=1, description="Cap on the length of a progress summary.")
     max_format_errors: int = Field(2, ge=1, description="Consecutive malformed actions that end an attempt.")
     attempt_timeout_s: float = Field(120.0, gt=0, description="Wall-time budget per attempt.")
 
@@ -96,6 +115,8 @@ class RLConfig(_Section):
     p_floor: float = Field(0.0, ge=0, lt=1, description="Loss floor: negative-advantage tokens below this "
                            "probability stop contributing.")
     n_floor: int = Field(64, ge=1, description="Token-count floor of the loss denominator.")
+    test_weights: str = Field("", description="Partial-credit weights: a `tasks validate --json` report "
+                              "(tests that pass untouched weigh 0). Empty: every test weighs 1.")
 
 
 class TrainerConfig(_Section):

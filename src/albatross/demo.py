@@ -121,8 +121,7 @@ class Demo:
         return evaluate(agent, heldout, self.cfg.eval.trials, out_jsonl=path)
 
     def _tasks(self):
-        from albatross.harness.chat import TinyTokenizer
-        from albatross.tasks.builtin import corpus_strings, generate_tasks
+        from albatross.tasks.builtin import generate_tasks
         from albatross.tasks.format import load_tasks
 
         tc = self.cfg.tasks
@@ -136,7 +135,7 @@ class Demo:
                                    n_heldout=tc.n_heldout, seed=tc.seed)
             train, heldout = load_tasks(paths["train"]), load_tasks(paths["heldout"])
         self.log(f"[tasks] {len(train)} train, {len(heldout)} held-out tasks")
-        return train, heldout, TinyTokenizer.from_corpus(corpus_strings())
+        return train, heldout, demo_tokenizer(tc.families)
 
     def _backend(self):
         from albatross.sandbox import make_backend
@@ -177,9 +176,9 @@ class Demo:
             "tokens_per_solve_base": round(base.tokens_per_solve, 2),
             "tokens_per_solve_trained": round(trained.tokens_per_solve, 2),
             "zero_signal_group_fraction": round(loop.builder.counts["dropped_zero_signal"] / groups, 4),
-            "dropped_stale_tokens": int(state.counts["dropped_stale_tokens"]),
+            "dropped_stale_tokens": int(loop.counts["dropped_stale_tokens"]),
             "max_staleness_seen": int(state.max_staleness_seen),
-            "infra_error_attempts": int(state.counts["infra_error_attempts"] + base.infra_errors
+            "infra_error_attempts": int(loop.counts["infra_error_attempts"] + base.infra_errors
                                         + trained.infra_errors),
             "eval_trials": self.cfg.eval.trials,
             "seed": self.cfg.seed,
@@ -188,18 +187,20 @@ class Demo:
         return summary
 
 
-def make_agent(cfg: RunConfig, engine, backend, tokenizer):
-    from albatross.engine.base import SamplingParams
-    from albatross.harness.agent import Agent
-    from albatross.harness.chat import TinyChatFormat
-    from albatross.sandbox.base import Limits
+def demo_tokenizer(families: list[str] | None = None):
+    """The tiny model's tokenizer: the corpus of the built-in families it trains on (the demo's three by
+    default), so that adding families elsewhere never changes the demo model's vocabulary."""
+    from albatross.harness.chat import TinyTokenizer
+    from albatross.tasks.builtin import DEMO_FAMILIES, corpus_strings
 
-    sc = cfg.sandbox
-    limits = Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb,
-                    command_timeout_s=sc.command_timeout_s)
-    sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                              top_k=cfg.sampling.top_k)
-    return Agent(engine, backend, TinyChatFormat(tokenizer), cfg.harness, sampling, limits)
+    return TinyTokenizer.from_corpus(corpus_strings(families or DEMO_FAMILIES))
+
+
+def make_agent(cfg: RunConfig, engine, backend, tokenizer):
+    """The agent of a run config: the one constructor that `train`, `eval` and the demo share."""
+    from albatross.harness.agent import build_agent
+
+    return build_agent(cfg, engine, backend, tokenizer)
 
 
 def format_table(summary: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from albatross.records import Batch, Sample, TrainSample
@@ -35,9 +36,9 @@ def make_batch(seed: int) -> Batch:
     return Batch(samples=samples, groups=2, min_version=0)
 
 
-def make_trainer(fsdp: bool) -> Trainer:
+def make_trainer(fsdp: bool, **knobs) -> Trainer:
     return Trainer(tiny_causal_lm(VOCAB, 64, 2, seed=3), lr=1e-3, weight_decay=0.01, micro_batch_tokens=24,
-                   fsdp=fsdp, seed=3)
+                   fsdp=fsdp, seed=3, **knobs)
 
 
 def worker(out: Path) -> None:
@@ -54,10 +55,12 @@ def worker(out: Path) -> None:
     from albatross.trainer.checkpoint import export_weights
 
     export_weights(trainer.model, out / "weights", 2)
+    ckpt = make_trainer(fsdp=True, activation_checkpointing=True).step(make_batch(0), current_version=0)
     if rank == 0:
         (out / "result.json").write_text(json.dumps({"world": world, "losses": [m1["loss"], m2["loss"]],
                                                      "again": again["loss"], "tokens": m1["tokens"],
-                                                     "grad_norm": m1["grad_norm"], "local": local}))
+                                                     "grad_norm": m1["grad_norm"], "local": local,
+                                                     "checkpointed": ckpt["loss"]}))
     torch.distributed.destroy_process_group()
 
 
@@ -67,6 +70,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~60 s here, most of it three processes importing torch and transformers
 def test_two_gloo_ranks_match_a_single_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", __file__, "--worker", str(tmp_path)]
@@ -82,6 +86,7 @@ def test_two_gloo_ranks_match_a_single_process(tmp_path):
     for a, b in zip(got["losses"], [m1["loss"], m2["loss"]], strict=True):
         assert abs(a - b) < 1e-5
     assert abs(got["again"] - got["losses"][1]) < 1e-6  # resumed from the saved state under FSDP
+    assert abs(got["checkpointed"] - m1["loss"]) < 1e-5  # FSDP with activation checkpointing
     assert abs(got["grad_norm"] - m1["grad_norm"]) < 1e-4
     full = {n: p.numel() for n, p in single.model.named_parameters()}
     assert all(got["local"][n] < full[n] for n in full if full[n] > 1)  # really sharded

@@ -78,3 +78,21 @@ def test_failed_command_shows_exit_code(setup):
     agent, tasks = setup
     traj = _play(agent, tasks[0], ["```bash\ncat missing-file\n```", "```bash\nsubmit\n```"])
     assert "exit code 1" in traj.turns[0].observation
+
+
+def test_default_layout_is_prompt_then_exact_actions_and_raw_observations(setup):
+    """The demo's token layout with default settings: no tool list, short outputs shown exactly."""
+    agent, tasks = setup
+    task = tasks[0]
+    actions = ["```bash\nls\n```", "```bash\nls /missing\n```", "```bash\nsubmit\n```"]
+    traj = _play(agent, task, actions)
+    fmt, t = agent.fmt, agent.fmt.tokenizer
+    assert traj.turns[0].observation == "".join(f"{name}\n" for name in sorted(
+        traj.turns[0].observation.split()))  # plain `ls` output, nothing added
+    assert traj.turns[1].observation.endswith("No such file or directory\n[exit code 2]\n")
+    expected = [t.special("<|user|>")] + t.encode(task.instruction.strip()) + [t.special("<|assistant|>")]
+    for action, turn in zip(actions, traj.turns, strict=True):
+        expected += fmt.action(action) + (fmt.observation(turn.observation) if turn.tool != "submit" else [])
+    assert traj.samples[0].token_ids == expected
+    assert [turn.tool for turn in traj.turns] == ["bash", "bash", "submit"]  # submit is one turn, once
+    assert traj.input_tokens == sum(turn.context_tokens for turn in traj.turns)

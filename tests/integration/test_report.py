@@ -176,3 +176,16 @@ def _chromium(tmp_path: Path, *args: str) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
+
+
+def test_training_run_panels_all_have_data(inputs):
+    from albatross.eval.report import _training_panels, load_dir
+
+    results, runs = load_dir(inputs[2])
+    assert [r.label for r in results] == ["run base", "run trained"] and len(runs) == 1
+    panels = _training_panels(runs[0])
+    assert len(panels) == 8
+    for title, _xlabel, lines in panels:
+        assert any(len(xs) == len(ys) > 0 for _name, xs, ys in lines), title
+    share = dict((t, lines) for t, _x, lines in panels)["zero-signal group share"][0]
+    assert share[2] == [0.25] * 6  # one of the four groups finished in each step had no signal

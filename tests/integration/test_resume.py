@@ -28,7 +28,7 @@ def _start(args, env, log):
                             stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_for_step(proc, out: Path, step: int, timeout: float = 400) -> None:
+def _wait_for_step(proc, out: Path, step: int, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while _state_step(out) < step:
         assert proc.poll() is None, f"run ended early with {proc.returncode}"

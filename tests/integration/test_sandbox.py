@@ -1,8 +1,15 @@
-"""Real sandboxes: isolation, persistence, limits and cleanup of LocalBackend; ProcessBackend basics."""
+"""Real sandboxes: isolation, persistence and cleanup of LocalBackend, the sandbox CLI and benchmark,
+the debian base, and ProcessBackend basics. Limits: test_sandbox_limits.py; faults: test_sandbox_faults.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -13,14 +20,20 @@ import pytest
 
 from albatross.sandbox import (
     EnvBuildError,
-    Limits,
     LocalBackend,
     ProcessBackend,
     SandboxError,
     local_available,
     make_backend,
 )
-from albatross.sandbox.local import LocalAttempt
+from albatross.sandbox.local import ID_BASE, LocalAttempt
+from albatross.sandbox.rootfs import debian_path, debootstrap_missing, is_built
+from albatross.tasks.builtin import generate_tasks
+from albatross.tasks.format import load_task
+
+needs_local = pytest.mark.skipif(
+    not local_available(), reason="the local sandbox needs root, cgroup v1 memory+pids, namespaces, overlayfs"
+)
 
 DOCKERFILE = (
     "FROM python:3.11-slim\nWORKDIR /app\nCOPY data/ /app/\nENV FOO=bar\nRUN echo built > /app/built.txt\n"
@@ -37,10 +50,7 @@ def make_env(root: Path, dockerfile: str = DOCKERFILE) -> Path:
 
 def command_pids(attempt: LocalAttempt) -> list[int]:
     """Host pids of every process started by the attempt's commands (its per-command cgroups)."""
-    pids = []
-    for procs in attempt._cgroups.pids.glob("c*/cgroup.procs"):
-        pids += [int(p) for p in procs.read_text().split()]
-    return pids
+    return attempt._cgroups.procs()
 
 
 def mounts_mentioning(text: str) -> list[str]:
@@ -137,6 +147,110 @@ def test_host_processes_are_invisible(attempt: LocalAttempt) -> None:
     assert str(os.getpid()) not in pids or os.getpid() < 8
 
 
+def test_root_inside_is_not_root_outside(backend: LocalBackend, attempt: LocalAttempt) -> None:
+    if not backend.userns:
+        pytest.skip("this kernel has no user namespaces with idmapped mounts: capabilities are dropped instead")
+    assert attempt.exec("id -u; stat -c %u /etc/passwd; touch /app/mine; stat -c %u /app/mine").output == "0\n0\n0\n"
+    assert attempt.exec("sleep 30 & echo started").output == "started\n"
+    (host_pid,) = command_pids(attempt)
+    uids = Path(f"/proc/{host_pid}/status").read_text().split("Uid:")[1].split()[:4]
+    assert uids == [str(ID_BASE)] * 4  # on the host the agent's "root" is an unprivileged uid
+    denied = attempt.exec("mount -t tmpfs none /mnt; echo 1 > /proc/sys/kernel/sysrq; mknod /dev/x c 1 3; "
+                          "hostname other; ip link add dummy0 type dummy 2>&1 || echo no-ip")
+    assert "permission denied" in denied.output.lower() or "not permitted" in denied.output.lower()
+    assert attempt.exec("hostname; ls /dev/x 2>/dev/null; grep -c tmpfs /proc/mounts").output.split()[0] == "sandbox"
+    bind = "import socket; s=socket.socket(); s.bind(('127.0.0.1', 80)); print('bound 80')"
+    assert attempt.exec(f'python3 -c "{bind}"').output == "bound 80\n"  # low ports still work inside
+
+
+@needs_local
+@pytest.mark.parametrize("userns", [True, False], ids=["user-namespace", "dropped-capabilities"])
+def test_both_isolation_modes(userns: bool, env_dir: Path) -> None:
+    if userns and not local_available() or userns and not LocalBackend(warm=0).userns:
+        pytest.skip("no user namespaces with idmapped mounts on this kernel")
+    backend = LocalBackend(userns=userns, warm=0)
+    try:
+        with backend.fork(env_dir) as attempt:
+            status = attempt.exec("cat built.txt; id -u; grep -E '^(NoNewPrivs|CapBnd)' /proc/self/status").output
+            lines = status.split()
+            assert lines[:2] == ["built", "0"] and "NoNewPrivs:" in lines and lines[lines.index("NoNewPrivs:") + 1] == "1"
+            bounding = int(lines[lines.index("CapBnd:") + 1], 16)
+            assert not bounding & (1 << 21) and not bounding & (1 << 27)  # no SYS_ADMIN, no MKNOD
+            uid_map = attempt.exec("cat /proc/self/uid_map").output.split()
+            assert uid_map == (["0", str(ID_BASE), "65536"] if userns else ["0", "0", "4294967295"])
+            same = "cat /proc/sys/kernel/printk_ratelimit > /proc/sys/kernel/printk_ratelimit"  # a no-op if allowed
+            out = attempt.exec(f"{same} && echo changed; head -c 1 /proc/kcore | wc -c").output
+            assert "changed" not in out and out.endswith("\n0\n")
+    finally:
+        backend.close()
+
+
+def test_no_address_but_loopback(attempt: LocalAttempt) -> None:
+    server = socket.socket()
+    server.bind(("0.0.0.0", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+        targets = [*host_ip[:2], "127.0.0.1", "10.0.0.1", "8.8.8.8"]
+        probe = ("import socket, sys\nfor ip in sys.argv[1:]:\n    try:\n        socket.create_connection("
+                 f"(ip, {port}), timeout=1); print('reached', ip)\n    except OSError as e: print('no', ip)\n")
+        result = attempt.exec(f"python3 -c {shlex.quote(probe)} {' '.join(targets)}", timeout_s=30)
+        assert "reached" not in result.output and result.output.count("no ") == len(targets)
+        assert attempt.exec("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '").output == "lo\n"
+    finally:
+        server.close()
+
+
+def test_attempts_cannot_see_each_other(backend: LocalBackend, env_dir: Path) -> None:
+    with backend.fork(env_dir) as one, backend.fork(env_dir) as two:
+        one.exec("echo topsecret > /app/s; echo topsecret > /tmp/s; echo topsecret > /dev/shm/s; sleep 60 &")
+        look = two.exec("cat /app/s /tmp/s /dev/shm/s 2>&1; ps -e -o comm= | grep -c '^sleep$'; "
+                        "ls -d /tmp/albatross-* /proc/*/root/app/s 2>/dev/null | grep -v self | wc -l")
+        assert "topsecret" not in look.output
+        assert look.output.split()[-2:] == ["0", "0"]
+
+
+def test_host_process_cannot_be_seen_or_signalled(attempt: LocalAttempt) -> None:
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        result = attempt.exec(f"kill -9 {victim.pid}; ls /proc/{victim.pid} 2>&1; kill -9 -1; echo done")
+        assert result.output.endswith("done\n") and victim.poll() is None  # alive and unsignalled
+        assert "No such" in result.output
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+
+
+def test_tests_and_solution_are_invisible_until_verification(backend: LocalBackend) -> None:
+    root = Path("/opt") / f"albatross-test-tasks-{uuid.uuid4().hex[:8]}"  # outside every default hidden path
+    try:
+        task = load_task(generate_tasks(root, n_train=1, n_heldout=0, seed=5)["train"][0])
+        with backend.fork(task.env_dir, task.workdir) as attempt:
+            looked = attempt.exec(f"ls -A {task.path} {root}; cat {task.tests_dir}/test.sh {task.solution_dir}/*")
+            assert "instruction.md" not in looked.output and task.path.name not in looked.output.split()
+            assert "reward" not in looked.output and looked.exit_code != 0
+            assert attempt.exec("ls /tests /solution").exit_code != 0
+            assert attempt.read_file(str(task.tests_dir / "test.sh")) is None
+            attempt.put_dir(task.tests_dir, "/tests")  # what the verifier does, after the agent is done
+            assert attempt.read_file("/tests/test.sh") == (task.tests_dir / "test.sh").read_bytes()
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+
+
+def test_close_leaves_no_process_mount_or_cgroup(backend: LocalBackend, env_dir: Path) -> None:
+    attempt = backend.fork(env_dir)
+    attempt.exec("sleep 100 & (setsid sleep 101 &) ; mkdir -p /app/m && mount -t tmpfs x /app/m 2>/dev/null; true")
+    pids, holder = command_pids(attempt), attempt.pid
+    zygote = backend._zygote
+    assert zygote is not None and len(pids) == 2
+    attempt.close()
+    assert not any(Path(f"/proc/{pid}").exists() for pid in [*pids, holder])
+    assert not attempt._cgroups.memory.exists() and not attempt._cgroups.pids.exists()
+    assert "overlay" not in Path(f"/proc/{zygote.proc.pid}/mountinfo").read_text()
+    assert not mounts_mentioning(attempt.id)
+
+
 def test_put_dir_and_read_file(attempt: LocalAttempt, tmp_path: Path) -> None:
     (tmp_path / "tests" / "sub").mkdir(parents=True)
     (tmp_path / "tests" / "sub" / "t.sh").write_text("echo from-tests\n")
@@ -175,33 +289,6 @@ def test_background_jobs_survive_until_close(backend: LocalBackend, env_dir: Pat
     assert not mounts_mentioning(attempt.id)
     with pytest.raises(SandboxError, match="closed"):
         attempt.exec("true")
-
-
-def test_memory_limit_kills_the_hog(backend: LocalBackend, env_dir: Path) -> None:
-    with backend.fork(env_dir, limits=Limits(memory_mb=64)) as attempt:
-        result = attempt.exec("python3 -c \"b = b'x' * (128 << 20); print('sur' + 'vived')\"", timeout_s=30)
-        assert result.exit_code == 137 and "survived" not in result.output and "Killed" in result.output
-        assert attempt.exec("echo ok").output == "ok\n"
-
-
-def test_disk_limit(backend: LocalBackend, env_dir: Path) -> None:
-    with backend.fork(env_dir, limits=Limits(disk_mb=8)) as attempt:
-        result = attempt.exec("head -c 20000000 /dev/zero > /app/big")
-        assert result.exit_code != 0 and "No space left" in result.output
-
-
-def test_pids_limit(backend: LocalBackend, env_dir: Path) -> None:
-    with backend.fork(env_dir, limits=Limits(pids=20)) as attempt:
-        result = attempt.exec("for i in $(seq 40); do sleep 30 & done; wait", timeout_s=5)
-        assert "Resource temporarily unavailable" in result.output
-
-
-def test_output_cap(backend: LocalBackend, env_dir: Path) -> None:
-    with backend.fork(env_dir, limits=Limits(max_output_bytes=1000)) as attempt:
-        result = attempt.exec("head -c 5000000 /dev/zero | tr '\\0' a")
-        assert result.output == "a" * 1000
-        assert result.truncated_bytes == 5000000 - 1000
-        assert result.exit_code == 0
 
 
 def test_concurrent_attempts(backend: LocalBackend, env_dir: Path) -> None:
@@ -272,3 +359,93 @@ def test_process_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert not root.exists()
     finally:
         backend.close()
+
+
+# ---- the command line and the benchmark ----------------------------------------------------------------
+
+
+def albatross(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "albatross.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate_tasks(tmp_path_factory.mktemp("cli"), n_train=1, n_heldout=0, seed=2)["train"][0]
+
+
+@needs_local
+def test_cli_run_prints_output_and_exits_with_the_code(task_dir: Path) -> None:
+    done = albatross("sandbox", "run", str(task_dir), "--", "echo out; echo err >&2; pwd; exit 3")
+    assert (done.returncode, done.stdout) == (3, "out\nerr\n/app\n")
+    done = albatross("sandbox", "run", str(task_dir), "--", "ls", "-A", "/tests")
+    assert done.returncode != 0 and "test.sh" not in done.stdout
+    done = albatross("sandbox", "run", str(task_dir), "--tests", "--", "ls", "/tests")
+    assert (done.returncode, done.stdout) == (0, "test.sh\n")
+    done = albatross("sandbox", "run", str(task_dir), "--timeout", "0.5", "--", "sleep 20; echo late")
+    assert done.returncode == 124 and "late" not in done.stdout and "timeout limit" in done.stderr
+
+
+def test_cli_user_errors_are_one_line(tmp_path: Path, task_dir: Path) -> None:
+    for args in (("sandbox", "run", str(tmp_path / "nope"), "--", "true"), ("sandbox", "run", str(task_dir)),
+                 ("sandbox", "shell", str(tmp_path))):
+        done = albatross(*args)
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("albatross: error:")
+
+
+@needs_local
+def test_cli_shell_is_interactive_in_a_fresh_attempt(task_dir: Path) -> None:
+    done = albatross("sandbox", "shell", str(task_dir), stdin="tty\necho in-$((6*7))\ncd /tmp; exit 7\n")
+    assert done.returncode == 7, done.stderr
+    assert "/dev/pts/0" in done.stdout and "in-42" in done.stdout
+
+
+@needs_local
+def test_bench_sandbox_writes_its_figures(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = albatross("bench", "sandbox", "--forks", "20", "--concurrency", "1,4", "--per-level", "8",
+                     "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(out.read_text())
+    assert figures["fork_ms_p50"] > 0 and figures["fork_ms_p99"] >= figures["fork_ms_p50"]
+    assert figures["concurrent_4_failures"] == 0 and figures["forks_per_s_4"] > 0
+    assert "fork to first output p50" in done.stdout
+
+
+# ---- the debian base -------------------------------------------------------------------------------------
+
+
+def _mirror_reachable() -> bool:
+    try:
+        socket.create_connection(("deb.debian.org", 80), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@needs_local
+@pytest.mark.slow
+def test_debian_base_installs_packages_without_touching_the_host(tmp_path: Path) -> None:
+    if not is_built(debian_path()) and debootstrap_missing():
+        pytest.skip(f"no debian base and cannot build one: {debootstrap_missing()}")
+    if not _mirror_reachable():
+        pytest.skip("the Debian mirror deb.debian.org is unreachable from here")
+    task = tmp_path / "task"
+    env = task / "environment"
+    env.mkdir(parents=True)
+    (task / "task.toml").write_text("[environment]\nallow_internet = true\n")
+    (env / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\nRUN apt-get update -qq && "
+                                    "apt-get install -y -qq --no-install-recommends hello >/dev/null\n")
+    backend = LocalBackend(base="debian", warm=0)
+    try:
+        with backend.fork(None) as bare:
+            assert "bookworm" in bare.exec("cat /etc/os-release").output
+            assert bare.exec("command -v python3 || echo none").output == "none\n"  # not the host's root
+        with backend.fork(env) as attempt:
+            assert attempt.exec("hello").output == "Hello, world!\n"
+            offline = attempt.exec("cd /tmp && apt-get download hello >/dev/null 2>&1; echo $?", timeout_s=60)
+            assert offline.output != "0\n"  # the build had the network; the attempt does not
+    finally:
+        backend.close()
+    assert not Path("/usr/bin/hello").exists() or Path("/usr/bin/hello").stat().st_mtime < time.time() - 600

@@ -2,6 +2,8 @@
 
 Tasks run without a sandbox: ``DirAttempt`` maps the sandbox paths /app, /logs, /tests and /solution
 under a temporary root (rewriting them in commands and in copied scripts) and runs real bash there.
+git_repair (built by a RUN step) and job_control (background processes) run in the real sandbox, in
+tests/integration/test_gates.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 from albatross.sandbox.base import ExecResult
 from albatross.tasks import Task, VerifierError, load_task, load_tasks, run_oracle, verify, write_task
 from albatross.tasks.builtin import (
+    DEMO_FAMILIES,
     DIFFICULTIES,
     FAMILIES,
     WORDS,
@@ -54,7 +57,7 @@ class DirAttempt:
     def put_dir(self, host_dir: Path, sandbox_path: str) -> None:
         dest = Path(self.map(sandbox_path))
         shutil.copytree(host_dir, dest, dirs_exist_ok=True)
-        for script in dest.rglob("*.sh"):
+        for script in [*dest.rglob("*.sh"), *dest.rglob("*.py")]:
             script.write_text(self.map(script.read_text()))
 
     def read_file(self, sandbox_path: str) -> bytes | None:
@@ -72,7 +75,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
 
 def _one_per_family(suite: dict[str, list[Path]]) -> list[Task]:
     tasks = load_tasks(suite["train"])
-    return [next(t for t in tasks if t.metadata["family"] == name) for name in list_families()]
+    return [next(t for t in tasks if t.metadata["family"] == name) for name in DEMO_FAMILIES]
 
 
 def _files(task_dir: Path) -> dict[str, bytes]:
@@ -99,7 +102,7 @@ def test_generated_tasks_load_with_the_builtin_settings(suite: dict[str, list[Pa
 
 
 def test_families_are_interleaved_evenly(suite: dict[str, list[Path]]) -> None:
-    names = list_families()
+    names = list(DEMO_FAMILIES)
     for dirs in suite.values():
         families = [load_task(d).metadata["family"] for d in dirs]
         assert families == [names[i % len(names)] for i in range(len(dirs))]
@@ -151,7 +154,7 @@ def test_unknown_family_and_difficulty(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("difficulty", DIFFICULTIES)
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(DEMO_FAMILIES))
 def test_instances_follow_their_templates(name: str, difficulty: str) -> None:
     family = FAMILIES[name]
     word = "(" + "|".join(WORDS) + ")"
@@ -200,7 +203,15 @@ def test_corpus_covers_templates_and_words() -> None:
     for family in FAMILIES.values():
         assert family.instruction_template in corpus
         assert set(family.demo_templates) <= set(corpus)
+        assert set(family.vocabulary) <= set(corpus)
     assert set(WORDS) <= set(corpus) and len(corpus) == len(set(corpus))
+    demo = [s for name in DEMO_FAMILIES for s in (FAMILIES[name].instruction_template,
+                                                  *FAMILIES[name].demo_templates)]
+    demo = list(dict.fromkeys([*demo, *WORDS]))
+    assert corpus_strings(DEMO_FAMILIES) == demo  # the demo's original corpus: same tokenizer as before
+    assert corpus[: len(demo)] == demo and len(corpus) > len(demo)
+    with pytest.raises(ValueError, match="unknown task family 'nope'"):
+        corpus_strings(["nope"])
 
 
 def test_expected_answers_are_only_in_tests(suite: dict[str, list[Path]]) -> None:
@@ -332,3 +343,122 @@ def test_verifier_runs_in_the_workdir_and_notes_a_failing_exit(tmp_path: Path) -
     attempt = DirAttempt(tmp_path / "root", task, cwd="/")  # a shell that is not in the workdir
     result = verify(attempt, task)
     assert (result.reward, result.success, result.error) == (1.0, True, "test.sh exited with code 1")
+
+
+# ----------------------------------------------------------------------------- the other families
+
+NEW_FAMILIES = [name for name in FAMILIES if name not in DEMO_FAMILIES]
+HOST_SAFE = ["sort_unique", "fs_surgery", "log_errors", "csv_to_json", "py_fix", "find_key"]
+
+
+def test_default_is_the_demo_and_all_families_are_available_by_name(tmp_path: Path) -> None:
+    assert DEMO_FAMILIES == ("count_lines", "grep_word", "follow_pointer")
+    assert list_families()[:3] == list(DEMO_FAMILIES) and len(list_families()) >= 11
+    default = generate_tasks(tmp_path / "d", n_train=6, n_heldout=0, seed=0)
+    assert {load_task(d).metadata["family"] for d in default["train"]} == set(DEMO_FAMILIES)
+    every = generate_tasks(tmp_path / "a", families=["all"], n_train=len(FAMILIES), n_heldout=0, seed=0)
+    assert [load_task(d).metadata["family"] for d in every["train"]] == list_families()
+
+
+def test_families_cover_the_eight_kinds_of_terminal_work() -> None:
+    categories = {f.category for f in FAMILIES.values()}
+    assert {"text-processing", "file-operations", "log-analysis", "software-engineering", "version-control",
+            "data-conversion", "process-management", "investigation"} <= categories
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_new_family_is_seeded_and_its_splits_share_no_instance(tmp_path: Path, name: str) -> None:
+    out = generate_tasks(tmp_path / "a", families=[name], n_train=12, n_heldout=6, seed=4, difficulty="medium")
+    again = generate_tasks(tmp_path / "b", families=[name], n_train=12, n_heldout=6, seed=4, difficulty="medium")
+    keys: dict[str, set] = {}
+    for split, dirs in out.items():
+        assert [_files(d) for d in dirs] == [_files(d) for d in again[split]]
+        keys[split] = set()
+        for task in load_tasks(dirs):
+            instance = FAMILIES[name].generate(random.Random(task.metadata["seed"]), "medium")
+            assert instance.instruction + "\n" == task.instruction
+            keys[split].add(instance.key)
+    assert len(keys["train"]) == 12 and len(keys["heldout"]) == 6 and keys["train"].isdisjoint(keys["heldout"])
+
+
+def _size(name: str, difficulty: str) -> float:
+    instances = [FAMILIES[name].generate(random.Random(seed), difficulty) for seed in range(20)]
+    return sum(sum(map(len, i.files.values())) + len(i.setup_sh) for i in instances) / len(instances)
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_difficulty_knob_makes_instances_larger(name: str) -> None:
+    assert _size(name, "easy") < _size(name, "medium") < _size(name, "hard")
+
+
+@pytest.mark.parametrize("name", HOST_SAFE)
+def test_new_family_oracle_demo_and_noop(tmp_path: Path, name: str) -> None:
+    for difficulty in ("easy", "hard"):  # all three run in the sandbox in tests/integration/test_gates.py
+        out = generate_tasks(tmp_path / difficulty, families=[name], n_train=1, n_heldout=0, seed=2,
+                             difficulty=difficulty)
+        task = load_task(out["train"][0])
+        oracle = _attempt(tmp_path / difficulty, task)
+        assert run_oracle(oracle, task).exit_code == 0
+        result = verify(oracle, task)
+        assert result.success and len(result.metrics) >= 2, (difficulty, result)
+        noop = verify(_attempt(tmp_path / f"{difficulty}-noop", task), task)
+        assert not noop.success and noop.reward < 1.0
+        demo = _attempt(tmp_path / f"{difficulty}-demo", task)
+        for step in (task.demo_steps or [])[:-1]:
+            demo.exec(step)
+        assert verify(demo, task).success, (difficulty, task.demo_steps)
+
+
+def _family_task(tmp_path: Path, name: str, difficulty: str = "hard") -> Task:
+    out = generate_tasks(tmp_path / name, families=[name], n_train=1, n_heldout=0, seed=5, difficulty=difficulty)
+    return load_task(out["train"][0])
+
+
+@pytest.mark.parametrize(
+    ("name", "attempt", "passed"),
+    [
+        ("sort_unique", "sort {file} > sorted.txt", {"sorted_exists", "sorted_complete", "sorted_order"}),
+        ("sort_unique", "touch sorted.txt", set()),
+        ("fs_surgery", "rm -rf data", set()),
+        ("fs_surgery", "find data -name '*.tmp' -delete", {"tmp_deleted", "other_files_kept"}),
+        ("log_errors", "grep -c ERROR app.log > errors.txt", {"errors_exists"}),
+        ("csv_to_json", "echo '[{{\"x\": 1}}]' > {stem}.json", {"json_exists", "json_valid"}),
+        ("find_key", "head -1 candidates.txt > answer.txt", {"answer_exists"}),
+    ],
+)
+def test_per_test_partial_credit(tmp_path: Path, name: str, attempt: str, passed: set[str]) -> None:
+    task = _family_task(tmp_path, name)
+    stem = next(iter(sorted(f.stem for f in (task.env_dir / "app").iterdir() if f.suffix in (".csv", ".py")
+                            and not f.name.startswith("test_"))), "")
+    first = next(iter(sorted(p.name for p in (task.env_dir / "app").glob("*.txt"))), "")
+    session = _attempt(tmp_path, task)
+    session.exec(attempt.format(file=_sort_input(task) or first, stem=stem))
+    result = verify(session, task)
+    assert {k for k, v in result.metrics.items() if v == 1.0} == passed and not result.success
+
+
+def _sort_input(task: Task) -> str:
+    words = task.instruction.split()
+    return words[words.index("of") + 1].rstrip(",") if task.metadata["family"] == "sort_unique" else ""
+
+
+def test_py_fix_hard_has_two_bugs_and_fixing_one_earns_partial_credit(tmp_path: Path) -> None:
+    task = _family_task(tmp_path, "py_fix")
+    fixes = [s for s in task.demo_steps if s.startswith("sed ")]
+    assert len(fixes) == 2
+    session = _attempt(tmp_path, task)
+    session.exec(fixes[0])
+    result = verify(session, task)
+    failed = {k for k, v in result.metrics.items() if v == 0.0}
+    assert not result.success and len(failed) == 2 and "unittest_passes" in failed
+    session.exec(fixes[1])
+    assert verify(session, task).success
+
+
+def test_py_fix_editing_the_tests_earns_nothing_for_them(tmp_path: Path) -> None:
+    task = _family_task(tmp_path, "py_fix", "easy")
+    module = next(p.stem for p in (task.env_dir / "app").glob("*.py") if not p.name.startswith("test_"))
+    session = _attempt(tmp_path, task)
+    session.exec(f"echo 'import unittest' > test_{module}.py")
+    result = verify(session, task)
+    assert result.metrics["tests_unchanged"] == 0.0 and result.metrics["unittest_passes"] == 0.0

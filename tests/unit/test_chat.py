@@ -48,3 +48,70 @@ def test_parse_bash_block():
         parse_bash_block("```bash\na\n``` ```bash\nb\n```")
     with pytest.raises(FormatError):
         parse_bash_block("```bash\n\n```")
+
+
+# ---- chat formats: demo layout, tools, HF chat templates ------------------------------------------------
+
+from albatross.config import HarnessConfig  # noqa: E402
+from albatross.harness.chat import make_chat_format  # noqa: E402
+from albatross.harness.hf_chat import HFChatFormat, toy_chatml_tokenizer  # noqa: E402
+from albatross.harness.tools import TOOLS, tool_call_text  # noqa: E402
+
+
+def test_tiny_prompt_is_unchanged_without_tools_and_lists_tools_with_them():
+    t = tok()
+    fmt = TinyChatFormat(t)
+    plain = fmt.initial_prompt("  Count the lines in apple.txt\n")
+    assert plain == [t.special("<|user|>")] + t.encode("Count the lines in apple.txt") + [t.special("<|assistant|>")]
+    with_tools = t.decode(fmt.initial_prompt("Count the lines", TOOLS))
+    assert "<tool_call>" in with_tools and all(x["function"]["name"] in with_tools for x in TOOLS)
+    assert fmt.observation("3\n", closed=False) == fmt.observation("3\n") == fmt.user("3\n")
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    return toy_chatml_tokenizer(["hello world ls -la cat file.txt count the lines", tool_call_text("bash", command="ls")])
+
+
+def _conversation():
+    return [{"role": "user", "content": "Count the lines"},
+            {"role": "assistant", "content": tool_call_text("bash", command="wc -l a.txt")},
+            {"role": "tool", "content": "3 a.txt\n"},
+            {"role": "assistant", "content": tool_call_text("submit")},
+            {"role": "user", "content": "Summarise."}]
+
+
+def test_hf_deltas_reproduce_the_template_token_for_token(hf_tok):
+    fmt = HFChatFormat(hf_tok, observation_role="tool")
+    msgs = _conversation()
+    ids = fmt.initial_prompt(msgs[0]["content"], TOOLS)
+    ids += fmt.action(msgs[1]["content"]) + fmt.observation(msgs[2]["content"])
+    ids += fmt.action(msgs[3]["content"]) + fmt.user(msgs[4]["content"])
+    full = hf_tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert hf_tok.decode(ids) == full
+    assert ids == hf_tok.encode(full, add_special_tokens=False)
+    assert fmt.stop_ids[0] == hf_tok.convert_tokens_to_ids("<|im_end|>")
+    assert fmt.decode(fmt.action("hi")) == "hi"
+
+
+def test_hf_unclosed_completion_gets_the_turn_end_first(hf_tok):
+    fmt = HFChatFormat(hf_tok, observation_role="user")
+    closed, unclosed = fmt.observation("x"), fmt.observation("x", closed=False)
+    assert unclosed[0] == fmt.stop_ids[0] and unclosed[1:] == closed
+    assert hf_tok.decode(closed).startswith("\n<|im_start|>user\nx<|im_end|>")
+
+
+def test_hf_templates_that_cannot_be_appended_to_are_refused(hf_tok):
+    counting = "{{ messages|length }}{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+    with pytest.raises(ValueError, match="not append-only"):
+        HFChatFormat(hf_tok, template=counting).observation("x")
+    no_stop = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="special token"):
+        HFChatFormat(hf_tok, template=no_stop)
+
+
+def test_make_chat_format_follows_the_tokenizer_and_action_format(hf_tok):
+    assert isinstance(make_chat_format(tok(), HarnessConfig()), TinyChatFormat)
+    tools = make_chat_format(hf_tok, HarnessConfig().model_copy(update={"action_format": "tool_calls"}))
+    assert isinstance(tools, HFChatFormat) and tools.observation_role == "tool"
+    assert make_chat_format(hf_tok, HarnessConfig()).observation_role == "user"

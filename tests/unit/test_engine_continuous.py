@@ -106,6 +106,24 @@ def test_requests_joining_a_running_batch_get_their_alone_results(model, params)
             assert_same(future.result(timeout=60), want)
 
 
+def test_lean_forward_equals_the_transformers_forward(model) -> None:
+    """The same staggered joins (padding, holes, prefix reuse, speculation) through both forward paths."""
+
+    def run(fast: bool) -> list[Completion]:
+        with BuiltinEngine(model, fast_forward=fast, speculative=3) as eng:
+            assert eng.runner.fast_forward is fast
+            gate = StepGate()
+            eng.scheduler.step_hook = gate
+            futures = []
+            for i, prompt in enumerate(PROMPTS * 2):
+                assert gate.event(2 * i + 1).wait(timeout=30) if i else True
+                futures.append(eng.submit(prompt, sampled(16, seed=i)))
+            return [f.result(timeout=60) for f in futures]
+
+    for fast, slow in zip(run(True), run(False), strict=True):
+        assert_same(fast, slow)
+
+
 def test_batch_never_exceeds_max_batch_size(model) -> None:
     with BuiltinEngine(model, max_batch_size=2) as eng:
         seen: list[int] = []

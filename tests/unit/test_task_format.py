@@ -18,7 +18,7 @@ from albatross.tasks import (
 )
 from albatross.tasks.format import dockerfile_workdir
 
-TB2 = Path(os.environ.get("ALBATROSS_TB2_SAMPLE", "/work/shared/tb2-sample"))
+TB2 = Path(os.environ.get("ALBATROSS_TB2_SAMPLE", Path(__file__).resolve().parents[2].parent / "shared" / "tb2-sample"))
 needs_tb2 = pytest.mark.skipif(not TB2.is_dir(), reason=f"Terminal-Bench 2 sample tasks not found at {TB2}")
 
 TB2_EXPECTED = {  # id -> (agent timeout, verifier timeout, instruction start, category)
@@ -28,6 +28,11 @@ TB2_EXPECTED = {  # id -> (agent timeout, verifier timeout, instruction start, c
     "openssl-selfsigned-cert": (900.0, 900.0, "Your company needs a self-signed", "security"),
     "regex-log": (900.0, 900.0, "Write a regex expression", "data-processing"),
 }
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ALBATROSS_CACHE", str(tmp_path / ".cache"))
 
 
 # ------------------------------------------------------------------------------------- real tasks
@@ -45,8 +50,13 @@ def test_loads_real_tb2_task(task_id: str) -> None:
     assert task.workdir == "/app"
     assert task.allow_internet is False
     assert task.metadata["category"] == category and task.metadata["difficulty"] == "medium"
-    assert task.env_dir == TB2 / task_id / "environment" and (task.tests_dir / "test.sh").is_file()
+    assert task.source_env_dir == TB2 / task_id / "environment" and (task.tests_dir / "test.sh").is_file()
     assert (task.solution_dir / "solve.sh").is_file() and task.demo_steps is None
+    assert (task.build_timeout_s, task.source_path) == (600.0, TB2 / task_id)
+    if task_id == "regex-log":  # FROM ubuntu and WORKDIR only: nothing needs the network
+        assert task.offline is None and task.env_dir == task.source_env_dir
+    else:  # apt-get / a python image: built from a copy that carries the offline toolkit
+        assert task.offline is not None and (task.env_dir / ".albatross-offline" / "bin" / "apt-get").is_file()
 
 
 @needs_tb2
@@ -84,6 +94,14 @@ def test_minimal_task_loads(tmp_path: Path) -> None:
     assert (task.id, task.instruction, task.workdir) == ("ok", "Do the thing.\n", "/srv")
     assert (task.agent_timeout_s, task.verifier_timeout_s) == (30.0, 20.0)
     assert (task.memory_mb, task.storage_mb, task.metadata) == (2048, 10240, {})
+    assert (task.build_timeout_s, task.offline, task.source_path) == (600.0, None, tmp_path / "ok")
+
+
+def test_build_timeout_is_read(tmp_path: Path) -> None:
+    task = load_task(_minimal(tmp_path / "ok", environment={"build_timeout_sec": 42}))
+    assert task.build_timeout_s == 42.0
+    assert _error(_minimal(tmp_path / "bad", environment={"build_timeout_sec": 0})).endswith(
+        "[environment] build_timeout_sec must be positive")
 
 
 def test_missing_instruction_names_the_file(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 import json
 import random
+import threading
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from albatross.records import Batch, Sample, TrainSample
 from albatross.rl.losses import tis_loss
@@ -265,6 +267,36 @@ def test_export_weights_layout_latest_and_pruning(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "v000002", "v000003"]
 
 
+def test_export_is_atomic_for_a_concurrent_reader(tmp_path):
+    model = tiny_model()
+    stop, seen, errors = threading.Event(), [], []
+
+    def reader() -> None:  # follows LATEST like an engine does, as fast as it can
+        while not stop.is_set():
+            v = latest_version(tmp_path)
+            if v is None:
+                continue
+            try:
+                state = load_file(str(tmp_path / f"v{v:06d}" / "model.safetensors"))
+                seen.append((v, float(state["model.norm.weight"][0])))
+            except Exception as e:  # a half-written export would land here
+                errors.append(repr(e))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for v in range(1, 13):
+            with torch.no_grad():
+                model.model.norm.weight.fill_(float(v))
+            export_weights(model, tmp_path, v, keep=50)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors and seen
+    assert all(v == value for v, value in seen)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
 def test_exported_weights_load_back(tmp_path):
     src, dst = tiny_model(seed=1), tiny_model(seed=2)
     export_weights(src, tmp_path, 7)
@@ -350,3 +382,37 @@ def test_empty_batch_step():
     trainer = Trainer(tiny_model())
     metrics = trainer.step(Batch(samples=[], groups=0, min_version=0))
     assert metrics["tokens"] == 0.0 and metrics["grad_norm"] == 0.0 and trainer.version == 1
+
+
+@pytest.mark.parametrize(("recompute", "entropy_grad"), [(True, True), (False, True), (True, False),
+                                                         (False, False)])
+@pytest.mark.parametrize(("temperature", "softcap", "bias"), [(1.0, None, False), (0.7, 5.0, True)])
+def test_fused_linear_logprobs_match_autograd(
+    temperature: float, softcap: float | None, bias: bool, recompute: bool, entropy_grad: bool
+):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=bias)
+    hidden = (3 * torch.randn(11, 16)).requires_grad_(True)
+    targets = torch.randint(0, 50, (11,))
+    w_lp, w_ent = torch.randn(11), torch.randn(11)
+
+    def run(fn) -> tuple[torch.Tensor, ...]:
+        hidden.grad = None
+        head.zero_grad(set_to_none=True)
+        lp, ent = fn()
+        ((lp * w_lp).sum() + ((ent * w_ent).sum() if entropy_grad else 0.0)).backward()
+        extra = (head.bias.grad,) if bias else ()
+        return lp.detach(), ent.detach(), hidden.grad.clone(), head.weight.grad.clone(), *extra
+
+    fused = run(lambda: chunked_logprobs(hidden, head, targets, chunk_size=4, temperature=temperature,
+                                         softcap=softcap, entropy_grad=entropy_grad, recompute=recompute))
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(hidden)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        logp = torch.log_softmax(logits / temperature, -1)
+        return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+    for got, want in zip(fused, run(reference), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

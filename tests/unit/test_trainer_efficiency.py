@@ -107,6 +107,13 @@ def test_varlen_attention_sliding_window_matches_band_mask():
     torch.testing.assert_close(out, torch.cat(expected, 2).transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+def test_varlen_attention_refuses_what_sdpa_cannot_do():
+    q = torch.randn(1, 2, 4, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        varlen_attention(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu, softcap=30.0)
+
+
 def test_varlen_model_still_generates_like_sdpa():
     # The varlen implementation falls back to sdpa without sample boundaries (engine, padded batches).
     ids = torch.randint(0, VOCAB, (2, 9))

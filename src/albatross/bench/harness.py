@@ -11,6 +11,10 @@ sandbox, once per configuration:
   context budget;
 - ``redirect+compress``: both (the figure the recipe reports: cost per trial about 33% lower).
 
+Background jobs are measured apart, on a task whose test suite takes 4 s: the policy either waits for it
+(``foreground``) or starts it as a job and reads the code meanwhile (``background``); the policy takes
+``--think`` seconds per turn, standing in for a model's generation time, which is what the job overlaps.
+
 Every configuration runs the same actions, so success must be equal; the table shows it. Tokens per
 attempt = tokens the engine reads over all model calls + tokens it generates (what a trial costs).
 """
@@ -21,6 +25,7 @@ import argparse
 import random
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,12 +49,13 @@ class ScriptedPolicy:
     """A deterministic fake engine for long attempts: the i-th action call answers the i-th action (then
     repeats the last); a request to summarise (``context.SUMMARY_REQUEST``) is answered with a summary
     listing the commands run so far, and does not advance the script. Completions are cut at
-    ``max_tokens``; log-probs are 0.0 and every token carries ``version``."""
+    ``max_tokens``; log-probs are 0.0 and every token carries ``version``. ``think_s``: seconds each call
+    takes, standing in for a real model's generation time."""
 
-    def __init__(self, actions: list[str], fmt: ChatFormat, version: int = 0) -> None:
+    def __init__(self, actions: list[str], fmt: ChatFormat, version: int = 0, think_s: float = 0.0) -> None:
         if not actions:
             raise ValueError("ScriptedPolicy needs at least one action")
-        self.actions, self.fmt, self.version = list(actions), fmt, version
+        self.actions, self.fmt, self.version, self.think_s = list(actions), fmt, version, think_s
         self.requests = [fmt.user(SUMMARY_REQUEST, closed=c) for c in (False, True)]
         self.calls = 0
         self.summaries = 0
@@ -69,6 +75,7 @@ class ScriptedPolicy:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         out = []
         for prompt in prompts:
+            time.sleep(self.think_s)
             if self._is_summary_request(prompt):
                 text = self.summary()
                 self.summaries += 1
@@ -199,23 +206,53 @@ def rename_key(rng: random.Random, files: int = 40, stale: int = 24) -> LongTask
 
 FAMILIES = (fix_build, log_audit, rename_key)
 
+RUN_TESTS_SH = """#!/bin/bash
+cd "$(dirname "$0")"
+fails=0
+for t in tests/*.sh; do
+  sleep 0.25
+  if bash "$t" > /dev/null 2>&1; then echo "PASS $t"; else echo "FAIL $t"; fails=$((fails+1)); fi
+done
+echo "$fails failed"
+[ $fails -eq 0 ]
+"""
+
+
+def slow_tests(rng: random.Random, n: int = 16, wrong: int = 2, background: bool = False) -> LongTask:
+    """Fix two constants that a 4-second test suite reports. ``background``: the agent starts the suite as
+    a job and reads the code while it runs, instead of waiting for it."""
+    values = {i: rng.randint(10, 99) for i in range(n)}
+    bad = sorted(rng.sample(range(n), wrong))
+    lib = "".join(f"LIMIT_{i:02d}={values[i] + (1 if i in bad else 0)}\n" for i in range(n))
+    files = {"run_tests.sh": RUN_TESTS_SH, "lib/limits.sh": lib}
+    files.update({f"tests/test_{i:02d}.sh": f'source lib/limits.sh\n[ "$LIMIT_{i:02d}" -eq {values[i]} ]\n'
+                  for i in range(n)})
+    fixes = [f"sed -i 's/^LIMIT_{i:02d}=.*/LIMIT_{i:02d}={values[i]}/' lib/limits.sh" for i in bad]
+    reads = ["cat lib/limits.sh", *(f"cat tests/test_{i:02d}.sh" for i in bad), "ls tests"]
+    if background:
+        steps = ["ls", "job start bash run_tests.sh", *reads, "job wait 1 30", *fixes, "bash run_tests.sh"]
+    else:
+        steps = ["ls", "bash run_tests.sh", *reads, *fixes, "bash run_tests.sh"]
+    test = _reward_sh({"passes": "bash run_tests.sh > /dev/null"})
+    return LongTask("slow_tests", "Two tests in /app fail (run_tests.sh runs them). Fix lib/limits.sh so "
+                    "every test passes; do not change the tests.", files, test, [*steps, "submit"])
+
 
 def write_long_tasks(root: Path, n: int, seed: int = 0) -> list[tuple[Path, LongTask]]:
     """``n`` task directories (cycling through ``FAMILIES``) under ``root``."""
+    return [_write(root, FAMILIES[i % len(FAMILIES)](random.Random(f"{seed}/{i}")), i) for i in range(n)]
+
+
+def _write(root: Path, task: LongTask, i: int) -> tuple[Path, LongTask]:
     from albatross.tasks.format import write_task
 
-    out = []
-    for i in range(n):
-        rng = random.Random(f"{seed}/{i}")
-        task = FAMILIES[i % len(FAMILIES)](rng)
-        path = write_task(root / f"{task.name}-{i}", instruction=task.instruction + "\n",
-                          task_toml={"version": "1.0", "metadata": {"family": task.name},
-                                     "agent": {"timeout_sec": 600.0}, "verifier": {"timeout_sec": 60.0}},
-                          env_files={f"app/{k}": v for k, v in task.files.items()}, dockerfile=DOCKERFILE,
-                          solve_sh="#!/bin/bash\ncd /app\n" + "\n".join(task.steps[:-1]) + "\n",
-                          test_sh=task.test_sh, demo_steps=task.steps)
-        out.append((path, task))
-    return out
+    path = write_task(root / f"{task.name}-{i}", instruction=task.instruction + "\n",
+                      task_toml={"version": "1.0", "metadata": {"family": task.name},
+                                 "agent": {"timeout_sec": 600.0}, "verifier": {"timeout_sec": 60.0}},
+                      env_files={f"app/{k}": v for k, v in task.files.items()}, dockerfile=DOCKERFILE,
+                      solve_sh="#!/bin/bash\ncd /app\n" + "\n".join(task.steps[:-1]) + "\n",
+                      test_sh=task.test_sh, demo_steps=task.steps)
+    return path, task
 
 
 # ---- the benchmark -------------------------------------------------------------------------------------
@@ -229,6 +266,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compress-at", type=float, default=0.5, help="compress past this share of the budget")
     p.add_argument("--compress-target", type=float, default=0.25, help="masking suffices below this share")
     p.add_argument("--backend", default="", help="sandbox backend (default: local if available, else process)")
+    p.add_argument("--think", type=float, default=0.5, help="background jobs: seconds the scripted policy "
+                   "takes per turn (a model's generation time)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -253,15 +292,14 @@ def _tokenizer(tasks: list[LongTask]):
     return TinyTokenizer.from_corpus(corpus)
 
 
-def run_config(agent, tasks: list[tuple[Path, LongTask]]) -> list:
+def run_config(agent, tasks: list[tuple[Path, LongTask]], think_s: float = 0.0) -> list:
     from albatross.harness.agent import AttemptSpec
     from albatross.tasks.format import load_task
 
     trajs = []
     for i, (path, task) in enumerate(tasks):
-        actions = [f"```bash\n{s}\n```" for s in task.steps]
-        traj = agent.run(AttemptSpec(load_task(path), "bench", i), engine=ScriptedPolicy(actions, agent.fmt))
-        trajs.append(traj)
+        policy = ScriptedPolicy([f"```bash\n{s}\n```" for s in task.steps], agent.fmt, think_s=think_s)
+        trajs.append(agent.run(AttemptSpec(load_task(path), "bench", i), engine=policy))
     return trajs
 
 
@@ -297,20 +335,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="albatross-bench-harness-") as tmp:
         tasks = write_long_tasks(Path(tmp) / "tasks", args.tasks, args.seed)
-        fmt = TinyChatFormat(_tokenizer([t for _, t in tasks]))
+        slow = [_write(Path(tmp) / mode, slow_tests(random.Random(args.seed), background=mode == "bg"), 0)
+                for mode in ("fg", "bg")]
+        fmt = TinyChatFormat(_tokenizer([t for _, t in tasks + slow]))
         backend = make_backend(kind) if kind == "process" else make_backend(kind, hide_paths=[tmp])
+
+        def agent(knobs: dict[str, Any]) -> Agent:
+            return Agent(None, backend, fmt, _harness_cfg(args, knobs), SamplingParams(temperature=0.0),
+                         Limits(command_timeout_s=30.0, disk_mb=512))
+
         try:
             for name, knobs in CONFIGS.items():
-                agent = Agent(None, backend, fmt, _harness_cfg(args, knobs), SamplingParams(temperature=0.0),
-                              Limits(command_timeout_s=30.0, disk_mb=512))
-                results[name] = summarise(run_config(agent, tasks))
+                results[name] = summarise(run_config(agent(knobs), tasks))
+            both = CONFIGS["redirect+compress"]
+            jobs = {mode: summarise(run_config(agent(both), [task], args.think))
+                    for mode, task in zip(("foreground", "background"), slow, strict=True)}
         finally:
             backend.close()
-    return _report(args, kind, results, print_table, write_json)
+    return _report(args, kind, results, jobs, print_table, write_json)
 
 
-def _report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, Any]], print_table, write_json
-            ) -> dict[str, Any]:
+def _report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, Any]],
+            jobs: dict[str, dict[str, Any]], print_table, write_json) -> dict[str, Any]:
     base = results["baseline"]["tokens_per_attempt"]
     both = results["redirect+compress"]["tokens_per_attempt"]
     rows: list[tuple[str, Any]] = []
@@ -324,11 +370,17 @@ def _report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, An
         "compress_reduction": round(1 - results["compress"]["tokens_per_attempt"] / base, 4) if base else 0.0,
         "equal_success": len({r["success_rate"] for r in results.values()}) == 1,
         "configs": results,
+        "background_jobs": {**jobs, "wall_seconds_reduction": round(
+            1 - jobs["background"]["wall_seconds_per_attempt"] / jobs["foreground"]["wall_seconds_per_attempt"], 4)},
         "settings": {k: getattr(args, k) for k in ("tasks", "limit_off", "limit_on", "context", "compress_at",
-                                                    "compress_target", "seed")} | {"backend": kind},
+                                                    "compress_target", "think", "seed")} | {"backend": kind},
     }
     rows.append(("tokens_per_attempt_reduction (redirect+compress vs baseline)",
                  data["tokens_per_attempt_reduction"]))
+    for mode, r in jobs.items():
+        rows += [(f"slow tests, {mode}: wall s/attempt", r["wall_seconds_per_attempt"]),
+                 (f"slow tests, {mode}: tokens/attempt", round(r["tokens_per_attempt"])),
+                 (f"slow tests, {mode}: success", r["success_rate"])]
     print_table("albatross bench harness: scripted policy, long-horizon tasks", rows)
     write_json(getattr(args, "json", None), data)
     return data

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,6 +24,8 @@ NOOP_ACTION = "```bash\nsubmit\n```"
 ATTEMPTS_FILE, CONFIG_FILE, SUMMARY_FILE = "attempts.jsonl", "eval.json", "summary.json"
 _IDENTITY = ("agent", "model", "label")
 EXIT_USER_ERROR = 2
+TINY_TOKENIZER = "albatross_tokenizer.json"
+TOKENIZER_FILES = (TINY_TOKENIZER, "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class EvalError(Exception):
@@ -53,8 +56,10 @@ def register(sub: Any, tasks_sub: Any) -> None:
                    "of them")
     p.add_argument("--trials", type=int, default=5, help="attempts per task (default 5)")
     p.add_argument("--out", help="output directory (default runs/eval/<name>); rerun to resume")
-    p.add_argument("--tokenizer", metavar="DIR", help="directory holding albatross_tokenizer.json "
-                   "(default: the model directory; e.g. the base model of a run's weight export)")
+    p.add_argument("--server", choices=("vllm", "sglang"), default="vllm", help="protocol of a --model URL: "
+                   "vllm (also OpenAI-compatible servers taking token-id prompts, e.g. `albatross serve`) or sglang")
+    p.add_argument("--tokenizer", metavar="DIR", help="the model's tokenizer (albatross_tokenizer.json or a "
+                   "transformers one): required with a URL; default: the model directory")
     p.add_argument("--name", help="label of the model in tables and plots (default: from --model)")
     p.add_argument("--workers", type=int, default=16, help="attempts run concurrently (default 16)")
     p.add_argument("--retries", type=int, default=3, help="fresh forks after an infrastructure error")
@@ -78,6 +83,17 @@ def register(sub: Any, tasks_sub: Any) -> None:
 # ---------------------------------------------------------------------------------------------- eval
 
 
+@dataclass
+class _Model:
+    """What ``--agent`` / ``--model`` resolved to."""
+
+    label: str  # the default name of the result
+    spec: str | None = None  # a resolved model directory or a server URL
+    directory: Path | None = None
+    tokenizer: Path | None = None
+    remote: Any = None  # a connected remote engine (closed by cmd_eval)
+
+
 @_one_line_errors
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.config import load_config
@@ -87,16 +103,20 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     cfg.sampling.temperature = cfg.eval.temperature
     tasks = load_tasks(args.tasks)
-    model_dir = _model_dir(args)
-    label = args.name or (model_dir.name if model_dir else args.agent)
-    out = Path(args.out or Path("runs") / "eval" / label).resolve()
-    price = _price(args.prices, label)
     if args.agent == "oracle":
         _check_solutions(tasks)
-    config = _eval_config(args, cfg, tasks, model_dir, label, price)
-    _check_resume(out, config)
-    with _sigterm_interrupts():
-        return _run(args, cfg, tasks, model_dir, out, config, price)
+    model = _resolve_model(args)
+    try:
+        label = args.name or model.label
+        out = Path(args.out or Path("runs") / "eval" / label).resolve()
+        price = _price(args.prices, label)
+        config = _eval_config(args, cfg, tasks, model, label, price)
+        _check_resume(out, config)
+        with _sigterm_interrupts():
+            return _run(args, cfg, tasks, model, out, config, price)
+    finally:
+        if model.remote is not None:
+            model.remote.close()
 
 
 def _normalise(override: str) -> str:
@@ -112,21 +132,44 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise EvalError("--retries must be 0 or more")
 
 
-def _model_dir(args: argparse.Namespace) -> Path | None:
-    spec = args.model
+def _resolve_model(args: argparse.Namespace) -> _Model:
     if args.agent != "model":
-        return None
+        return _Model(args.agent)
+    spec = args.model
     if not spec:
         raise EvalError("--model SPEC is required (or use --agent oracle / --agent noop)")
     if spec.startswith(("http://", "https://")):
-        raise EvalError(f"{spec}: remote engines: not available yet (use a local model directory)")
+        return _remote_model(args, spec)
     path = Path(spec)
     if not (path / "config.json").is_file():
         raise EvalError(f"{spec}: not a model directory (no config.json) and not an http(s) URL")
-    tokenizer = Path(args.tokenizer or path) / "albatross_tokenizer.json"
-    if not tokenizer.is_file():
-        raise EvalError(f"{tokenizer}: missing; pass --tokenizer DIR (e.g. the run's base model directory)")
+    return _Model(path.resolve().name, str(path.resolve()), path.resolve(), _tokenizer_dir(args.tokenizer or path))
+
+
+def _tokenizer_dir(directory: str | Path) -> Path:
+    path = Path(directory)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise EvalError(f"{path}: no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); pass --tokenizer DIR "
+                        "(e.g. the run's base model directory)")
     return path.resolve()
+
+
+def _remote_model(args: argparse.Namespace, url: str) -> _Model:
+    """Connect to a vLLM / SGLang / OpenAI-compatible server; its tokenizer must be local (token-in/out)."""
+    import importlib.util
+
+    if importlib.util.find_spec("albatross.engine.remote") is None:
+        raise EvalError(f"{url}: remote engines: not available yet (use a local model directory)")
+    if not args.tokenizer:
+        raise EvalError(f"{url}: --tokenizer DIR is required with a server URL (the served model's tokenizer)")
+    tokenizer = _tokenizer_dir(args.tokenizer)
+    from albatross.engine.remote import RemoteError, SGLangEngine, VLLMEngine
+
+    try:
+        engine = {"vllm": VLLMEngine, "sglang": SGLangEngine}[args.server](url, connect_timeout=15.0)
+    except RemoteError as e:
+        raise EvalError(str(e).splitlines()[0]) from None
+    return _Model(str(engine.model), url, None, tokenizer, engine)
 
 
 def _price(path: str | None, label: str):
@@ -138,9 +181,10 @@ def _price(path: str | None, label: str):
         prices = load_prices(path)
     except ValueError as e:
         raise EvalError(str(e)) from None
-    if label not in prices:
-        print(f"albatross: note: {path} has no [\"{label}\"] entry; cost counted as 0", file=sys.stderr)
-    return prices.get(label, Price())
+    price = prices.get(label) or prices.get("*")
+    if price is None:
+        print(f'albatross: note: {path} has no ["{label}"] or ["*"] entry; cost counted as 0', file=sys.stderr)
+    return price or Price()
 
 
 def _check_solutions(tasks: list) -> None:
@@ -149,15 +193,15 @@ def _check_solutions(tasks: list) -> None:
             raise EvalError(f"{task.solution_dir / 'solve.sh'}: missing (needed by --agent oracle)")
 
 
-def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model_dir: Path | None, label: str,
+def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, label: str,
                  price: Any) -> dict[str, Any]:
     from dataclasses import asdict
 
     import albatross
 
-    tokenizer = args.tokenizer or model_dir
-    return {"agent": args.agent, "model": str(model_dir) if model_dir else None, "label": label,
-            "tokenizer": str(Path(tokenizer).resolve()) if tokenizer else None,
+    return {"agent": args.agent, "model": model.spec, "label": label,
+            "tokenizer": str(model.tokenizer) if model.tokenizer else None,
+            "server": args.server if model.remote is not None else None,
             "tasks": [t.id for t in tasks], "task_dirs": [str(Path(d).resolve()) for d in args.tasks],
             "trials": args.trials, "retries": args.retries, "sandbox": args.sandbox,
             "price_per_million": asdict(price), "harness": cfg.harness.model_dump(),
@@ -197,7 +241,7 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run(args: argparse.Namespace, cfg: Any, tasks: list, model_dir: Path | None, out: Path,
+def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Path,
          config: dict[str, Any], price: Any) -> int:
     from albatross.eval.run import evaluate, finished_pairs, load_attempts
 
@@ -206,11 +250,11 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model_dir: Path | None
     todo = sum((t.id, i) not in skip for t in tasks for i in range(args.trials))
     print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
           + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
-    backend = _backend(args.sandbox, [out, *args.tasks, *([model_dir] if model_dir else [])])
+    backend = _backend(args.sandbox, [out, *args.tasks, *([model.directory] if model.directory else [])])
     engine = None
     start = time.monotonic()
     try:
-        agent, engine = _agent(args, cfg, backend, model_dir)
+        agent, engine = _agent(args, cfg, backend, model)
         progress = Progress(todo)
         evaluate(agent, tasks, args.trials, workers=args.workers, retries=args.retries, progress=progress,
                  skip=skip, on_try=_writer(out / ATTEMPTS_FILE, tasks, config["label"], price, progress))
@@ -236,39 +280,63 @@ def _backend(kind: str, hide: list):
     return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]])
 
 
-def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model_dir: Path | None):
+def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):
     """The runner for ``--agent`` and the engine to close afterwards (None when there is none)."""
-    from albatross.demo import make_agent
-
-    kind = args.agent
-    if kind == "oracle":
+    if args.agent == "oracle":
         from albatross.eval.oracle import OracleAgent
         from albatross.sandbox.base import Limits
 
         sc = cfg.sandbox
         return OracleAgent(backend, Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb)), None
-    if kind == "noop":
+    if args.agent == "noop":
         from albatross.engine.scripted import ScriptedEngine
         from albatross.harness.chat import TinyTokenizer
         from albatross.tasks.builtin import corpus_strings
 
-        agent = make_agent(cfg, None, backend, TinyTokenizer.from_corpus(corpus_strings()))
+        cfg.harness.action_format = "bash_block"  # the no-op's one action is a fenced `submit`
+        agent = _harness_agent(cfg, None, backend, TinyTokenizer.from_corpus(corpus_strings()))
         agent.engine = ScriptedEngine([NOOP_ACTION], agent.fmt.action)
         return agent, None
-    return _model_agent(cfg, backend, model_dir, Path(args.tokenizer or model_dir))
-
-
-def _model_agent(cfg: Any, backend: Any, model_dir: Path | None, tokenizer_dir: Path):
+    tokenizer = _load_tokenizer(model.tokenizer)
+    if model.remote is not None:  # closed by cmd_eval
+        return _harness_agent(cfg, model.remote, backend, tokenizer), None
     import torch
 
-    from albatross.demo import make_agent
     from albatross.engine.builtin import BuiltinEngine
+
+    torch.set_num_threads(cfg.engine.threads)
+    engine = BuiltinEngine(str(model.directory), max_batch_size=cfg.engine.max_batch_size)
+    return _harness_agent(cfg, engine, backend, tokenizer), engine
+
+
+def _load_tokenizer(directory: Path) -> Any:
+    """The demo's ``TinyTokenizer`` (albatross_tokenizer.json), else the directory's transformers one."""
     from albatross.harness.chat import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_dir)
-    torch.set_num_threads(cfg.engine.threads)
-    engine = BuiltinEngine(str(model_dir), max_batch_size=cfg.engine.max_batch_size)
-    return make_agent(cfg, engine, backend, tokenizer), engine
+    if (directory / TINY_TOKENIZER).is_file():
+        return load_tokenizer(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
+def _harness_agent(cfg: Any, engine: Any, backend: Any, tokenizer: Any) -> Any:
+    """The training harness: ``demo.make_agent`` for the demo's tiny tokenizer; the same agent with the
+    tokenizer's own chat template (``make_chat_format``) for a transformers one."""
+    from albatross.demo import make_agent
+    from albatross.harness.chat import TinyTokenizer, make_chat_format
+
+    if isinstance(tokenizer, TinyTokenizer):
+        return make_agent(cfg, engine, backend, tokenizer)
+    from albatross.engine.base import SamplingParams
+    from albatross.harness.agent import Agent
+    from albatross.sandbox.base import Limits
+
+    sc, sp = cfg.sandbox, cfg.sampling
+    limits = Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb,
+                    command_timeout_s=sc.command_timeout_s)
+    sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
+    return Agent(engine, backend, make_chat_format(tokenizer, cfg.harness), cfg.harness, sampling, limits)
 
 
 def _writer(path: Path, tasks: list, label: str, price: Any, progress: Progress):

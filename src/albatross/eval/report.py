@@ -50,6 +50,7 @@ class Result:
     source: Path
     summary: dict[str, Any]
     config: dict[str, Any] = field(default_factory=dict)
+    expected_attempts: int | None = None  # tasks x trials of an eval directory, to flag a partial one
 
 
 @dataclass
@@ -98,9 +99,11 @@ def _pick_price(prices: dict[str, Price] | None, *names: str) -> Price | None:
 def _eval_result(path: Path, prices: dict[str, Price] | None) -> Result:
     config = _read_json(path / "eval.json")
     label = str(config.get("label") or _read_json(path / "summary.json").get("label") or path.name)
-    summary = summarize(load_attempts(path / "attempts.jsonl"), tasks=config.get("tasks"),
-                        trials=config.get("trials"), price=_pick_price(prices, label))
-    return Result(label, path, summary, config)
+    tasks, trials = config.get("tasks"), config.get("trials")
+    summary = summarize(load_attempts(path / "attempts.jsonl"), tasks=tasks, trials=trials,
+                        price=_pick_price(prices, label))
+    expected = len(tasks) * int(trials) if isinstance(tasks, list) and isinstance(trials, int) else None
+    return Result(label, path, summary, config, expected)
 
 
 def _run_results(path: Path, prices: dict[str, Price] | None) -> list[Result]:
@@ -173,21 +176,22 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-_X_AXES = {
-    "cost": ("cost", "average cost per task, USD (log scale)"),
-    "tokens": ("generated tokens", "output tokens per task (log scale; no prices given: pass --prices for cost)"),
+_X_AXES = {  # kind: (what, axis label, note of a result at zero)
+    "cost": ("cost", "average cost per task, USD (log scale)", "no price"),
+    "tokens": ("generated tokens", "output tokens per task (log scale; no prices given: pass --prices for cost)",
+               "no tokens"),
 }
 
 
 def _x_values(results: list[Result]) -> tuple[list[float], str, list[bool]]:
     """x of each result, the axis kind ("cost", or "tokens" when no result has a price), and which
-    results are free (no price: drawn hollow one decade left of the cheapest priced result)."""
+    results are at zero (drawn hollow one decade left of the smallest non-zero value)."""
     costs = [r.summary["cost_per_task"] for r in results]
-    if not any(c > 0 for c in costs):
-        return ([max(r.summary["tokens_per_task"]["output"], 1e-3) for r in results], "tokens",
-                [False] * len(results))
-    floor = min(c for c in costs if c > 0) / 10
-    return [c if c > 0 else floor for c in costs], "cost", [c <= 0 for c in costs]
+    kind = "cost" if any(c > 0 for c in costs) else "tokens"
+    values = costs if kind == "cost" else [r.summary["tokens_per_task"]["output"] for r in results]
+    positive = [v for v in values if v > 0]
+    floor = min(positive) / 10 if positive else 1.0
+    return [v if v > 0 else floor for v in values], kind, [v <= 0 for v in values]
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -205,7 +209,7 @@ def fig_pareto(results: list[Result]) -> str:
     from matplotlib.figure import Figure
 
     xs, kind, free = _x_values(results)
-    what, xlabel = _X_AXES[kind]
+    what, xlabel, zero_note = _X_AXES[kind]
     ys = [r.summary["pass_at_1"] for r in results]
     fig = Figure(figsize=(10, 6))
     ax = fig.add_subplot()
@@ -216,19 +220,49 @@ def fig_pareto(results: list[Result]) -> str:
         se = r.summary.get("pass_at_1_se") or 0.0
         color = _COLORS[i % len(_COLORS)]
         ax.errorbar(xs[i], ys[i], yerr=se, fmt=_MARKERS[i % len(_MARKERS)], ms=10, capsize=4, color=color,
-                    mfc="white" if free[i] else color, zorder=3, label=r.label + (" (no price)" if free[i] else ""))
-        ax.annotate(r.label, (xs[i], ys[i]), xytext=(8, 8 if i % 2 == 0 else -14), textcoords="offset points",
-                    fontsize=10, color=color)
+                    mfc="white" if free[i] else color, zorder=3, label=r.label + (f" ({zero_note})" if free[i] else ""))
     ax.set_xscale("log")
     _log_ticks(ax, xs, dollars=kind == "cost")
     ax.set_ylim(-0.03, 1.05)
+    _labels(ax, fig, xs, ys, [r.label for r in results])
     ax.yaxis.set_major_formatter(_percent())
     ax.set_xlabel(xlabel)
     ax.set_ylabel("Pass@1 (mean over trials, ±1 s.e.)")
     ax.set_title(f"Pass@1 against {what} per task")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="best", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     return _png(fig)
+
+
+def _labels(ax: Any, fig: Any, xs: list[float], ys: list[float], labels: list[str]) -> None:
+    """Label each point to its right, at the nearest height where the label overlaps no other label
+    and no other point (a thin line joins a moved label to its point)."""
+    pts = ax.transData.transform(list(zip(xs, ys, strict=True)))
+    pt = fig.dpi / 72  # pixels per point
+    step, boxes = 7 * pt, []
+    bottom, top = ax.bbox.y0 + 6 * pt, ax.bbox.y1 - 6 * pt
+    for i in sorted(range(len(xs)), key=lambda j: pts[j][1]):
+        x, y = pts[i]
+        x0, x1 = x + 10 * pt, x + (14 + 6.0 * len(labels[i])) * pt
+        others = [p for j, p in enumerate(pts) if j != i]
+        for k in range(60):
+            dy = step * ((k + 1) // 2) * (1 if k % 2 else -1) if k else 0.0
+            ly = y + dy
+            if bottom <= ly <= top and not _collides(x0, x1, ly, boxes, others, pt):
+                break
+        boxes.append((x0, x1, ly))
+        off = (ly - y) / pt
+        arrow = {"arrowstyle": "-", "color": "#999", "lw": 0.8} if abs(off) > 8 else None
+        ax.annotate(labels[i], (xs[i], ys[i]), xytext=(12, off), textcoords="offset points", fontsize=10,
+                    color=_COLORS[i % len(_COLORS)], va="center", arrowprops=arrow)
+
+
+def _collides(x0: float, x1: float, y: float, boxes: list[tuple[float, float, float]], points: list[Any],
+              pt: float) -> bool:
+    """Whether a label spanning x0..x1 at height y meets a placed label or a point (pixels)."""
+    if any(bx0 < x1 and x0 < bx1 and abs(by - y) < 13 * pt for bx0, bx1, by in boxes):
+        return True
+    return any(x0 - 7 * pt <= px <= x1 and abs(py - y) < 10 * pt for px, py in points)
 
 
 def _log_ticks(ax: Any, xs: list[float], dollars: bool) -> None:
@@ -267,7 +301,7 @@ def fig_categories(results: list[Result]) -> str:
     ax.set_xlabel("Pass@1")
     ax.set_title("Pass@1 by task category")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     return _png(fig)
 
 
@@ -294,13 +328,15 @@ def _training_panels(run: TrainingRun) -> list[tuple[str, str, list[tuple[str, l
     m, bv = run.metrics, run.by_version
     versions = list(bv)
 
-    def from_metrics_or_versions(key: str) -> tuple[str, list[tuple[str, list[float], list[float]]]]:
-        if any(key in r for r in m):
-            return "trainer step", [(key, *_series(m, key))]
-        return "policy version", [(key, versions, [bv[v][key] for v in versions])]
+    def from_metrics_or_versions(keys: tuple[str, ...], fallback: str):
+        """A per-step metric when the run logged one, else the value by policy version (trajectories)."""
+        for key in keys:
+            if any(key in r for r in m):
+                return "trainer step", [(key, *_series(m, key))]
+        return "policy version", [(fallback, versions, [bv[v][fallback] for v in versions])]
 
-    reward_x, reward = from_metrics_or_versions("reward")
-    tps_x, tps = from_metrics_or_versions("tokens_per_solve")
+    reward_x, reward = from_metrics_or_versions(("reward_mean", "reward"), "reward")
+    tps_x, tps = from_metrics_or_versions(("tokens_per_solve",), "tokens_per_solve")
     return [
         ("reward (mean score)", reward_x, reward),
         ("pass rate", "trainer step", [("pass_rate", *_series(m, "pass_rate"))]),
@@ -351,11 +387,12 @@ details{margin:8px 0}summary{cursor:pointer;font-weight:600}
 
 
 def _esc(value: Any) -> str:
-    return html.escape(str(value))
+    """Escape text content (quotes stay readable); attributes go through ``html.escape``."""
+    return html.escape(str(value), quote=False)
 
 
 def _img(fig_id: str, data: str, alt: str) -> str:
-    return f'<img id="{_esc(fig_id)}" alt="{_esc(alt)}" src="data:image/png;base64,{data}">'
+    return f'<img id="{html.escape(fig_id)}" alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
 def _html_table(header: list[str], rows: list[list[Any]]) -> str:
@@ -371,15 +408,15 @@ def _results_table(results: list[Result]) -> str:
         se = s.get("pass_at_1_se")
         ks = s["pass_at_k"]
         kmax = max(ks, key=int) if ks else "1"
+        partial = r.expected_attempts is not None and s["attempts"] < r.expected_attempts
         rows.append([r.label, f"{s['pass_at_1']:.3f}" + (f" ± {se:.3f}" if se is not None else ""),
-                     f"{ks.get(kmax, 0.0):.3f} (k={kmax})", s["tasks"], s["attempts"],
+                     f"{ks.get(kmax, 0.0):.3f} (k={kmax})", s["tasks"],
+                     f"{s['attempts']} of {r.expected_attempts} (partial)" if partial else s["attempts"],
                      f"${s['cost_per_task']:.6f}", f"{s['tokens_per_task']['input']:.0f}",
                      f"{s['tokens_per_task']['cached_input']:.0f}", f"{s['tokens_per_task']['output']:.0f}",
-                     f"{s['turns_per_task']:.2f}", f"{s['wall_seconds_per_task']:.2f}", s["infra_errors"],
-                     str(r.source)])
+                     f"{s['turns_per_task']:.2f}", f"{s['wall_seconds_per_task']:.2f}", s["infra_errors"]])
     return _html_table(["result", "Pass@1 ± s.e.", "pass@k", "tasks", "attempts", "cost/task",
-                        "input tok", "cached tok", "output tok", "turns", "wall s", "infra errors",
-                        "source"], rows)
+                        "input tok", "cached tok", "output tok", "turns", "wall s", "infra errors"], rows)
 
 
 def _category_table(results: list[Result]) -> str:
@@ -391,7 +428,7 @@ def _category_table(results: list[Result]) -> str:
 def _config_section(results: list[Result], runs: list[TrainingRun]) -> str:
     parts = []
     for r in results:
-        parts.append(f"<details><summary>{_esc(r.label)}</summary>"
+        parts.append(f"<details><summary>{_esc(r.label)} <span class='meta'>{_esc(r.source)}</span></summary>"
                      f"<pre>{_esc(json.dumps(r.config or {'note': 'no configuration recorded'}, indent=2))}"
                      "</pre></details>")
     for run in runs:

@@ -141,8 +141,8 @@ class Episode:
     # budgets and compression ------------------------------------------------------------------------
     def _check_budgets(self) -> None:
         cfg, per_turn = self.cfg, self.cfg.max_tokens_per_turn
-        if knob(cfg, "compression") != "none" and len(self.ctx) + per_turn > knob(cfg, "compress_at") * \
-                cfg.max_context_tokens:
+        trigger = knob(cfg, "compress_at") * cfg.max_context_tokens
+        if knob(cfg, "compression") != "none" and len(self.ctx) + per_turn > trigger:
             self._compress()
         if len(self.ctx) + per_turn > cfg.max_context_tokens:
             raise _Done(STATUS_MAX_CONTEXT)
@@ -157,6 +157,8 @@ class Episode:
 
     def _compress(self) -> None:
         cfg, keep = self.cfg, knob(self.cfg, "keep_observations")
+        if self.traj.compressions and self.traj.compressions[-1]["turn"] == len(self.traj.turns):
+            return  # compressed already before this turn: the context budget decides
         before = len(self.ctx)
         ids = self.ctx.masked_ids(keep)
         method, extra = "mask", {}

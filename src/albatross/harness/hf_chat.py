@@ -47,8 +47,7 @@ class HFChatFormat:
     def __init__(self, tokenizer: Any, system: str = "", observation_role: str = "tool",
                  template: str | None = None) -> None:
         self.tokenizer, self.system, self.observation_role = tokenizer, system, observation_role
-        if template is not None or not getattr(tokenizer, "chat_template", None):
-            tokenizer.chat_template = template or CHATML_TOOLS_TEMPLATE
+        self.template = template or getattr(tokenizer, "chat_template", None) or CHATML_TOOLS_TEMPLATE
         closed_probe = self._render(_PROBE)
         end = closed_probe.rindex("PONG") + len("PONG")
         self._turn_end = closed_probe[end:]  # what follows an assistant message, e.g. "<|im_end|>\n"
@@ -63,7 +62,7 @@ class HFChatFormat:
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                 generation: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=self.template,
                                                   add_generation_prompt=generation)
 
     def _encode(self, text: str) -> list[int]:
@@ -106,3 +105,26 @@ def _added_ids(tokenizer: Any) -> list[int]:
         return list(tokenizer.get_added_vocab().values())
     except (AttributeError, NotImplementedError):
         return []
+
+
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                   "<tool_response>", "</tool_response>"]
+
+
+def toy_chatml_tokenizer(corpus: list[str], vocab_size: int = 800) -> Any:
+    """A small byte-level BPE ``PreTrainedTokenizerFast`` trained on ``corpus``, with Qwen's ChatML
+    special tokens and ``CHATML_TOOLS_TEMPLATE``: a stand-in for a Qwen tokenizer where no model hub is
+    reachable (tests, benchmarks). Deterministic for a given corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=CHATML_SPECIALS[3:])
+    out.chat_template = CHATML_TOOLS_TEMPLATE
+    return out

@@ -32,6 +32,7 @@ from albatross.harness.parsers import SUBMIT, Action
 from albatross.sandbox.base import Attempt, ExecResult, SandboxError
 
 _WRITE_CHUNK = 48 * 1024  # raw bytes per exec: 64 KiB of base64, well under the 128 KiB argument limit
+_KEEP_BYTES = 32 << 20  # an output file over this is cut to its first _KEEP_BYTES (frees the sandbox's /tmp)
 _READ_LIMIT = 700 * 1024  # largest file edit_file reads (its base64 must fit the sandbox's output cap)
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1a\x1c-\x1f\x7f\ufffd]")
 
@@ -230,7 +231,7 @@ class Toolbox:
             f"IFS= read -r -d '' -N {lim + 1} __alb_o < {f}\n"
             f"if [ ${{#__alb_o}} -le {lim} ]; then printf '%s' \"$__alb_o\"; __alb_n=${{#__alb_o}}; __alb_p=\n"
             f"else __alb_n=$(wc -c < {f}); __alb_p={f}; head -c {half} {f}; printf '\\n{nonce}|cut\\n'; "
-            f"tail -c {half} {f}; fi\n"
+            f"tail -c {half} {f}; [ $__alb_n -le {_KEEP_BYTES} ] || truncate -s {_KEEP_BYTES} {f}; fi\n"
             f"printf '\\n{nonce}|%s|%s|%s' \"{rc}\" \"$__alb_n\" \"$__alb_p\"\n"
         )
 
@@ -264,8 +265,9 @@ class Toolbox:
             return r.body
         head, tail = _whole_lines(r.body, r.tail)
         left = r.size - len(head.encode()) - len(tail.encode())
-        return (f"{head}[... {left} bytes left out; the whole output ({r.size} bytes) is in {r.path} "
-                f"(grep / sed -n it) ...]\n{tail}")
+        saved = (f"the whole output ({r.size} bytes) is in {r.path}" if r.size <= _KEEP_BYTES else
+                 f"its first {_KEEP_BYTES} bytes (of {r.size}) are in {r.path}")
+        return f"{head}[... {left} bytes left out; {saved} (grep / sed -n it) ...]\n{tail}"
 
     # background jobs ----------------------------------------------------------------------------
     def _job_call(self, sub: str, *args: str | int, timeout_s: float | None = None) -> Observation:

@@ -37,16 +37,23 @@ class TrainerDied(RuntimeError):
 
 
 def run_with_retries(agent: Agent, spec: AttemptSpec, retries: int, counts: Counter) -> Trajectory:
-    """Run an attempt; an infrastructure error is retried on a fresh fork, never scored."""
+    """Run an attempt; an infrastructure error is retried on a fresh fork, never scored. Each failed
+    try is counted in ``infra_error_attempts`` and by kind in ``infra_error:<kind>`` (the error's class:
+    ForkError, SandboxDied, VerifierError, ...)."""
     traj = agent.run(spec)
     for _ in range(retries):
         if traj.status != STATUS_INFRA_ERROR:
             break
-        counts["infra_error_attempts"] += 1
+        _count_infra_error(traj, counts)
         traj = agent.run(spec)
     if traj.status == STATUS_INFRA_ERROR:
-        counts["infra_error_attempts"] += 1
+        _count_infra_error(traj, counts)
     return traj
+
+
+def _count_infra_error(traj: Trajectory, counts: Counter) -> None:
+    counts["infra_error_attempts"] += 1
+    counts[f"infra_error:{traj.error.split(':', 1)[0].strip() or 'unknown'}"] += 1
 
 
 @dataclass
@@ -64,7 +71,7 @@ class AsyncLoop:
         self.cfg, self.agent, self.engine, self.tasks = cfg, agent, engine, tasks
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.scorer = GroupScorer(cfg.rl)
+        self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
         self.builder = BatchBuilder(cfg.orchestrator.groups_per_step)
         self.sampler = TaskSampler(len(tasks), cfg.seed)
         self.state = RunState(version=engine.version)
@@ -278,6 +285,16 @@ class AsyncLoop:
                 "pass": self._last_pass_rate, "groups in flight": len(inflight),
                 "batches waiting": self._batches_sent - self.state.step,
                 "attempts": self.counts["attempts"], "infra": self.counts["infra_error_attempts"]}
+
+
+def _test_weights(path: str) -> dict[str, dict[str, float]] | None:
+    if not path:
+        return None
+    from albatross.tasks.gates import load_test_weights
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: rl.test_weights report not found")
+    return load_test_weights(path)
 
 
 def _stop_trainer(proc, batch_q) -> None:

@@ -65,6 +65,25 @@ def env_key(env_dir: Path | None, salt: str = "") -> str:
     return digest.hexdigest()[:24]
 
 
+class EnvKeys:
+    """``env_key`` cached per directory, recomputed only when a file's size, mode or mtime changed."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, str], tuple[tuple[object, ...], str]] = {}
+
+    def get(self, env_dir: Path | None, salt: str = "") -> str:
+        if env_dir is None:
+            return env_key(None, salt)
+        stats = [(str(p), p.lstat()) for p in sorted(Path(env_dir).rglob("*"))]
+        stamp = tuple((name, st.st_mtime_ns, st.st_size, st.st_mode) for name, st in stats)
+        cached = self._cache.get((str(env_dir), salt))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        key = env_key(env_dir, salt)
+        self._cache[(str(env_dir), salt)] = (stamp, key)
+        return key
+
+
 def task_allows_internet(env_dir: Path | None) -> bool:
     """``[environment] allow_internet`` of the task.toml next to ``env_dir`` (False if absent)."""
     if env_dir is None:

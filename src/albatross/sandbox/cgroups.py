@@ -2,8 +2,8 @@
 
 Both live under ``<controller mount>/<our own cgroup>/albatross/<attempt id>``, so attempt limits nest
 under whatever limits this process already has. The kernel counts what we report as outcomes:
-``memory.oom_control``'s ``oom_kill`` (the memory limit killed a process) and ``pids.events``'s ``max``
-(a fork was refused at the process limit).
+``memory.oom_control``'s ``oom_kill`` (the memory limit killed a process) and each command cgroup's
+``pids.events`` ``max`` (a fork was refused at the process limit; read by the holder).
 """
 
 from __future__ import annotations
@@ -45,57 +45,54 @@ def _read_counter(path: Path, key: str) -> int:
 
 
 class AttemptCgroups:
-    """The cgroups of one attempt: ``memory`` (the holder) with ``memory/agent`` (every command; the
-    memory limit), and ``pids`` (the process limit) with a sub-cgroup per command. ``owner``: the host
-    uid of the holder (user-namespace mode), which moves itself between them and creates sub-cgroups."""
+    """The cgroups of one attempt: ``memory`` (the memory limit) and ``pids`` (the process limit) with
+    a sub-cgroup ``c<N>`` per command, ``c0`` made here. ``owner``: the host uid of the holder
+    (user-namespace mode), which creates the later ones. ``holder``: its pid, never killed here."""
 
     def __init__(self, attempt_id: str, limits: Limits, owner: int = 0) -> None:
         self.memory = cgroup_root("memory") / attempt_id
-        self.agent = self.memory / "agent"
         self.pids = cgroup_root("pids") / attempt_id
+        self.holder = 0
         try:
-            for path in (self.agent, self.pids):
+            for path in (self.memory, self.pids / "c0"):
                 path.mkdir(parents=True)
             self._set_limits(limits)
             if owner:
-                for path in (self.pids, self.pids / "cgroup.procs", self.memory / "cgroup.procs",
-                             self.agent / "cgroup.procs"):
-                    os.chown(path, owner, owner)
+                os.chown(self.pids, owner, owner)
         except OSError as err:
             self.remove()
             raise ForkError(f"cannot create cgroups for attempt {attempt_id}: {err}") from err
 
     def _set_limits(self, limits: Limits) -> None:
         limit = str(limits.memory_mb << 20)
-        (self.agent / "memory.limit_in_bytes").write_text(limit)
-        memsw = self.agent / "memory.memsw.limit_in_bytes"
+        (self.memory / "memory.limit_in_bytes").write_text(limit)
+        memsw = self.memory / "memory.memsw.limit_in_bytes"
         if memsw.exists():
             memsw.write_text(limit)
         (self.pids / "pids.max").write_text(str(limits.pids))
 
-    def counters(self) -> tuple[int, int]:
-        """(processes killed by the memory limit, forks refused at the process limit) so far."""
-        oom = _read_counter(self.agent / "memory.oom_control", "oom_kill")
-        return oom, _read_counter(self.pids / "pids.events", "max")
+    def oom_kills(self) -> int:
+        """Processes the memory limit has killed so far."""
+        return _read_counter(self.memory / "memory.oom_control", "oom_kill")
 
     def command_groups(self) -> list[Path]:
         return [p for p in self.pids.glob("c*") if p.is_dir()]
 
     def procs(self) -> list[int]:
-        """Host pids of every process started by the attempt's commands."""
+        """Host pids of every process started by the attempt's commands (not the holder)."""
         out: list[int] = []
         for group in self.command_groups():
             with contextlib.suppress(OSError, ValueError):
                 out += [int(p) for p in (group / "cgroup.procs").read_text().split()]
-        return out
+        return [pid for pid in out if pid != self.holder]
 
     def kill(self, name: str) -> None:
         """SIGKILL every process of one command's cgroup (repeat: a dying tree may still fork)."""
         procs = self.pids / name / "cgroup.procs"
         for _ in range(200):
             try:
-                pids = [int(p) for p in procs.read_text().split()]
-            except OSError:
+                pids = [int(p) for p in procs.read_text().split() if int(p) != self.holder]
+            except (OSError, ValueError):
                 return
             if not pids:
                 return
@@ -104,19 +101,30 @@ class AttemptCgroups:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.001)
 
-    def kill_all(self) -> None:
-        """SIGKILL every process every command started (the holder lives in the parent cgroup)."""
+    def kill_all(self, settle_s: float = 2.0) -> None:
+        """SIGKILL every process every command started, then wait (up to ``settle_s``) until the
+        holder has reaped them: until then they still hold their slots of the process limit."""
         for group in self.command_groups():
             self.kill(group.name)
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and self.current() > 1:
+            time.sleep(0.005)
+
+    def current(self) -> int:
+        """Processes of the attempt now (the holder included; dead ones until they are reaped)."""
+        try:
+            return int((self.pids / "pids.current").read_text())
+        except (OSError, ValueError):
+            return 0
 
     def remove(self) -> None:
-        for path in [*self.command_groups(), self.pids, self.agent, self.memory]:
+        for path in [*self.command_groups(), self.pids, self.memory]:
             _rmdir_retrying(path)
 
 
 def _rmdir_retrying(path: Path) -> None:
-    for delay in (0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0):
-        time.sleep(delay)
+    """rmdir, retrying while the cgroup is busy (its last processes may still be exiting)."""
+    for delay in (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 0.0):
         try:
             path.rmdir()
             return
@@ -126,7 +134,9 @@ def _rmdir_retrying(path: Path) -> None:
             if err.errno != errno.EBUSY:
                 log.warning("cannot remove cgroup %s: %s", path, err)
                 return
+        time.sleep(delay)
     log.warning("cgroup %s still busy; left behind", path)
+
 
 
 def remove_stale() -> None:
@@ -136,7 +146,7 @@ def remove_stale() -> None:
         for path in root.glob("*-*") if root.is_dir() else ():
             owner = path.name.split("-", 1)[0]
             if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-                for sub in [*path.glob("c*"), path / "agent", path]:
+                for sub in [*path.glob("c*"), path]:
                     with contextlib.suppress(OSError):
                         sub.rmdir()
 

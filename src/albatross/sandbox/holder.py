@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from albatross.sandbox import linux
+from albatross.sandbox.build import DEFAULT_PATH
 from albatross.sandbox.wire import recv, send
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STATE_FILE = "/run/albatross/state"
 MAX_READ_BYTES = 64 << 20
 _DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
@@ -39,6 +39,12 @@ _DEV_LINKS = {
     "ptmx": "pts/ptmx",
 }
 _TIOCSPTLCK, _TIOCGPTN = 0x40045431, 0x80045430
+_PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+_PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug")
+# Capabilities kept in the bounding set of sandboxed commands (Docker's default set minus MKNOD):
+# CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID SETPCAP NET_BIND_SERVICE NET_RAW SYS_CHROOT
+# AUDIT_WRITE SETFCAP. Dropped include SYS_ADMIN (mount), DAC_READ_SEARCH, SYS_PTRACE, MKNOD, SYS_MODULE.
+KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31}
 
 
 def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None) -> None:
@@ -61,30 +67,29 @@ def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None) -> Non
 # ---- root file system -------------------------------------------------------------------------------
 
 
-def setup_root(cfg: dict[str, Any], userns_fd: int | None) -> tuple[int, int, int | None]:
-    """Build and enter the attempt's root; returns fds of its pids and memory cgroups and of its
-    scratch tmpfs. The holder itself stays outside the memory cgroup that limits the commands
-    (``agent``), so the memory limit's OOM killer can only pick a command."""
-    for path in (cfg["memory_cgroup"], cfg["pids_cgroup"]):
+def setup_root(cfg: dict[str, Any], userns_fd: int | None) -> tuple[int, int | None]:
+    """Build and enter the attempt's root; returns fds of its pids cgroup and of its scratch tmpfs."""
+    for path in (cfg["memory_cgroup"], f"{cfg['pids_cgroup']}/c0"):  # one grace period for both moves
         linux.write_file(f"{path}/cgroup.procs", "0")
     merged = _mount_overlay(cfg)
     _mount_pseudo(merged, cfg)
     if cfg["new_net"]:
         _configure_net(cfg)
     socket.sethostname("sandbox")
-    cgroup_fds = tuple(os.open(cfg[k], os.O_RDONLY | os.O_DIRECTORY) for k in ("pids_cgroup", "memory_cgroup"))
+    cgroup_fd = os.open(cfg["pids_cgroup"], os.O_RDONLY | os.O_DIRECTORY)
     scratch_fd = os.open(cfg["scratch"], os.O_RDONLY | os.O_DIRECTORY) if cfg["upper"] is None else None
     os.chdir(merged)
     linux.pivot_root_here()
     if userns_fd is not None:
         _enter_userns(userns_fd)
+        linux.drop_bounding_caps(KEPT_CAPS)  # joining a user namespace gives a full bounding set
     linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
     os.makedirs(os.path.dirname(STATE_FILE), exist_ok=True)
     Path(STATE_FILE).write_text(cfg["state"])
     if cfg["workdir"]:
         os.makedirs(cfg["workdir"], exist_ok=True)
-    linux.prctl(linux.PR_SET_DUMPABLE, 0)  # commands cannot open /proc/1/fd (our socket, cgroup dirs)
-    return cgroup_fds[0], cgroup_fds[1], scratch_fd
+    linux.prctl(linux.PR_SET_DUMPABLE, 0)  # commands cannot open /proc/1/fd (our socket, cgroup dir)
+    return cgroup_fd, scratch_fd
 
 
 def _mount_overlay(cfg: dict[str, Any]) -> str:
@@ -126,11 +131,28 @@ def _mount_pseudo(root: str, cfg: dict[str, Any]) -> None:
     gid = f",gid={cfg['id_base'] + 5}" if cfg["id_base"] else ""
     linux.mount("devpts", f"{root}/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
                 f"newinstance,ptmxmode=0666,mode=0620{gid}")
+    if not cfg["id_base"]:  # host root inside: kernel settings read-only, kernel memory hidden
+        _protect_proc(f"{root}/proc")
+
+
+def _protect_proc(proc: str) -> None:
+    """What Docker does for a container of host root: /proc/sys & co. read-only, /proc/kcore & co.
+    masked. (In user-namespace mode they belong to a uid that root inside is not: no need.)"""
+    for name in _PROC_READ_ONLY:
+        path = f"{proc}/{name}"
+        if os.path.exists(path):
+            linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
+            linux.mount(path, path, None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY)
+    for name in _PROC_MASKED:
+        path = f"{proc}/{name}"
+        if os.path.isfile(path):
+            linux.mount("/dev/null", path, None, linux.MS_BIND)
 
 
 def _configure_net(cfg: dict[str, Any]) -> None:
-    if cfg.get("lo_down", True):
-        linux.loopback_up()
+    if cfg.get("net_ready"):  # a namespace the zygote prepared while idle
+        return
+    linux.loopback_up()
     if cfg["id_base"]:  # root inside has no capability over this namespace: open low ports and ping
         linux.write_file("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
         linux.write_file("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
@@ -149,9 +171,17 @@ def _enter_userns(userns_fd: int) -> None:
 
 
 class Holder:
-    def __init__(self, sock: socket.socket, cgroup_fd: int, memory_fd: int, scratch_fd: int | None) -> None:
-        self.sock, self.cgroup_fd, self.memory_fd, self.scratch_fd = sock, cgroup_fd, memory_fd, scratch_fd
+    """Serves the host. Commands are spawned into their own pids cgroup ``c<N>`` without a cgroup move
+    on the way: a move waits for an RCU grace period (milliseconds, more on a busy machine). The holder
+    sits in the cgroup where the next command will start and spawns it from there; when a command
+    leaves background processes behind, the holder steps into a fresh cgroup for the next one. Each
+    command's reply names the next command's cgroup; the host never kills the holder with a command."""
+
+    def __init__(self, sock: socket.socket, cgroup_fd: int, scratch_fd: int | None) -> None:
+        self.sock, self.cgroup_fd, self.scratch_fd = sock, cgroup_fd, scratch_fd
         self.running: dict[int, str] = {}  # pid -> its pids cgroup name
+        self.current = "c0"  # the cgroup the holder is in: where the next command starts
+        self.forkfails_seen: dict[str, int] = {}
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -183,15 +213,42 @@ class Holder:
                 return
             cgroup = self.running.pop(pid, None)
             if cgroup is not None:
-                code = os.waitstatus_to_exitcode(status)
-                forkfail = self.forkfail(cgroup)
-                with contextlib.suppress(OSError):
-                    os.rmdir(cgroup, dir_fd=self.cgroup_fd)  # fails while background jobs live there
-                send(self.sock, {"exit": code if code >= 0 else 128 - code, "disk_free": self.disk_free(),
-                                 "forkfail": forkfail})
+                self.report(cgroup, {"exit": _exit_code(status)})
+
+    def report(self, cgroup: str, reply: dict[str, Any]) -> None:
+        """Send a command's end to the host; step into a fresh cgroup if this one is still in use."""
+        total = self.forkfail(cgroup)
+        reply["forkfail"] = total - self.forkfails_seen.get(cgroup, 0)
+        self.forkfails_seen[cgroup] = total
+        busy = self.current == cgroup and not self.only_us(cgroup)
+        reply.update(disk_free=self.disk_free(), next=f"c{int(cgroup[1:]) + 1}" if busy else self.current)
+        send(self.sock, reply)
+        if busy:
+            self.move_to(reply["next"])
+
+    def only_us(self, cgroup: str) -> bool:
+        try:
+            fd = os.open(f"{cgroup}/cgroup.procs", os.O_RDONLY, dir_fd=self.cgroup_fd)
+        except OSError:
+            return False
+        try:
+            pids = os.read(fd, 4096).split()
+        finally:
+            os.close(fd)
+        return pids == [str(os.getpid()).encode()]
+
+    def move_to(self, cgroup: str) -> None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(cgroup, dir_fd=self.cgroup_fd)
+        fd = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY, dir_fd=self.cgroup_fd)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+        self.current = cgroup
 
     def forkfail(self, cgroup: str) -> int:
-        """Forks the process limit refused to the command's cgroup (cgroup v1 counts them locally)."""
+        """Forks the process limit refused in the command's cgroup (cgroup v1 counts them locally)."""
         try:
             fd = os.open(f"{cgroup}/pids.events", os.O_RDONLY, dir_fd=self.cgroup_fd)
         except OSError:
@@ -243,12 +300,12 @@ class Holder:
         actions += [(os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[0], 2)]
         try:
             pid = self.spawn(msg, actions)
-        except OSError as err:  # no such program, or the agent exhausted its pids limit
-            os.write(fds[0], f"albatross: cannot run {msg['argv'][0]}: {err}\n".encode())
+        except OSError as err:  # no such program, or the agent exhausted its process limit
+            os.write(fds[0], f"albatross: cannot run {msg['argv'][0]}: {err.strerror}\n".encode())
             code = 127 if isinstance(err, FileNotFoundError) else 126
-            send(self.sock, {"exit": code, "disk_free": self.disk_free(), "spawn_error": err.errno})
+            self.report(self.current, {"exit": code, "spawn_error": err.errno})
             return
-        self.running[pid] = msg["cgroup"]
+        self.running[pid] = self.current
 
     def start_pty(self, msg: dict[str, Any]) -> None:
         """An interactive command on a new terminal of the attempt's devpts; the master goes to the host."""
@@ -263,51 +320,27 @@ class Holder:
             actions = [(os.POSIX_SPAWN_OPEN, 0, slave, os.O_RDWR, 0)]
             actions += [(os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)]
             pid = self.spawn(msg, actions)  # setsid + open of the slave: it is the controlling tty
-            self.running[pid] = msg["cgroup"]
+            self.running[pid] = self.current
             send(self.sock, {"ok": True}, fds=[master])
         finally:
             os.close(master)
 
     def spawn(self, msg: dict[str, Any], actions: list[tuple[Any, ...]]) -> int:
-        """posix_spawn (vfork: ~3x faster than fork here) in its own session, pids cgroup and the limited
-        memory cgroup: the holder steps into the command's cgroups for the spawn, then steps back."""
-        cgroup, argv, env = msg["cgroup"], msg["argv"], msg["env"]
-        os.mkdir(cgroup, dir_fd=self.cgroup_fd)
+        """posix_spawn (vfork: ~3x faster than fork here) in its own session, in the holder's cgroup."""
+        argv, env = msg["argv"], msg["env"]
+        with contextlib.suppress(OSError):
+            os.chdir(msg["cwd"])
         try:
-            self.join(cgroup)
-            _join(self.memory_fd, "agent")
-            try:
-                with contextlib.suppress(OSError):
-                    os.chdir(msg["cwd"])
-                path = shutil.which(argv[0], path=env.get("PATH", DEFAULT_PATH)) or argv[0]
-                pid = os.posix_spawn(
-                    path,
-                    argv,
-                    env,
-                    file_actions=actions,
-                    setsid=True,
-                    setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT),
-                )
-            finally:
-                os.chdir("/")
-                _join(self.memory_fd, ".")
-                self.join(".")
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.rmdir(cgroup, dir_fd=self.cgroup_fd)
-            raise
-        return pid
-
-    def join(self, cgroup: str) -> None:
-        _join(self.cgroup_fd, cgroup)
+            path = shutil.which(argv[0], path=env.get("PATH", DEFAULT_PATH)) or argv[0]
+            return os.posix_spawn(path, argv, env, file_actions=actions, setsid=True,
+                                  setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT))
+        finally:
+            os.chdir("/")
 
 
-def _join(dir_fd: int, cgroup: str) -> None:
-    fd = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY, dir_fd=dir_fd)
-    try:
-        os.write(fd, b"0")
-    finally:
-        os.close(fd)
+def _exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
 
 
 def _extract(payload: bytes) -> None:

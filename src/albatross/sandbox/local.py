@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -48,7 +49,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import astuple, dataclass
 from functools import lru_cache
@@ -74,10 +75,10 @@ from albatross.sandbox.base import (
 from albatross.sandbox.build import (
     DEFAULT_PATH,
     EnvBuildError,
+    EnvKeys,
     Parent,
     apply_dockerfile,
     dir_tar,
-    env_key,
     needs_builder,
     state_script,
     task_allows_internet,
@@ -96,8 +97,10 @@ HIDDEN_PATHS = ("/work", "/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "
                 "/old_root", "/farm")
 DISK_FULL_BYTES = 64 << 10  # less free space than this in the writable layer: the disk limit was hit
 MAX_POOL_KEYS = 4
-# Restore cwd and exported env, run the command, save them again (also on `exit N`).
+# Restore cwd and exported env, run the command, save them again (also on `exit N`). Commands are
+# the memory limit's first victims, not the holder (raising one's own oom_score_adj needs no privilege).
 _PROLOGUE = (
+    "echo 1000 >/proc/self/oom_score_adj 2>/dev/null\n"
     f"source {STATE_FILE} 2>/dev/null\n"
     'trap \'__albatross_rc=$?; { export -p; printf "cd -- %q\\n" "$PWD"; } '
     f">{STATE_FILE} 2>/dev/null; exit $__albatross_rc' EXIT\n"
@@ -135,8 +138,9 @@ class LocalAttempt:
         self._close_lock = threading.Lock()
         self._closed = False
         self._pending_ready = True  # set-up reply not read yet (requests are pipelined behind it)
-        self._commands = itertools.count()
+        self._cgroup = "c0"  # the pids cgroup the next command starts in (each reply names the next)
         self.deadline: float | None = None
+        self.first_output_at: float | None = None  # perf_counter() when the last command first wrote
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def activate(self) -> None:
@@ -190,9 +194,7 @@ class LocalAttempt:
     def _recv(self) -> tuple[dict[str, Any], bytes, list[int]]:
         try:
             return wire.recv(self._sock)
-        except (EOFError, OSError) as err:
-            if self._pending_ready:
-                raise ForkError(f"attempt {self.id}: sandbox died during set-up ({err})") from err
+        except (EOFError, OSError) as err:  # killed (a failed set-up says why, and is a ForkError)
             raise self._died(err) from err
 
     def _skip_ready(self) -> None:
@@ -227,8 +229,8 @@ class LocalAttempt:
         with self._lock:
             self._check_open()
             start = time.monotonic()
-            hit = {LIMIT_PIDS: self._at_pids_limit()}
-            if hit[LIMIT_PIDS]:  # background processes filled the table: contain them first
+            crowded = self._at_pids_limit()
+            if crowded:  # background processes filled the process table: contain them first
                 self._cgroups.kill_all()
             timeout = self.limits.command_timeout_s if timeout_s is None else timeout_s
             budget = None if self.deadline is None else self.deadline - start
@@ -236,30 +238,33 @@ class LocalAttempt:
                 self._cgroups.kill_all()
                 return ExecResult("", -1, True, 0.0, 0, LIMIT_ATTEMPT_TIMEOUT)
             by_attempt = budget is not None and budget < timeout
-            oom_before = self._cgroups.counters()[0]
-            ex = self._exchange(argv, env, cwd, start + (budget if by_attempt else timeout))
-            hit[LIMIT_OOM] = self._cgroups.counters()[0] > oom_before
-            hit[LIMIT_PIDS] |= bool(ex.reply.get("forkfail")) or ex.reply.get("spawn_error") == 11
-            hit[LIMIT_PIDS] |= self._at_pids_limit()
-            if hit[LIMIT_PIDS]:
-                self._cgroups.kill_all()  # a fork bomb does not outlive the command that hit the limit
-            hit[LIMIT_ATTEMPT_TIMEOUT] = ex.timed_out and by_attempt
-            hit[LIMIT_TIMEOUT] = ex.timed_out and not by_attempt
-            hit[LIMIT_DISK] = 0 <= ex.reply.get("disk_free", -1) < DISK_FULL_BYTES
-            hit[LIMIT_OUTPUT] = ex.out.dropped > 0
+            oom_before = self._cgroups.oom_kills()
+            ex = self._exchange(argv, env, cwd, start + (budget if budget is not None and by_attempt else timeout))
+            limit = self._limit_hit(ex, crowded, oom_before, by_attempt)
         code = -1 if ex.timed_out else ex.code
-        return ExecResult(ex.out.text(), code, ex.timed_out, time.monotonic() - start, ex.out.dropped,
-                          pick_limit(hit))
+        return ExecResult(ex.out.text(), code, ex.timed_out, time.monotonic() - start, ex.out.dropped, limit)
+
+    def _limit_hit(self, ex: _Exchange, crowded: bool, oom_before: int, by_attempt: bool) -> str:
+        """Which limit the command hit; after a fork bomb, every process of the agent is killed."""
+        pids = crowded or bool(ex.reply.get("forkfail")) or ex.reply.get("spawn_error") == errno.EAGAIN
+        pids = pids or self._at_pids_limit()
+        if pids:
+            self._cgroups.kill_all()
+        return pick_limit({
+            LIMIT_OOM: self._cgroups.oom_kills() > oom_before,
+            LIMIT_PIDS: pids,
+            LIMIT_ATTEMPT_TIMEOUT: ex.timed_out and by_attempt,
+            LIMIT_TIMEOUT: ex.timed_out and not by_attempt,
+            LIMIT_DISK: 0 <= ex.reply.get("disk_free", -1) < DISK_FULL_BYTES,
+            LIMIT_OUTPUT: ex.out.dropped > 0,
+        })
 
     def _at_pids_limit(self) -> bool:
-        try:
-            current = int((self._cgroups.pids / "pids.current").read_text())
-        except (OSError, ValueError):
-            return False
-        return current >= self.limits.pids
+        return self._cgroups.current() >= self.limits.pids
 
     def _exchange(self, argv: list[str], env: dict[str, str], cwd: str, deadline: float) -> _Exchange:
-        cgroup = f"c{next(self._commands)}"
+        cgroup = self._cgroup
+        self.first_output_at = None
         read_fd, write_fd = os.pipe()
         try:
             try:
@@ -269,6 +274,7 @@ class LocalAttempt:
                 os.close(write_fd)
             out = Output(self.limits.max_output_bytes)
             reply, timed_out = self._collect(read_fd, out, deadline, cgroup)
+            self._cgroup = reply.get("next", self._cgroup)
         finally:
             os.close(read_fd)
         return _Exchange(int(reply.get("exit", -1)), timed_out, out, reply)
@@ -279,11 +285,18 @@ class LocalAttempt:
         poller.register(read_fd, select.POLLIN)
         poller.register(self._sock, select.POLLIN)
         reply: dict[str, Any] | None = None
-        timed_out, give_up = False, 0.0
+        timed_out, give_up, check = False, 0.0, time.monotonic() + 1.0
         while reply is None:
-            for fd, _event in poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            events = poller.poll(min(max(0.0, deadline - time.monotonic()), 1.0) * 1000)
+            if time.monotonic() > check:  # a fork bomb that fills the table is killed now, not at the timeout
+                check = time.monotonic() + 1.0
+                if self._at_pids_limit():
+                    self._cgroups.kill_all()
+            for fd, _event in events:
                 if fd == read_fd:
                     data = os.read(read_fd, 1 << 16)
+                    if data and self.first_output_at is None:
+                        self.first_output_at = time.perf_counter()
                     out.add(data) if data else poller.unregister(read_fd)
                 elif self._pending_ready:  # the set-up reply of a fresh attempt: keep reading output
                     self._skip_ready()
@@ -338,7 +351,7 @@ class LocalAttempt:
         env = {"TERM": os.environ.get("TERM", "xterm"), "PATH": DEFAULT_PATH, "HOME": "/root"}
         with self._lock:
             self._check_open()
-            self._send({"op": "pty", "argv": argv, "env": env, "cwd": "/", "cgroup": f"c{next(self._commands)}"})
+            self._send({"op": "pty", "argv": argv, "env": env, "cwd": "/"})
             reply, _data, fds = self._reply()
             if "error" in reply or not fds:
                 raise SandboxError(f"attempt {self.id}: {reply.get('error', 'no terminal')}")
@@ -346,7 +359,9 @@ class LocalAttempt:
                 relay(fds[0])
             finally:
                 os.close(fds[0])
-            return int(self._reply()[0].get("exit", -1))
+            reply = self._reply()[0]
+            self._cgroup = reply.get("next", self._cgroup)
+            return int(reply.get("exit", -1))
 
 
 # ---- the warm pool ---------------------------------------------------------------------------------------
@@ -374,13 +389,23 @@ class WarmPool:
         self._ready: OrderedDict[tuple[Any, ...], list[LocalAttempt]] = OrderedDict()
         self._specs: dict[tuple[Any, ...], _Spec] = {}
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
         self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._making: Counter[tuple[Any, ...]] = Counter()  # attempts being set up, per spec
+        self._waiting = 0  # forks waiting for one of them
 
-    def take(self, spec: _Spec) -> LocalAttempt | None:
+    def take(self, spec: _Spec, wait_s: float = 5.0) -> LocalAttempt | None:
+        """A ready attempt of ``spec``; if none is ready but one is being set up, wait for that one
+        (it has a head start on a fresh fork). None when there is neither."""
+        deadline = time.monotonic() + wait_s
         while True:
             with self._cond:
                 ready = self._ready.get(spec.key)
+                while not ready and self._making[spec.key] and time.monotonic() < deadline:
+                    self._waiting += 1
+                    self._cond.wait(max(0.0, deadline - time.monotonic()))
+                    self._waiting -= 1
+                    ready = self._ready.get(spec.key)
                 if not ready:
                     return None
                 attempt = ready.pop(0)
@@ -403,18 +428,21 @@ class WarmPool:
                 key, attempts = self._ready.popitem(last=False)
                 self._specs.pop(key, None)
                 evicted += attempts
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._fill, name="albatross-warm-pool", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            while len(self._threads) < self.size:  # set-ups mostly wait for the kernel: run them in parallel
+                thread = threading.Thread(target=self._fill, name="albatross-warm-pool", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+            self._cond.notify_all()
         for attempt in evicted:
             attempt.close()
 
     def _next(self) -> _Spec | None:
+        """Claim the set-up of one attempt for the most recently wanted spec that lacks one (waits)."""
         with self._cond:
             while not self._closed:
                 for key in reversed(self._ready):
-                    if len(self._ready[key]) < self.size:
+                    if len(self._ready[key]) + self._making[key] < self.size:
+                        self._making[key] += 1
                         return self._specs[key]
                 self._cond.wait()
             return None
@@ -422,18 +450,33 @@ class WarmPool:
     def _fill(self) -> None:
         while (spec := self._next()) is not None:
             try:
-                attempt = self.make(spec)
-                attempt.wait_ready()
-            except SandboxError as err:
+                self._add(spec, self.make(spec))
+            except Exception as err:  # noqa: BLE001 - a failed refill is retried; forks never wait long
                 log.warning("warm pool: %s", err)
                 time.sleep(0.5)
-                continue
-            with self._cond:
-                keep = not self._closed and spec.key in self._ready
-                if keep:
-                    self._ready[spec.key].append(attempt)
-            if not keep:
-                attempt.close()
+            finally:
+                with self._cond:
+                    self._making[spec.key] -= 1
+                    self._cond.notify_all()
+
+    def _add(self, spec: _Spec, attempt: LocalAttempt) -> None:
+        """Wait for its set-up, warm it up with a first command (for a faster first command) unless a
+        fork is waiting for it, and keep it."""
+        try:
+            attempt.wait_ready()
+            if not self._waiting:
+                attempt.run_argv(["/bin/bash", "-c", ":"], {}, "/", 30)
+        except SandboxError as err:
+            log.warning("warm pool: %s", err)
+            attempt.close()
+            return
+        with self._cond:
+            keep = not self._closed and spec.key in self._ready
+            if keep:
+                self._ready[spec.key].append(attempt)
+                self._cond.notify_all()
+        if not keep:
+            attempt.close()
 
     def close(self) -> None:
         with self._cond:
@@ -441,8 +484,8 @@ class WarmPool:
             attempts = [a for ready in self._ready.values() for a in ready]
             self._ready.clear()
             self._cond.notify_all()
-            thread = self._thread
-        if thread is not None:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join(timeout=60)
         for attempt in attempts:
             attempt.close()
@@ -473,7 +516,7 @@ class LocalBackend:
         build_timeout_s: float = 1800.0,
         base: str = "host",
         userns: bool | None = None,
-        warm: int = 2,
+        warm: int = 3,
         fail_rate: float = 0.0,
         fault_seed: int | None = None,
     ) -> None:
@@ -495,6 +538,7 @@ class LocalBackend:
         self._lock = threading.Lock()
         self._base_lower: str | None = None
         self._parents: dict[str, Parent] = {}
+        self._keys = EnvKeys()
         self._building: dict[str, threading.Lock] = {}
         self._attempts: set[LocalAttempt] = set()
         self._ids = itertools.count()
@@ -550,6 +594,7 @@ class LocalBackend:
             raise
         finally:
             theirs.close()
+        groups.holder = pid
         attempt = LocalAttempt(self, attempt_id, ours, pid, groups, limits)
         with self._lock:
             self._attempts.add(attempt)
@@ -576,7 +621,7 @@ class LocalBackend:
         if env_dir is not None:  # the task's own directory (tests, solution) is never visible
             hide.append(str(Path(env_dir).resolve().parent))
         internet = self.allow_internet if self.allow_internet is not None else task_allows_internet(env_dir)
-        key = env_key(env_dir, json.dumps([self.base, hide, internet]))
+        key = self._keys.get(env_dir, json.dumps([self.base, hide, internet]))
         with self._lock:
             if key in self._parents:
                 return self._parents[key]

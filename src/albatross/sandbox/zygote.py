@@ -14,6 +14,7 @@ holder (pid 1 of the new pid namespace), and step back into its own namespaces w
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import select
@@ -31,15 +32,11 @@ from typing import Any
 
 from albatross.sandbox import linux
 from albatross.sandbox.base import ForkError, SandboxError
-from albatross.sandbox.holder import holder_main
+from albatross.sandbox.holder import KEPT_CAPS, holder_main
 from albatross.sandbox.wire import recv, send
 
 ID_COUNT = 65536
 NETNS_POOL = 4
-# Capabilities kept in the bounding set of sandboxed commands (Docker's default set minus MKNOD):
-# CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID SETPCAP NET_BIND_SERVICE NET_RAW SYS_CHROOT
-# AUDIT_WRITE SETFCAP. Dropped include SYS_ADMIN (mount), DAC_READ_SEARCH, SYS_PTRACE, MKNOD, SYS_MODULE.
-KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31}
 
 
 class _State:
@@ -99,50 +96,32 @@ def zygote_main() -> None:
         os.mkdir(f"{root}/{sub}")
     state = _State(root, opts)
     linux.drop_bounding_caps(KEPT_CAPS)
+    gc.freeze()  # holders are forks of us: a collection in one would touch (and copy) every page
     _serve(ctrl, state)
 
 
 def _serve(ctrl: socket.socket, state: _State) -> None:
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # holders are reaped by the kernel as they exit
     poller = select.poll()
     poller.register(ctrl, select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
     while True:
         idle = len(state.netns) < state.netns_target
-        events = poller.poll(0 if idle else None)
-        if not events and idle:
+        if not poller.poll(0 if idle else None):
             with contextlib.suppress(OSError):
                 state.fill_netns()
             continue
-        for fd, _event in events:
-            if fd == wake_r:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(wake_r, 4096)
-                _reap_all()
-                continue
-            try:
-                msg, _payload, fds = recv(ctrl)
-            except (EOFError, OSError):
-                return
-            try:
-                reply = _handle(state, msg, fds)
-            except Exception as err:  # noqa: BLE001 - every failure goes back to the host
-                reply = {"error": str(err)}
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            send(ctrl, reply)
-
-
-def _reap_all() -> None:
-    while True:
         try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
+            msg, _payload, fds = recv(ctrl)
+        except (EOFError, OSError):
             return
+        try:
+            reply = _handle(state, msg, fds)
+        except Exception as err:  # noqa: BLE001 - every failure goes back to the host
+            reply = {"error": str(err)}
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        send(ctrl, reply)
 
 
 def _handle(state: _State, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
@@ -234,7 +213,7 @@ def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> int:
 
 def _become_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> None:
     try:
-        signal.set_wakeup_fd(-1)
+        gc.disable()  # a holder allocates little and lives for one attempt
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):

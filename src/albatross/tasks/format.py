@@ -28,7 +28,10 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from albatross.tasks.offline import OfflineEnv
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,7 +73,7 @@ class Task:
     build_timeout_s: float = DEFAULT_BUILD_TIMEOUT_S
     source_env_dir: Path | None = None  # the task's own environment/ (env_dir may be an adapted copy)
     source_path: Path | None = None  # the directory the task was loaded from (differs when converted)
-    offline: Any = None  # offline.OfflineEnv when env_dir is an adapted copy, else None
+    offline: OfflineEnv | None = None  # set when env_dir is an adapted copy (offline.py)
 
     @property
     def dockerfile(self) -> Path:

@@ -23,11 +23,9 @@ task's runs are sequential.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
-import shlex
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,15 +35,9 @@ from typing import Any
 
 from albatross.sandbox.base import Backend, ExecResult, Limits, SandboxError
 from albatross.tasks.format import Task, TaskFormatError, load_task
-from albatross.tasks.offline import TOOLKIT_PATH, base_image_problem, network_evidence
-from albatross.tasks.verify import (
-    SOLUTION_PATH,
-    TESTS_PATH,
-    VerifierRun,
-    VerifyResult,
-    run_oracle,
-    run_verifier,
-)
+from albatross.tasks.leakage import find_static_leaks, scan_for_leaks
+from albatross.tasks.offline import dockerfile_notes, dockerfile_problem, network_evidence
+from albatross.tasks.verify import VerifierRun, VerifyResult, run_oracle, run_verifier
 
 GATES = ("schema", "build", "oracle", "noop", "determinism", "leakage", "resources", "offline", "reward")
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -212,7 +204,7 @@ class _Gater:
         if seconds > task.build_timeout_s:
             self.set("build", FAIL, f"took {seconds:.0f} s, over build_timeout_sec {task.build_timeout_s:.0f}")
         else:
-            self.set("build", PASS, f"{seconds:.1f} s")
+            self.set("build", PASS, "; ".join([f"{seconds:.1f} s", *dockerfile_notes(task)]))
         return True
 
     # gates 3, 7 and 8 (oracle) ----------------------------------------------------------------
@@ -223,7 +215,7 @@ class _Gater:
             self.set("oracle", FAIL, f"sandbox error: {run.infra}")
             return run
         if run.result is not None and run.result.success:
-            self.oracle_passed(task, run, run)
+            self.oracle_passed(task, run)
             return run
         if resource_symptom(run):
             return self.oracle_rerun(task, run)
@@ -236,13 +228,13 @@ class _Gater:
         rerun = self.attempt(generous, "oracle", self.oracle_config[1])
         if rerun.result is not None and rerun.result.success:
             self.set("resources", FAIL, resource_reason(task, first, rerun, self.options.slack))
-            self.oracle_passed(task, rerun, first, resources=False)
+            self.oracle_passed(task, rerun, resources=False)
         else:
             self.set("resources", SKIP, "the oracle fails even with more time and memory (gate 3)")
             self.oracle_failed(rerun)
         return rerun
 
-    def oracle_passed(self, task: Task, run: Run, first: Run, resources: bool = True) -> None:
+    def oracle_passed(self, task: Task, run: Run, resources: bool = True) -> None:
         solve_s, verify_s = run.solve.seconds, run.verifier.run.seconds
         self.report.notes.update(oracle_s=round(solve_s, 2), verify_s=round(verify_s, 2))
         self.report.tests = sorted(run.result.metrics) if run.result.source != "reward.txt" else []
@@ -410,90 +402,6 @@ def _one_line(text: str) -> str:
     return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
 
 
-# ------------------------------------------------------------------------------------------ leakage
-
-
-def dockerfile_problem(task: Task) -> str:
-    """Why the Dockerfile cannot be built here (unparseable, unsupported instruction, unmappable
-    FROM image), or ""."""
-    from albatross.sandbox.dockerfile import DockerfileError, From, parse_dockerfile
-
-    try:
-        instructions = parse_dockerfile(task.dockerfile)
-    except DockerfileError as e:
-        return str(e)
-    for ins in instructions:
-        if isinstance(ins, From):
-            problem = base_image_problem(ins.image)
-            if problem:
-                return f"{task.dockerfile}:{ins.line}: {problem}"
-    return ""
-
-
-def _secret_hashes(task: Task) -> dict[str, str]:
-    """sha256 -> "tests/x" for every non-trivial file of tests/ and solution/."""
-    out: dict[str, str] = {}
-    for root in (task.tests_dir, task.solution_dir):
-        for path in sorted(root.rglob("*")) if root.is_dir() else []:
-            if path.is_file() and path.stat().st_size >= 16:
-                out[hashlib.sha256(path.read_bytes()).hexdigest()] = f"{root.name}/{path.relative_to(root)}"
-    return out
-
-
-def find_static_leaks(task: Task) -> list[str]:
-    """Copies of test or solution files in environment/, and Dockerfile COPYs into /tests or /solution."""
-    from albatross.sandbox.dockerfile import Copy, DockerfileError, parse_dockerfile
-
-    secrets = _secret_hashes(task)
-    env = task.source_env_dir or task.env_dir
-    leaks = [f"{secrets[h]} is in the environment as environment/{p.relative_to(env)}"
-             for p in sorted(env.rglob("*")) if p.is_file()
-             for h in [hashlib.sha256(p.read_bytes()).hexdigest()] if h in secrets]
-    try:
-        instructions = parse_dockerfile(task.dockerfile)
-    except DockerfileError:
-        return leaks
-    for ins in instructions:
-        dest = ins.dest if isinstance(ins, Copy) else ""
-        if dest.rstrip("/") in (TESTS_PATH, SOLUTION_PATH) or dest.startswith((TESTS_PATH + "/", SOLUTION_PATH + "/")):
-            leaks.append(f"{task.dockerfile}:{ins.line}: {ins.keyword} into {dest}, where the verifier's files go")
-    return leaks
-
-
-def _scan_roots(task: Task) -> list[str]:
-    from albatross.sandbox.dockerfile import Copy, DockerfileError, parse_dockerfile
-
-    roots = [task.workdir] if task.workdir != "/" else []
-    try:
-        instructions = parse_dockerfile(task.dockerfile)
-    except DockerfileError:
-        return roots
-    for ins in instructions:
-        if isinstance(ins, Copy) and ins.dest.startswith("/") and ins.dest.rstrip("/"):
-            roots.append(ins.dest)
-    return sorted(set(roots))
-
-
-def scan_for_leaks(attempt, task: Task) -> list[str]:
-    """In an untouched attempt: /tests or /solution already there, or a test/solution file readable
-    under the workdir or a COPY destination."""
-    secrets = _secret_hashes(task)
-    roots = " ".join(shlex.quote(r) for r in _scan_roots(task))
-    command = (f"for p in {TESTS_PATH} {SOLUTION_PATH}; do [ -e $p ] && echo \"EXISTS $p\"; done; "
-               + (f"find {roots} -xdev -type f -size -2048k -not -path '{TOOLKIT_PATH}*' -print0 2>/dev/null "
-                  "| head -z -n 5000 | xargs -0 -r sha256sum 2>/dev/null" if roots else "true"))
-    output = attempt.exec(command, timeout_s=60).output
-    leaks = []
-    for line in output.splitlines():
-        if line.startswith("EXISTS "):
-            leaks.append(f"{line[7:]} exists before verification")
-            continue
-        digest, _, path = line.partition("  ")
-        if digest in secrets:
-            leaks.append(f"{secrets[digest]} is readable in the environment at {path}")
-    return leaks
-
-
 # ------------------------------------------------------------------------------------------ reports
 
 
@@ -516,16 +424,20 @@ def reports_json(reports: list[TaskReport]) -> dict[str, Any]:
 
 
 def format_table(reports: list[TaskReport]) -> str:
-    """A task x gate table (pass / FAIL / skip), the reasons for every FAIL and skip, and a total."""
-    width = max([len(r.task) for r in reports] + [4])
+    """A task x gate table (pass / FAIL / skip), the reasons for every FAIL and skip, and a total.
+    Tasks are named by id, or by path where two share an id."""
+    ids = [r.task for r in reports]
+    names = [r.path if ids.count(r.task) > 1 else r.task for r in reports]
+    width = max([len(n) for n in names] + [4])
     heads = [f"{i}:{g}" for i, g in enumerate(GATES, 1)]
     lines = [f"{'task':<{width}}  " + "  ".join(heads)]
     marks = {PASS: "pass", FAIL: "FAIL", SKIP: "skip"}
-    for r in reports:
+    for name, r in zip(names, reports, strict=True):
         cells = [f"{marks[r.gates[g].status]:<{len(h)}}" for g, h in zip(GATES, heads, strict=True)]
-        lines.append(f"{r.task:<{width}}  " + "  ".join(cells).rstrip())
-    reasons = [f"  {r.task}: gate {i} {g}: {r.gates[g].status}: {r.gates[g].reason}"
-               for r in reports for i, g in enumerate(GATES, 1) if r.gates[g].status != PASS]
+        lines.append(f"{name:<{width}}  " + "  ".join(cells).rstrip())
+    reasons = [f"  {name}: gate {i} {g}: {r.gates[g].status}: {r.gates[g].reason}"
+               for name, r in zip(names, reports, strict=True) for i, g in enumerate(GATES, 1)
+               if r.gates[g].status != PASS]
     if reasons:
         lines += ["", "reasons:", *reasons]
     lines += ["", summary_line(reports)]

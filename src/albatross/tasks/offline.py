@@ -31,9 +31,13 @@ import threading
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from albatross.tasks import shims
 from albatross.tasks.shims import NEEDS_NETWORK, TOOLKIT_PATH
+
+if TYPE_CHECKING:
+    from albatross.tasks.format import Task
 
 TOOLKIT_BIN = f"{TOOLKIT_PATH}/bin"
 TOOLKIT_PYBIN = f"{TOOLKIT_PATH}/pybin"
@@ -61,7 +65,7 @@ _BASE_IMAGES = re.compile(
     r"|^ghcr\.io/laude-institute/t-bench/(python-3-\d+|ubuntu-\d+-\d+)(:[\w.-]+)?$"
 )
 _lock = threading.Lock()
-_toolkit: Path | None = None
+_toolkits: dict[Path, Path] = {}  # cache root -> built toolkit
 
 
 def cache_root() -> Path:
@@ -92,6 +96,38 @@ def base_image_problem(image: str) -> str | None:
             "(only Debian, Ubuntu and python images map to it)")
 
 
+_ARCHIVE = re.compile(r"\.(tar|tgz|tbz2?|txz|tar\.(gz|bz2|xz|zst))$")
+
+
+def dockerfile_problem(task: Task) -> str:
+    """Why the Dockerfile cannot be built here (unparseable, unsupported instruction, unmappable
+    FROM image, ADD of an archive Docker would extract), or ""."""
+    from albatross.sandbox.dockerfile import Copy, DockerfileError, From, parse_dockerfile
+
+    try:
+        instructions = parse_dockerfile(task.dockerfile)
+    except DockerfileError as e:
+        return str(e)
+    for ins in instructions:
+        problem = base_image_problem(ins.image) if isinstance(ins, From) else ""
+        if isinstance(ins, Copy) and ins.keyword == "ADD" and any(_ARCHIVE.search(s) for s in ins.sources):
+            problem = "ADD of a local archive: Docker extracts it, the local sandbox would only copy it"
+        if problem:
+            return f"{task.dockerfile}:{ins.line}: {problem}"
+    return ""
+
+
+def dockerfile_notes(task: Task) -> list[str]:
+    """The instructions the local sandbox ignores (CMD, USER, EXPOSE, ...), each with its line and why."""
+    from albatross.sandbox.dockerfile import DockerfileError, Ignored, parse_dockerfile
+
+    try:
+        instructions = parse_dockerfile(task.dockerfile)
+    except DockerfileError:
+        return []
+    return [f"line {i.line} {i.keyword} ignored ({i.note})" for i in instructions if isinstance(i, Ignored)]
+
+
 def is_python_image(image: str) -> bool:
     name = image.split("/")[-1]
     return name.startswith("python") or name.startswith("python-3")
@@ -102,11 +138,11 @@ def is_python_image(image: str) -> bool:
 
 def toolkit_dir() -> Path:
     """The toolkit on this host (built once per content version under the cache directory)."""
-    global _toolkit
+    root = cache_root()
     with _lock:
-        if _toolkit is None or not _toolkit.is_dir():
-            _toolkit = _build_toolkit()
-        return _toolkit
+        if root not in _toolkits or not _toolkits[root].is_dir():
+            _toolkits[root] = _build_toolkit(root)
+        return _toolkits[root]
 
 
 def _toolkit_digest(dists: list[metadata.Distribution]) -> str:
@@ -120,9 +156,9 @@ def _toolkit_digest(dists: list[metadata.Distribution]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build_toolkit() -> Path:
+def _build_toolkit(root: Path) -> Path:
     dists = _pytest_dists()
-    final = cache_root() / "offline-toolkit" / _toolkit_digest(dists)
+    final = root / "offline-toolkit" / _toolkit_digest(dists)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -74,8 +74,11 @@ check_requirements() {  # satisfied from the environment or the toolkit, else ne
     needs_network "install $(printf '%s ' $missing)(not installed locally)"
     return 1
   fi
-  if [ -n "$(missing_dists system "$@")" ]; then link_toolkit_site; fi
   note "already installed locally (no network): $*"
+}
+install_requirements() {  # as check_requirements, and the environment's python then imports them
+  check_requirements "$@" || return 1
+  if [ $# -gt 0 ] && [ -n "$(missing_dists system "$@")" ]; then link_toolkit_site; fi
 }
 """
 
@@ -147,7 +150,7 @@ for f in "${files[@]}"; do
 done
 for r in "${reqs[@]}"; do case "$r" in */*|*.whl|*.tar.gz|*.zip|.) local_path=1 ;; esac; done
 [ "$local_path" = 1 ] && real_pip "$@"
-check_requirements "${reqs[@]}" || exit 1
+install_requirements "${reqs[@]}" || exit 1
 """
 
 UVX = r"""#!/bin/bash
@@ -203,7 +206,7 @@ case "$sub" in
         if [ "$skip" = 1 ]; then skip=0; continue; fi
         case "$a" in -r|-i|-p|--python|--index-url|-c|--constraint|--extra-index-url) skip=1 ;; -*) ;; *) reqs+=("$a") ;; esac
       done
-      check_requirements "${reqs[@]}" || exit 1; exit 0
+      install_requirements "${reqs[@]}" || exit 1; exit 0
     fi
     exec "$TK/bin/pip" "$sub2" "$@" ;;
   run)
@@ -229,7 +232,7 @@ case "$sub" in
     sub2=$1; [ $# -gt 0 ] && shift
     case "$sub2" in
       run) exec "$TK/bin/uvx" "$@" ;;
-      install) check_requirements "$@" || exit 1; exit 0 ;;
+      install) install_requirements "$@" || exit 1; exit 0 ;;
     esac ;;
 esac
 needs_network "uv $sub (resolving or downloading packages)"

@@ -1,9 +1,18 @@
 """Per-token log-probs and entropy of the targets, computed in chunks over tokens.
 
 The LM head is applied to ``chunk_size`` tokens at a time, so the full [tokens x vocab] logits are never
-held at once (at a 151,936-token vocabulary they would take 19 GB at 32K tokens in fp32). With grad
-enabled each chunk runs under ``torch.utils.checkpoint``: its logits are dropped after the forward and
-recomputed in the backward, so memory stays chunked in the backward too.
+held at once (at a 151,936-token vocabulary they would take 19 GB at 32K tokens in fp32). For a linear
+head (every transformers causal LM) each chunk is one autograd function, ``LinearLogprobs``, which
+writes the softmax gradient analytically, (onehot - p) * g, instead of back-propagating through
+log_softmax, gather and the entropy: far fewer passes over [C, V] buffers. What it keeps for the
+backward depends on the size of the micro-batch's logits (``recompute``):
+
+- small (under ``KEEP_BYTES``, e.g. a small vocabulary): the chunk's [C, V] log-probs are kept and the
+  backward reuses them (no second LM-head matmul);
+- large: only the chunk's log-sum-exp is kept and the backward recomputes the chunk's logits, so memory
+  stays at a couple of [C, V] buffers in the backward too.
+
+Any other head falls back to ``torch.utils.checkpoint`` around the plain computation.
 
 ``TokenLogprobs`` wraps any transformers causal LM as one module whose forward goes from token ids to
 these per-token values; it is the root the trainer shards with FSDP2, so the embedding, final norm and
@@ -18,10 +27,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+KEEP_BYTES = 512 << 20  # keep [T, V] fp32 log-probs for the backward below this size (per micro-batch)
+
 
 def _chunk_logprobs(
     hidden_CH: Tensor, targets_C: Tensor, lm_head: nn.Module, temperature: float, softcap: float | None
 ) -> tuple[Tensor, Tensor]:
+    """Plain autograd reference for any head: logits, log_softmax, gather, entropy."""
     logits_CV = lm_head(hidden_CH).float()
     if softcap is not None:  # Gemma-style final logit soft-capping
         logits_CV = torch.tanh(logits_CV / softcap) * softcap
@@ -33,6 +45,104 @@ def _chunk_logprobs(
     return logp_C, entropy_C
 
 
+def _autocast_dtype(device: torch.device, fallback: torch.dtype) -> torch.dtype:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return fallback
+
+
+def _logits(hidden_CH: Tensor, weight_VH: Tensor, bias_V: Tensor | None, dtype: torch.dtype) -> Tensor:
+    bias = None if bias_V is None else bias_V.to(dtype)
+    return torch.nn.functional.linear(hidden_CH.to(dtype), weight_VH.to(dtype), bias).float()
+
+
+def _scaled(raw_CV: Tensor, temperature: float, softcap: float | None) -> Tensor:
+    """z = softcap(raw) / temperature, in place when there is no soft-cap."""
+    z = raw_CV if softcap is None else torch.tanh(raw_CV / softcap).mul_(softcap)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _grad_z(logp_CV: Tensor, entropy_C: Tensor, targets_C: Tensor, g_logp: Tensor | None,
+            g_ent: Tensor | None, inplace: bool) -> Tensor:
+    """dL/dz_j = g_logp [j = t] - p_j (g_logp + g_ent (log p_j + H)); may overwrite ``logp_CV``."""
+    g_logp = torch.zeros_like(entropy_C) if g_logp is None else g_logp
+    if g_ent is None:
+        grad = (logp_CV.exp_() if inplace else logp_CV.exp()).mul_(-g_logp[:, None])
+    else:
+        p_CV = logp_CV.exp()
+        grad = logp_CV.add_(entropy_C[:, None]) if inplace else logp_CV + entropy_C[:, None]
+        grad.mul_(g_ent[:, None]).add_(g_logp[:, None]).mul_(p_CV).neg_()
+    return grad.scatter_add_(-1, targets_C[:, None], g_logp[:, None])
+
+
+class LinearLogprobs(torch.autograd.Function):
+    """Target log-probs and entropies of one chunk of a linear LM head, with an analytic backward.
+
+    z = softcap(h W^T + b) / temperature, p = softmax(z); d logp_t / dz_j = [j = t] - p_j and
+    d H / dz_j = -p_j (log p_j + H). With ``recompute`` the backward rebuilds log p from the saved
+    log-sum-exp; otherwise the forward keeps the chunk's [C, V] log-probs.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden_CH: Tensor, weight_VH: Tensor, bias_V: Tensor | None, targets_C: Tensor,
+                temperature: float, softcap: float | None, recompute: bool) -> tuple[Tensor, Tensor]:
+        dtype = _autocast_dtype(hidden_CH.device, weight_VH.dtype)
+        with torch.autocast(hidden_CH.device.type, enabled=False):
+            z_CV = _scaled(_logits(hidden_CH, weight_VH, bias_V, dtype), temperature, softcap)
+            lse_C = torch.logsumexp(z_CV, dim=-1)
+            logp_CV = z_CV.sub_(lse_C[:, None])
+            logp_C = logp_CV.gather(-1, targets_C[:, None])[:, 0]
+            entropy_C = -torch.einsum("cv,cv->c", logp_CV.exp(), logp_CV)
+        kept = lse_C if recompute else logp_CV
+        ctx.save_for_backward(hidden_CH, weight_VH, bias_V, targets_C, kept, entropy_C)
+        ctx.config = (dtype, temperature, softcap, recompute)
+        ctx.set_materialize_grads(False)
+        return logp_C, entropy_C
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden_CH, weight_VH, bias_V, targets_C, kept, entropy_C = ctx.saved_tensors
+        dtype, temperature, softcap, recompute = ctx.config
+        if g_logp is None and g_ent is None:
+            return (None,) * 7
+        with torch.autocast(hidden_CH.device.type, enabled=False):
+            raw_CV = _logits(hidden_CH, weight_VH, bias_V, dtype) if recompute or softcap else None
+            slope_CV = None if softcap is None else 1 - torch.tanh(raw_CV / softcap).square_()
+            logp_CV = _scaled(raw_CV, temperature, softcap).sub_(kept[:, None]) if recompute else kept
+            grad_CV = _grad_z(logp_CV, entropy_C, targets_C, g_logp, g_ent, inplace=recompute)
+            if slope_CV is not None:
+                grad_CV.mul_(slope_CV)
+            if temperature != 1.0:
+                grad_CV.div_(temperature)
+            return LinearLogprobs._input_grads(ctx, grad_CV, hidden_CH, weight_VH, bias_V, dtype)
+
+    @staticmethod
+    def _input_grads(ctx: Any, grad_CV: Tensor, hidden_CH: Tensor, weight_VH: Tensor, bias_V: Tensor | None,
+                     dtype: torch.dtype) -> tuple[Tensor | None, ...]:
+        g = grad_CV.to(dtype)
+        g_hidden = (g @ weight_VH.to(dtype)).to(hidden_CH.dtype) if ctx.needs_input_grad[0] else None
+        g_weight = (g.T @ hidden_CH.to(dtype)).to(weight_VH.dtype) if ctx.needs_input_grad[1] else None
+        g_bias = grad_CV.sum(0).to(bias_V.dtype) if bias_V is not None and ctx.needs_input_grad[2] else None
+        return g_hidden, g_weight, g_bias, None, None, None, None
+
+
+def _one_chunk(hidden_CH: Tensor, targets_C: Tensor, lm_head: nn.Module, temperature: float,
+               softcap: float | None, recompute: bool) -> tuple[Tensor, Tensor]:
+    if type(lm_head) is nn.Linear:
+        return LinearLogprobs.apply(hidden_CH, lm_head.weight, lm_head.bias, targets_C, temperature, softcap,
+                                    recompute)
+    needs_grad = torch.is_grad_enabled() and (
+        hidden_CH.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+    )
+    args = (hidden_CH, targets_C, lm_head, temperature, softcap)
+    return checkpoint(_chunk_logprobs, *args, use_reentrant=False) if needs_grad else _chunk_logprobs(*args)
+
+
+def _vocab_size(lm_head: nn.Module) -> int:
+    weight = getattr(lm_head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(getattr(lm_head, "out_features", 1 << 30))
+
+
 def chunked_logprobs(
     hidden_TH: Tensor,
     lm_head: nn.Module,
@@ -42,25 +152,25 @@ def chunked_logprobs(
     temperature: float = 1.0,
     softcap: float | None = None,
     entropy_grad: bool = False,
+    recompute: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of each target token (float32, differentiable) and the entropy at each position.
 
     ``hidden_TH``: final hidden states [T, H]; ``targets_T``: next-token ids [T]; ``temperature`` must
     match the one the rollout sampled with so trainer and rollout log-probs are comparable. The entropy
-    is detached unless ``entropy_grad`` (for an entropy bonus).
+    is detached unless ``entropy_grad`` (for an entropy bonus). ``recompute``: recompute the logits in
+    the backward instead of keeping [T, V] log-probs (None: when those would pass ``KEEP_BYTES``).
     """
     if hidden_TH.shape[0] != targets_T.shape[0]:
         raise ValueError(f"hidden has {hidden_TH.shape[0]} tokens but targets {targets_T.shape[0]}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    use_ckpt = torch.is_grad_enabled() and (
-        hidden_TH.requires_grad or any(p.requires_grad for p in lm_head.parameters())
-    )
+    if recompute is None:
+        recompute = hidden_TH.shape[0] * _vocab_size(lm_head) * 4 > KEEP_BYTES
     logps, ents = [], []
     for start in range(0, hidden_TH.shape[0], chunk_size):
         h, t = hidden_TH[start : start + chunk_size], targets_T[start : start + chunk_size]
-        args = (h, t, lm_head, temperature, softcap)
-        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if use_ckpt else _chunk_logprobs(*args)
+        lp, ent = _one_chunk(h, t, lm_head, temperature, softcap, recompute)
         logps.append(lp)
         ents.append(ent if entropy_grad else ent.detach())
     if not logps:
@@ -70,12 +180,12 @@ def chunked_logprobs(
 
 
 def full_logprobs(
-    hidden_TH: Tensor, lm_head: nn.Module, targets_T: Tensor, *, temperature: float = 1.0
+    hidden_TH: Tensor, lm_head: nn.Module, targets_T: Tensor, *, temperature: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The straightforward reference: the whole [T, V] logits at once (for tests and the benchmark)."""
-    logp_TV = torch.log_softmax(lm_head(hidden_TH).float() / temperature, dim=-1)
-    entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
-    return logp_TV.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1), entropy_T.detach()
+    """The straightforward reference: the whole [T, V] logits at once, plain autograd."""
+    logp_T, entropy_T = _chunk_logprobs(hidden_TH, targets_T, lm_head, temperature, softcap)
+    return logp_T, entropy_T.detach()
 
 
 class TokenLogprobs(nn.Module):
@@ -93,12 +203,14 @@ class TokenLogprobs(nn.Module):
         chunk_size: int | None = 1024,
         temperature: float = 1.0,
         entropy_grad: bool = False,
+        recompute: bool | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.temperature = temperature
         self.entropy_grad = entropy_grad
+        self.recompute = recompute
         self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
     def forward(
@@ -110,8 +222,8 @@ class TokenLogprobs(nn.Module):
         hidden_TH = out.last_hidden_state[0]
         head = self.model.get_output_embeddings()
         if self.chunk_size is None:
-            return full_logprobs(hidden_TH, head, targets, temperature=self.temperature)
+            return full_logprobs(hidden_TH, head, targets, temperature=self.temperature, softcap=self.softcap)
         return chunked_logprobs(
             hidden_TH, head, targets, chunk_size=self.chunk_size, temperature=self.temperature,
-            softcap=self.softcap, entropy_grad=self.entropy_grad,
+            softcap=self.softcap, entropy_grad=self.entropy_grad, recompute=self.recompute,
         )

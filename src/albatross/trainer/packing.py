@@ -174,12 +174,14 @@ def varlen_attention(
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"varlen attention takes one packed row, got batch {query.shape[0]}")
-    bounds = cu_seq_lens_q.tolist()
-    outs = [
-        _segment_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout, scaling,
-                           sliding_window)
-        for s, e in itertools.pairwise(bounds) if e > s
-    ]
+    extras = sorted(k for k in ("softcap", "s_aux", "position_bias") if kwargs.get(k) is not None)
+    if extras:  # attention features plain sdpa cannot express
+        raise NotImplementedError(f"varlen attention does not support {extras}; use attention='dense' "
+                                  "or a flash_attention_* model")
+    lens = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    # split, not slicing: its backward is one concatenation instead of a zero-filled copy per sample
+    parts = zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2), strict=True)
+    outs = [_segment_attention(q, k, v, dropout, scaling, sliding_window) for q, k, v in parts if q.shape[2]]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

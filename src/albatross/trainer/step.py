@@ -78,6 +78,10 @@ def _use_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
+def _optimizer(params: list[nn.Parameter], offload: bool, **adamw: Any) -> Any:
+    return HostOffloadAdamW(params, **adamw) if offload else torch.optim.AdamW(params, **adamw)
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -95,13 +99,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class Trainer:
     """AdamW over a causal LM's trainable parameters; ``step`` for RL, ``sft_step`` for the warm start.
 
-    Knobs beyond the optimizer (each resolved once, here):
+    Knobs beyond the optimizer (each resolved once, here; docs/trainer.md has the table):
     ``micro_batch_tokens`` packing budget; ``loss`` / ``loss_kwargs`` the policy loss (``rl.losses``);
-    ``kl_coef`` / ``entropy_coef`` optional extra terms (0: none); ``logprob_chunk`` tokens per LM-head
-    chunk (None: full logits); ``attention`` document masking (``auto``, ``varlen``, ``flash``,
-    ``dense``); ``activation_checkpointing``; ``freeze`` glob patterns of parameter names;
-    ``offload_optimizer`` optimizer state in host memory; ``precision`` (``auto``: bf16 on GPU, fp32 on
-    CPU); ``fsdp`` shard across the ranks of an initialised process group.
+    ``kl_coef`` / ``entropy_coef`` optional extra terms (0: none); ``logprob_chunk`` tokens per
+    LM-head chunk (None: full logits); ``logprob_recompute`` recompute the head's logits in the
+    backward (None: when a micro-batch's [T, V] log-probs would pass 512 MiB); ``attention`` document
+    masking (``auto``, ``varlen``, ``flash``, ``dense``); ``activation_checkpointing``; ``freeze`` glob
+    patterns of parameter names; ``offload_optimizer`` optimizer state in host memory; ``precision``
+    (``auto``: bf16 on GPU, fp32 on CPU); ``fsdp`` shard across the ranks of an initialised group.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class Trainer:
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
         logprob_chunk: int | None = 1024,
+        logprob_recompute: bool | None = None,
         temperature: float = 1.0,
         attention: str = "auto",
         activation_checkpointing: bool = False,
@@ -134,7 +140,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         bf16 = _use_bf16(precision, self.device)
         self.policy = TokenLogprobs(model, chunk_size=logprob_chunk, temperature=temperature,
-                                    entropy_grad=bool(entropy_coef))
+                                    entropy_grad=bool(entropy_coef), recompute=logprob_recompute)
         self.fsdp = fsdp
         if fsdp:
             if not dist.is_distributed():
@@ -143,10 +149,9 @@ class Trainer:
         self.grad_scale = float(dist.world_size()) if fsdp else 1.0  # FSDP averages over ranks; we sum
         self.autocast = self._autocast(bf16 and not fsdp)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        adamw = {"lr": lr, "weight_decay": weight_decay, "betas": betas}
-        offload_here = offload_optimizer and not fsdp  # FSDP offloads through its own policy
-        self.optimizer = HostOffloadAdamW(self.params, **adamw) if offload_here else torch.optim.AdamW(
-            self.params, **adamw)
+        # under FSDP the optimizer state is offloaded by FSDP's own CPUOffloadPolicy
+        self.optimizer = _optimizer(self.params, offload_optimizer and not fsdp, lr=lr,
+                                    weight_decay=weight_decay, betas=betas)
         self.loss_fn: LossFn = get_loss_fn(loss, **(loss_kwargs or {}))
         self.regularizers = _regularizers(kl_coef, entropy_coef)
         self.grad_clip = grad_clip

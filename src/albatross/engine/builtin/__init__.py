@@ -52,6 +52,7 @@ class BuiltinEngine:
     ``speculative``: draft tokens per row and step of n-gram speculative decoding (0 = off; or a ``SpecConfig``).
     ``prefix_cache_tokens``: token budget of the KV kept from finished requests for the next turn (0 = off).
     ``decode``: ids -> text, needed for stop strings (loaded from a model directory's tokenizer when there is one).
+    ``fast_forward``: use ``fastpath.py``'s lean forward for Qwen2 / Llama models (else ``transformers``').
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class BuiltinEngine:
         prefix_cache_tokens: int = 65536,
         decode: Decode | None = None,
         max_prefill_tokens: int = 8192,
+        fast_forward: bool = True,
     ) -> None:
         module = _load_model(model, dtype) if isinstance(model, str) else model
         if dtype is not None:
@@ -72,7 +74,7 @@ class BuiltinEngine:
         if decode is None and isinstance(model, str):
             decode = _default_decode(model)
         spec = speculative if isinstance(speculative, SpecConfig) else SpecConfig(draft_tokens=speculative)
-        self.runner = ModelRunner(module, device, version, prefix_cache_tokens, spec, decode)
+        self.runner = ModelRunner(module, device, version, prefix_cache_tokens, spec, decode, fast_forward)
         self.scheduler = Scheduler(self.runner, max_batch_size, max_prefill_tokens)
 
     @property

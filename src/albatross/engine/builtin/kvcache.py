@@ -165,13 +165,28 @@ class Grid:
         )
         return Grid(cache_from_kv(model, kv), mask)
 
+    def pad_left(self, n: int, model: torch.nn.Module) -> None:
+        """Add ``n`` hole columns on the left of every row."""
+        kv = [(_pad_left(k, n), _pad_left(v, n)) for k, v in cache_kv(self.cache)]
+        self.cache, self.mask_BL = cache_from_kv(model, kv), _pad_mask(self.mask_BL, n)
+
+    def write_row(self, row: int, kv: KV) -> None:
+        """Make ``row`` hold exactly ``kv`` (``[1, H, n, D]`` per layer), right-aligned; ``n <= length``."""
+        n = kv[0][0].shape[2]
+        self.mask_BL[row] = 0
+        self.mask_BL[row, self.length - n :] = 1
+        for (k, v), (new_k, new_v) in zip(cache_kv(self.cache), kv, strict=True):
+            k[row, :, self.length - n :] = new_k[0]
+            v[row, :, self.length - n :] = new_v[0]
+
     def row_kv(self, row: int, n: int) -> KV:
         """The first ``n`` real tokens of ``row``, contiguous (``[1, H, n, D]`` per layer, copies)."""
         cols = self.mask_BL[row].nonzero().squeeze(1)[:n]
         return [(k[row : row + 1, :, cols], v[row : row + 1, :, cols]) for k, v in cache_kv(self.cache)]
 
-    def waste(self) -> float:
-        return 1.0 - float(self.mask_BL.sum()) / max(1, self.mask_BL.numel())
+    def reclaimable(self) -> int:
+        """Columns ``compact`` would drop: the grid's length minus the most real tokens any row has."""
+        return self.length - int(self.mask_BL.sum(1).max()) if self.mask_BL.numel() else 0
 
     def compact(self, model: torch.nn.Module) -> None:
         """Move each row's real tokens to the right end (in order) and drop the columns no row needs."""
@@ -179,10 +194,10 @@ class Grid:
         width = int(counts_B.max()) if counts_B.numel() else 0
         # stable sort puts holes (0) before real tokens (1) and keeps the order of the real tokens
         order_BL = torch.sort(self.mask_BL, dim=1, stable=True).indices[:, self.length - width :]
-        idx = order_BL[:, None, :, None]
+        rows_B1 = torch.arange(order_BL.shape[0], device=order_BL.device)[:, None]
+        # advanced indexing on dims 0 and 2 gives [B, L', H, D]; back to [B, H, L', D]
         kv = [
-            (k.gather(2, idx.expand(-1, k.shape[1], -1, k.shape[3])),
-             v.gather(2, idx.expand(-1, v.shape[1], -1, v.shape[3])))
+            (k[rows_B1, :, order_BL].transpose(1, 2), v[rows_B1, :, order_BL].transpose(1, 2))
             for k, v in cache_kv(self.cache)
         ]
         self.mask_BL = self.mask_BL.gather(1, order_BL)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.builtin import fastpath
 from albatross.engine.builtin.kvcache import Grid, PrefixCache, new_cache, prefix_grid
 from albatross.engine.builtin.sampling import (
     SamplingTensors,
@@ -121,6 +122,10 @@ class SpecConfig:
     n_max: int = 3
 
 
+_FREE = _Seq(Request([0], SamplingParams(temperature=0.0, max_tokens=1)), lambda _: None, torch.zeros(2, 1))
+"""Stands in for a free slot when sampling tensors are built (its tokens are discarded)."""
+
+
 class ModelRunner:
     """Owns the model and the running batch; see the module docstring."""
 
@@ -132,6 +137,7 @@ class ModelRunner:
         prefix_cache_tokens: int = 65536,
         spec: SpecConfig | None = None,
         decode: Decode | None = None,
+        fast_forward: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
@@ -143,13 +149,14 @@ class ModelRunner:
         self.stats = Stats()
         self._cache_kwarg = _cache_kwarg(model)
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.fast_forward = fast_forward and fastpath.supports(model)
         self._seed_source = torch.Generator()
         self._seed_source.seed()
         new_cache(self.model)  # fails early for models whose cache the engine cannot manage
         self._reset_batch()
 
     def _reset_batch(self) -> None:
-        self.rows: list[_Seq] = []
+        self.rows: list[_Seq | None] = []  # None: a free slot (its row of the grid is junk until reused)
         self.grid: Grid | None = None
         self.last_ids_B = torch.zeros(0, dtype=torch.long, device=self.device)
         self.next_pos_B = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -175,14 +182,15 @@ class ModelRunner:
 
     @property
     def n_running(self) -> int:
-        return len(self.rows)
+        return sum(s is not None for s in self.rows)
 
     def fail_all(self, exc: BaseException) -> None:
         """Drop every running row; each request fails with ``exc``."""
         rows = self.rows
         self._reset_batch()
         for seq in rows:
-            seq.done(exc)
+            if seq is not None:
+                seq.done(exc)
 
     def _forward(
         self, ids_BT: torch.Tensor, mask_BL: torch.Tensor | None, pos_BT: torch.Tensor, cache: object,
@@ -194,6 +202,9 @@ class ModelRunner:
         if mask_BL is not None and bool(mask_BL.all()):
             mask_BL = None
         self.stats.forward_passes += 1
+        if self.fast_forward:
+            logits = fastpath.forward(self.model, ids_BT, mask_BL, pos_BT, cache, last_only)
+            return logits[:, -1, :] if last_only else logits
         out = self.model(input_ids=ids_BT, attention_mask=mask_BL, position_ids=pos_BT, use_cache=True, **kwargs)
         return out.logits[:, -1, :] if last_only else out.logits
 
@@ -242,29 +253,47 @@ class ModelRunner:
     def _join(
         self, seqs: list[_Seq], grid: Grid, ids_B: torch.Tensor, next_pos_B: torch.Tensor, keep: list[bool]
     ) -> None:
-        if not any(keep):
+        """Joining rows take free slots first (copying only their own KV), the rest extend the grid."""
+        joiners = [j for j, k in enumerate(keep) if k]
+        if not joiners:
             return
-        idx = torch.tensor([i for i, k in enumerate(keep) if k], device=self.device)
-        if not all(keep):
-            grid.select(idx)
-        self.grid = grid if self.grid is None else self.grid.merge(grid, self.model)
-        self.rows += [s for s, k in zip(seqs, keep, strict=True) if k]
-        self.last_ids_B = torch.cat([self.last_ids_B, ids_B[idx]])
-        self.next_pos_B = torch.cat([self.next_pos_B, next_pos_B[idx]])
-        self.index_B = torch.cat([self.index_B, torch.ones_like(idx)])
+        free = [r for r, s in enumerate(self.rows) if s is None]
+        for j, slot in zip(joiners, free, strict=False):
+            self._place(slot, seqs[j], grid, j, int(ids_B[j]), int(next_pos_B[j]))
+        rest = joiners[len(free) :]
+        if rest:
+            idx = torch.tensor(rest, device=self.device)
+            if len(rest) < len(seqs):
+                grid.select(idx)
+            self.grid = grid if self.grid is None else self.grid.merge(grid, self.model)
+            self.rows += [seqs[j] for j in rest]
+            self.last_ids_B = torch.cat([self.last_ids_B, ids_B[idx]])
+            self.next_pos_B = torch.cat([self.next_pos_B, next_pos_B[idx]])
+            self.index_B = torch.cat([self.index_B, torch.ones_like(idx)])
         self.st = self._sampling(self.rows)
         self._maybe_compact()
 
-    def _sampling(self, seqs: Sequence[_Seq]) -> SamplingTensors:
+    def _place(self, slot: int, seq: _Seq, grid: Grid, j: int, last_id: int, next_pos: int) -> None:
+        """Write row ``j`` of ``grid`` (a joiner) into free ``slot`` of the running grid, right-aligned."""
+        assert self.grid is not None
+        n = int(grid.mask_BL[j].sum())
+        if n > self.grid.length:
+            self.grid.pad_left(n - self.grid.length, self.model)
+        self.grid.write_row(slot, grid.row_kv(j, n))
+        self.rows[slot] = seq
+        self.last_ids_B[slot], self.next_pos_B[slot], self.index_B[slot] = last_id, next_pos, 1
+
+    def _sampling(self, seqs: Sequence[_Seq | None]) -> SamplingTensors:
+        live = [s if s is not None else _FREE for s in seqs]
         return build_sampling_tensors(
-            [s.request.params for s in seqs], [s.uniforms for s in seqs], self.vocab_size, self.device
+            [s.request.params for s in live], [s.uniforms for s in live], self.vocab_size, self.device
         )
 
     # ---------------------------------------------------------------------------------- decoding
 
     def step(self) -> None:
         """One forward pass for every running row: a plain decode step, or a speculative one when drafts exist."""
-        if not self.rows:
+        if not self.n_running:
             return
         with torch.inference_mode():
             drafts = self._drafts() if self.spec.draft_tokens > 0 else None
@@ -287,7 +316,10 @@ class ModelRunner:
     def _drafts(self) -> list[list[int]]:
         left = (self.st.max_tokens_B - self.index_B).tolist()  # type: ignore[union-attr]
         k = self.spec.draft_tokens
-        return [s.ngrams.propose(min(k, n - 1)) for s, n in zip(self.rows, left, strict=True)]  # type: ignore[union-attr]
+        return [
+            s.ngrams.propose(min(k, n - 1)) if s is not None and s.ngrams is not None else []
+            for s, n in zip(self.rows, left, strict=True)
+        ]
 
     def _spec_step(self, drafts: list[list[int]]) -> None:
         assert self.grid is not None and self.st is not None
@@ -342,6 +374,9 @@ class ModelRunner:
         """Append each row's new tokens; finish rows that are done; return which rows keep running."""
         keep = []
         for r, seq in enumerate(seqs):
+            if seq is None:
+                keep.append(False)
+                continue
             reason = self._append(seq, tokens[r], logprobs[r])
             if reason is not None:
                 self._finish(seq, r, reason, grid or self.grid)
@@ -383,22 +418,28 @@ class ModelRunner:
         seq.done(seq.completion(reason))
 
     def _leave(self, keep: list[bool]) -> None:
-        if all(keep):
-            self._maybe_compact()
-            return
+        """Finished rows become free slots; the grid drops them only once most of its rows are free."""
+        finished = [r for r, (s, k) in enumerate(zip(self.rows, keep, strict=True)) if s is not None and not k]
+        for r in finished:
+            self.rows[r] = None
         if not any(keep):
             self._reset_batch()
             return
-        idx = torch.tensor([i for i, k in enumerate(keep) if k], device=self.device)
-        assert self.grid is not None
-        self.grid.select(idx)
-        self.rows = [s for s, k in zip(self.rows, keep, strict=True) if k]
-        self.last_ids_B, self.next_pos_B, self.index_B = self.last_ids_B[idx], self.next_pos_B[idx], self.index_B[idx]
-        self.st = self._sampling(self.rows)
+        if 2 * (len(self.rows) - sum(keep)) > len(self.rows):
+            idx = torch.tensor([i for i, k in enumerate(keep) if k], device=self.device)
+            assert self.grid is not None
+            self.grid.select(idx)
+            self.rows = [s for s, k in zip(self.rows, keep, strict=True) if k]
+            self.last_ids_B, self.next_pos_B = self.last_ids_B[idx], self.next_pos_B[idx]
+            self.index_B = self.index_B[idx]
+            finished = [0]
+        if finished:
+            self.st = self._sampling(self.rows)
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        if self.grid is not None and self.grid.length > 64 and self.grid.waste() > 0.4:
+        """Squeeze the holes out when that drops at least a quarter of the grid's columns."""
+        if self.grid is not None and self.grid.length > 64 and self.grid.reclaimable() > self.grid.length // 4:
             self.grid.compact(self.model)
 
     # ---------------------------------------------------------------------------------- one-shot batches
@@ -428,7 +469,7 @@ class ModelRunner:
         if between_steps is not None and any(r.params.max_tokens > 0 for r in requests):
             between_steps()
         self.admit([(r, done_fn(i)) for i, r in enumerate(requests)])
-        while self.rows:
+        while self.n_running:
             if between_steps is not None:
                 between_steps()
             self.step()

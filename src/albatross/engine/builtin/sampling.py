@@ -144,6 +144,7 @@ def sample(
         ids_B = logp_BV.argmax(-1)
         return ids_B, logp_BV.gather(1, ids_B[:, None]).squeeze(1)
     logp_BV = log_distribution(logits_BV, st)
+    index_B = index_B.clamp(max=st.uniforms_B2T.shape[2] - 1)  # free slots run past their (unused) uniforms
     u_B = st.uniforms_B2T[:, 0].gather(1, index_B[:, None]).squeeze(1)
     ids_B = draw(logp_BV, u_B, st.greedy_B)
     return ids_B, logp_BV.gather(1, ids_B[:, None]).squeeze(1)

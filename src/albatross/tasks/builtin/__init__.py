@@ -1,9 +1,14 @@
-"""Built-in generated task families (the CPU demo's tasks) and the generator that writes them.
+"""Built-in generated task families and the generator that writes them.
 
 ``generate_tasks(out_dir, n_train=..., n_heldout=..., seed=...)`` writes ``out_dir/train/<id>`` and
 ``out_dir/heldout/<id>`` in the Harbor layout. Held-out tasks are drawn first from their own stream,
 so the held-out set for a seed does not change with ``n_train``; no instance (family + key
 parameters) is in both splits. Families alternate evenly within each split.
+
+``DEMO_FAMILIES`` (count_lines, grep_word, follow_pointer) are the CPU demo's families, sized for a tiny
+model, and what ``generate_tasks`` writes when no family is named; ``FAMILIES`` holds every family,
+each available by name (``"all"`` names them all). Each family has a seeded generator with difficulty
+``easy`` / ``medium`` / ``hard``, an oracle, and a verifier with several named tests (partial credit).
 """
 
 from __future__ import annotations
@@ -11,11 +16,13 @@ from __future__ import annotations
 import hashlib
 import random
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
+from albatross.tasks.builtin.code import GitRepair, PyFix
+from albatross.tasks.builtin.data import CsvToJson, LogErrors
 from albatross.tasks.builtin.families import (
     DIFFICULTIES,
-    FAMILIES,
     WORDS,
     CountLines,
     Family,
@@ -23,9 +30,13 @@ from albatross.tasks.builtin.families import (
     GrepWord,
     Instance,
 )
+from albatross.tasks.builtin.families import FAMILIES as _DEMO
+from albatross.tasks.builtin.files import FsSurgery, SortUnique
+from albatross.tasks.builtin.system import FindKey, JobControl
 from albatross.tasks.format import write_task
 
 __all__ = [
+    "DEMO_FAMILIES",
     "DIFFICULTIES",
     "FAMILIES",
     "SPLITS",
@@ -44,20 +55,36 @@ __all__ = [
 
 SPLITS = ("train", "heldout")
 DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\n"
+SETUP = "COPY setup.sh /albatross-setup.sh\nRUN bash /albatross-setup.sh && rm -f /albatross-setup.sh\n"
+DEMO_FAMILIES: tuple[str, ...] = tuple(_DEMO)
+FAMILIES: dict[str, Family] = {
+    **_DEMO,
+    **{f.name: f for f in (SortUnique(), FsSurgery(), LogErrors(), CsvToJson(), PyFix(), GitRepair(),
+                           JobControl(), FindKey())},
+}
 _MAX_TRIES_PER_TASK = 1000
 
 
 def list_families() -> list[str]:
+    """Every family, by name (the demo's three first)."""
     return list(FAMILIES)
 
 
-def corpus_strings() -> list[str]:
-    """Every instruction template, demo command pattern and word: the text a small tokenizer needs."""
+def corpus_strings(families: Iterable[str] | None = None) -> list[str]:
+    """Every instruction template, demo command pattern and word of ``families`` (default: all): the
+    text a small tokenizer needs. ``corpus_strings(DEMO_FAMILIES)`` is the demo's original corpus.
+
+    The demo families' strings and WORDS come first, in their old order; the other families' follow."""
+    names = [_family(n).name for n in (list_families() if families is None else families)]
     out: list[str] = []
-    for family in FAMILIES.values():
+    for family in [FAMILIES[n] for n in DEMO_FAMILIES if n in names]:
         out.append(family.instruction_template)
         out.extend(family.demo_templates)
     out.extend(WORDS)
+    for family in [FAMILIES[n] for n in names if n not in DEMO_FAMILIES]:
+        out.append(family.instruction_template)
+        out.extend(family.demo_templates)
+        out.extend(family.vocabulary)
     return list(dict.fromkeys(out))
 
 
@@ -69,6 +96,7 @@ def instance_seed(seed: int, split: str, index: int, retry: int) -> int:
 
 def write_instance(instance: Instance, task_dir: Path, *, split: str, seed: int) -> Path:
     """Write one instance as a Harbor task directory."""
+    task_dir = Path(task_dir)
     family = FAMILIES[instance.family]
     task_toml = {
         "version": "1.0",
@@ -84,16 +112,24 @@ def write_instance(instance: Instance, task_dir: Path, *, split: str, seed: int)
         "verifier": {"timeout_sec": 30.0},
         "environment": {"cpus": 1, "memory_mb": 512, "storage_mb": 256, "allow_internet": False},
     }
-    return write_task(
+    env_files = {f"app/{name}": content for name, content in instance.files.items()}
+    if instance.setup_sh:
+        env_files["setup.sh"] = instance.setup_sh
+    write_task(
         task_dir,
         instruction=instance.instruction + "\n",
         task_toml=task_toml,
-        env_files={f"app/{name}": content for name, content in instance.files.items()},
-        dockerfile=DOCKERFILE,
+        env_files=env_files,
+        dockerfile=DOCKERFILE + (SETUP if instance.setup_sh else ""),
         solve_sh=instance.solve_sh,
         test_sh=instance.test_sh,
+        test_files=instance.test_files,
         demo_steps=instance.demo_steps,
     )
+    for name in instance.files:
+        if name.endswith(".sh"):
+            (task_dir / "environment" / "app" / name).chmod(0o755)
+    return task_dir
 
 
 def generate_tasks(
@@ -108,10 +144,14 @@ def generate_tasks(
 ) -> dict[str, list[Path]]:
     """Write ``n_train`` + ``n_heldout`` tasks under ``out_dir``; returns {split: [task dirs]}.
 
-    Deterministic for a seed. Refuses to write into a non-empty split directory unless ``overwrite``
-    (which deletes ``out_dir/train`` and ``out_dir/heldout`` only).
+    ``families``: names (``"all"`` for every family); None or empty: ``DEMO_FAMILIES``. Deterministic for
+    a seed. Refuses to write into a non-empty split directory unless ``overwrite`` (which deletes
+    ``out_dir/train`` and ``out_dir/heldout`` only).
     """
-    chosen = [_family(name) for name in (families or list_families())]
+    names = list(families or DEMO_FAMILIES)
+    if "all" in names:
+        names = list_families()
+    chosen = [_family(name) for name in names]
     out_dir = Path(out_dir)
     _prepare(out_dir, overwrite)
     seen: set[tuple[object, ...]] = set()

@@ -13,7 +13,7 @@ one more file and ``hard`` two more.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WORDS: tuple[str, ...] = (
     "apple", "mango", "kiwi", "lemon", "grape", "peach", "plum", "cherry",
@@ -36,6 +36,8 @@ class Instance:
     demo_steps: list[str]  # one shell command per agent turn, ending with "submit"
     solve_sh: str
     test_sh: str
+    test_files: dict[str, str] = field(default_factory=dict)  # more files under tests/
+    setup_sh: str = ""  # run once at build time (RUN), then removed; for state files cannot carry
 
 
 class Family:
@@ -45,6 +47,7 @@ class Family:
     category: str = ""
     instruction_template: str = ""
     demo_templates: tuple[str, ...] = ()
+    vocabulary: tuple[str, ...] = ()  # words beyond WORDS that its tasks use (for the tokenizer corpus)
 
     def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
         raise NotImplementedError

@@ -1,0 +1,379 @@
+"""Trainer: packed vs padded tokens/s, peak memory vs sequence length, longest sequence that fits.
+
+Throughput. A tiny Qwen2 model (8,192-token vocabulary, hidden 128, 4 layers) trains on a batch of
+synthetic agent trajectories whose lengths follow a log-normal law (many short, a long tail up to
+4,096 tokens). The same loss (truncated IS) and the same AdamW step run twice, timed after a warm-up:
+
+- ``packed``: the albatross trainer (first-fit-decreasing packing into 4,096-token rows, varlen
+  document masking, chunked log-probs); every processed token is a real one;
+- ``padded``: the straightforward implementation: batches of 8 trajectories in arrival order, right-
+  padded to the longest, a padding mask, full [B, L, V] logits.
+
+The full run adds ``packed-dense`` (the same packing with a dense [T, T] block mask) to show why the
+varlen path matters. Non-padding tokens/s = real tokens / step seconds.
+
+Memory. One sequence of T tokens (4K to 32K, ``--max-seq-len``) through one full training step of a
+tiny model at a 151,936-token vocabulary (hidden 64, 4 layers), with and without chunked log-probs and
+activation checkpointing. Each configuration runs in a fresh subprocess; its peak is the process's
+``ru_maxrss`` (peak resident set, so it includes Python, torch and the model, listed as ``base``).
+A watchdog kills a child whose resident set passes ``--memory-limit-gib`` (default 20), and a length
+is skipped when the previous point projects it past that limit or past the remaining time budget.
+``max_seq_len_fit`` extrapolates the chunked + checkpointed peaks linearly (memory is linear in T
+there: no [T, T] or [T, V] tensor) to a 24 GiB machine; ``max_seq_len_measured`` is the longest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+THROUGHPUT_MODEL = {"vocab_size": 8192, "hidden_size": 128, "num_layers": 4}
+MEMORY_MODEL = {"vocab_size": 151_936, "hidden_size": 64, "num_layers": 4}
+MEMORY_CONFIGS = {  # name -> (logprob_chunk, activation_checkpointing)
+    "chunked+ckpt": (1024, True),
+    "chunked": (1024, False),
+    "full-logits+ckpt": (None, True),
+    "full-logits": (None, False),
+}
+FIT_TARGET_GIB = 24.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a short run: fewer trajectories, 2K-8K tokens")
+    p.add_argument("--max-seq-len", type=int, help="longest sequence of the memory sweep "
+                   "(default 32768; quick 8192)")
+    p.add_argument("--memory-budget-s", type=float, help="wall-time budget of the memory sweep "
+                   "(default 600 s; quick 150 s)")
+    p.add_argument("--memory-limit-gib", type=float, default=20.0,
+                   help="kill a memory child whose resident set passes this (default 20)")
+
+
+# synthetic trajectories -----------------------------------------------------------------------------
+
+
+def agent_lengths(n: int, rng: random.Random, cap: int = 4096) -> list[int]:
+    """Trajectory lengths like real agent runs: log-normal, median 400 tokens, clipped to [64, cap]."""
+    return [min(max(int(rng.lognormvariate(math.log(400), 1.0)), 64), cap) for _ in range(n)]
+
+
+def synthetic_batch(lengths: list[int], vocab: int, seed: int = 0):
+    """Random trajectories: a 48-token prompt, then model turns (loss tokens) and observations."""
+    from albatross.records import Batch, Sample, TrainSample
+
+    rng = random.Random(seed)
+    samples = []
+    for n in lengths:
+        mask = [0 if t < 48 or (t // 96) % 3 == 2 else 1 for t in range(n)]  # every 3rd block: observation
+        # rollout log-probs near a random model's (-log V), so importance ratios sit around 1
+        old = [-math.log(vocab) + rng.uniform(-0.3, 0.3) if m else 0.0 for m in mask]
+        sample = Sample([rng.randrange(vocab) for _ in range(n)], mask, old, [0 if m else -1 for m in mask])
+        samples.append(TrainSample(sample, rng.choice([-1.0, -0.5, 0.5, 1.0])))
+    return Batch(samples=samples, groups=len(samples), min_version=0)
+
+
+# the padded baseline --------------------------------------------------------------------------------
+
+
+def _padded_tensors(samples: list, length: int) -> dict[str, Any]:
+    import torch
+
+    b = len(samples)
+    out = {"ids": torch.zeros(b, length, dtype=torch.long), "attn": torch.zeros(b, length, dtype=torch.long),
+           "tgt": torch.zeros(b, length, dtype=torch.long), "mask": torch.zeros(b, length),
+           "old": torch.zeros(b, length), "ver": torch.zeros(b, length, dtype=torch.long),
+           "adv": torch.zeros(b, length)}
+    for i, ts in enumerate(samples):
+        s, n = ts.sample, len(ts.sample.token_ids) - 1
+        out["ids"][i, :n] = torch.tensor(s.token_ids[:-1])
+        out["attn"][i, :n] = 1
+        out["tgt"][i, :n] = torch.tensor(s.token_ids[1:])
+        out["mask"][i, :n] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+        out["old"][i, :n] = torch.tensor(s.logprobs[1:])
+        out["ver"][i, :n] = torch.tensor(s.versions[1:])
+        out["adv"][i, :n] = ts.advantage
+    return out
+
+
+def padded_step(model, optimizer, batch, batch_size: int = 8, grad_clip: float = 1.0) -> dict[str, float]:
+    """The straightforward step: padded batches, full logits, the same TIS loss and AdamW step."""
+    import torch
+
+    from albatross.rl.losses import tis_loss
+
+    optimizer.zero_grad(set_to_none=True)
+    n_loss = sum(sum(ts.sample.loss_mask[1:]) for ts in batch.samples)
+    loss_sum, processed = 0.0, 0
+    for i in range(0, len(batch.samples), batch_size):
+        chunk = batch.samples[i : i + batch_size]
+        length = max(len(ts.sample.token_ids) - 1 for ts in chunk)
+        t = _padded_tensors(chunk, length)
+        logits = model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False).logits
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, t["tgt"][..., None])[..., 0]
+        loss, _ = tis_loss(logp.flatten(), t["old"].flatten(), t["adv"].flatten(), t["mask"].flatten(),
+                           t["ver"].flatten(), current_version=0, num_batch_tokens=n_loss)
+        loss.backward()
+        loss_sum += float(loss.detach())
+        processed += len(chunk) * length
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return {"loss": loss_sum, "processed_tokens": float(processed)}
+
+
+# throughput -----------------------------------------------------------------------------------------
+
+
+def _timed(fn) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _measure(step) -> dict[str, float]:
+    """Wall and CPU seconds of one call of ``step``, and its loss."""
+    cpu0 = _cpu_seconds()
+    seconds, metrics = _timed(step)
+    return {"seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0, "loss": metrics["loss"]}
+
+
+def _variants(batch, cfg: dict[str, int], quick: bool) -> dict[str, Any]:
+    """name -> a function running one full step on ``batch``, each with its own model and optimizer."""
+    import torch
+
+    from albatross.trainer.model import tiny_causal_lm
+    from albatross.trainer.step import Trainer
+
+    def model():
+        return tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"], seed=0)
+
+    steps: dict[str, Any] = {}
+    for name, attention in [("packed", "varlen")] + ([] if quick else [("packed-dense", "dense")]):
+        trainer = Trainer(model(), micro_batch_tokens=4096, attention=attention, lr=1e-4)
+        steps[name] = lambda trainer=trainer: trainer.step(batch)
+    base = model()
+    optimizer = torch.optim.AdamW(base.parameters(), lr=1e-4, betas=(0.9, 0.95))
+    steps["padded"] = lambda: padded_step(base, optimizer, batch)
+    return steps
+
+
+def bench_throughput(quick: bool, log=print) -> dict[str, Any]:
+    """Each variant: one warm-up step, then the best of 1 (quick) or 2 timed steps, interleaved."""
+    from albatross.trainer.packing import pack
+
+    cfg = THROUGHPUT_MODEL
+    lengths = agent_lengths(16 if quick else 40, random.Random(1))
+    batch = synthetic_batch(lengths, cfg["vocab_size"])
+    real = sum(n - 1 for n in lengths)
+    steps = _variants(batch, cfg, quick)
+    warm = synthetic_batch(lengths[:3], cfg["vocab_size"], seed=1)
+    for name, step in _variants(warm, cfg, quick).items():
+        step()
+        log(f"[bench trainer] warmed up {name}")
+    reps = 1 if quick else 2
+    rows: dict[str, dict[str, float]] = {name: {} for name in steps}
+    for _ in range(reps):  # interleaved, so a change in machine load hits every variant alike
+        for name, step in steps.items():
+            r = _measure(step)
+            rows[name].setdefault("first_loss", r["loss"])  # same fresh model and batch everywhere
+            if "seconds" not in rows[name] or r["seconds"] < rows[name]["seconds"]:
+                rows[name].update(seconds=r["seconds"], cpu_seconds=r["cpu_seconds"])
+    processed = {name: float(sum(mb.num_tokens for mb in pack(batch.samples, 4096))) for name in rows}
+    processed["padded"] = float(sum(len(c) * max(n - 1 for n in c)
+                                    for c in (lengths[i : i + 8] for i in range(0, len(lengths), 8))))
+    for name, r in rows.items():
+        r.update(processed_tokens=processed[name], real_tokens_per_s=real / r["seconds"],
+                 real_token_share=real / processed[name])
+        log(f"[bench trainer] {name}: {r['seconds']:.1f}s, {r['real_tokens_per_s']:.0f} real tokens/s")
+    losses = [r["first_loss"] for r in rows.values()]
+    return {"model": cfg, "trajectories": len(lengths), "real_tokens": real,
+            "length_median": sorted(lengths)[len(lengths) // 2], "length_max": max(lengths),
+            "same_loss": max(losses) - min(losses) <= 1e-4 * max(1.0, max(abs(x) for x in losses)),
+            "rows": rows}
+
+
+# memory ---------------------------------------------------------------------------------------------
+
+
+def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One training step on one sequence of ``seq_len`` tokens; runs in a fresh process."""
+    import torch
+
+    from albatross.trainer.model import tiny_causal_lm
+    from albatross.trainer.step import Trainer
+
+    cfg = MEMORY_MODEL
+    model = tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"])
+    trainer = Trainer(model, micro_batch_tokens=spec["seq_len"], logprob_chunk=spec["chunk"],
+                      activation_checkpointing=spec["ckpt"])
+    batch = synthetic_batch([spec["seq_len"] + 1], cfg["vocab_size"])
+    base = _rss_bytes(os.getpid())
+    seconds, metrics = _timed(lambda: trainer.step(batch))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert math.isfinite(metrics["loss"]) and torch.isfinite(next(model.parameters())).all()
+    return {"base_gib": base / GIB, "peak_gib": peak / GIB, "seconds": seconds}
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_child(spec: dict[str, Any], limit_gib: float, timeout_s: float) -> dict[str, Any]:
+    """``memory_child`` in a subprocess, killed if its resident set passes ``limit_gib``."""
+    cmd = [sys.executable, "-m", "albatross.bench.trainer", "--child", json.dumps(spec)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    over = threading.Event()
+
+    def watch() -> None:
+        while proc.poll() is None:
+            try:
+                if _rss_bytes(proc.pid) > limit_gib * GIB:
+                    over.set()
+                    proc.kill()
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"status": f"timed out after {timeout_s:.0f}s"}
+    watcher.join()
+    if over.is_set():
+        return {"status": f"over {limit_gib:g} GiB"}
+    if proc.returncode != 0:
+        return {"status": "failed: " + (err.strip().splitlines() or ["?"])[-1][:200]}
+    return {"status": "ok", **json.loads(out.strip().splitlines()[-1])}
+
+
+def _project(points: list[dict[str, Any]], seq_len: int) -> tuple[float, float]:
+    """(peak GiB, seconds) expected at ``seq_len`` from the last measured point, linear in T."""
+    last = points[-1]
+    scale = seq_len / last["seq_len"]
+    peak = last["base_gib"] + (last["peak_gib"] - last["base_gib"]) * scale
+    return peak, last["seconds"] * scale * 1.3 + 20  # attention grows faster than T; process start-up
+
+
+def memory_sweep(lengths: list[int], budget_s: float, limit_gib: float, log=print) -> list[dict[str, Any]]:
+    """Every configuration at the first length, then longer ones while memory and time allow."""
+    deadline = time.monotonic() + budget_s
+    rows: list[dict[str, Any]] = []
+    measured: dict[str, list[dict[str, Any]]] = {name: [] for name in MEMORY_CONFIGS}
+    stopped: set[str] = set()
+    for seq_len in lengths:
+        for name, (chunk, ckpt) in MEMORY_CONFIGS.items():
+            if name in stopped:
+                continue
+            row = {"config": name, "seq_len": seq_len}
+            reason = _skip_reason(measured[name], seq_len, limit_gib, deadline - time.monotonic())
+            if reason:
+                row["status"] = reason
+                stopped.add(name)
+            else:
+                left = max(deadline - time.monotonic(), 60.0)
+                row.update(run_child({"seq_len": seq_len, "chunk": chunk, "ckpt": ckpt}, limit_gib, left))
+                if row["status"] == "ok":
+                    measured[name].append(row)
+                else:
+                    stopped.add(name)
+            log(f"[bench trainer] memory {name} T={seq_len}: " + (
+                f"peak {row['peak_gib']:.2f} GiB, {row['seconds']:.0f}s" if row["status"] == "ok"
+                else row["status"]))
+            rows.append(row)
+    return rows
+
+
+def _skip_reason(points: list[dict[str, Any]], seq_len: int, limit_gib: float, left_s: float) -> str:
+    if not points:
+        return "" if left_s > 0 else "no time left"
+    peak, seconds = _project(points, seq_len)
+    if peak > limit_gib:
+        return f"skipped: projected {peak:.1f} GiB > {limit_gib:g}"
+    if seconds > left_s:
+        return f"skipped: projected {seconds:.0f}s > {max(left_s, 0):.0f}s left"
+    return ""
+
+
+def fit_max_len(points: list[dict[str, Any]], target_gib: float = FIT_TARGET_GIB) -> int | None:
+    """Longest T whose peak stays under ``target_gib``, from a line through the last two points."""
+    if len(points) < 2:
+        return None
+    (t1, p1), (t2, p2) = [(p["seq_len"], p["peak_gib"]) for p in points[-2:]]
+    slope = (p2 - p1) / (t2 - t1)
+    if slope <= 0:
+        return None
+    return int((t2 + (target_gib - p2) / slope) // 1024 * 1024)
+
+
+# report ---------------------------------------------------------------------------------------------
+
+
+def _memory_result(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if r["config"] == "chunked+ckpt" and r["status"] == "ok"]
+    return {"model": MEMORY_MODEL, "rows": rows, "max_seq_len_measured": max((r["seq_len"] for r in ok), default=0),
+            "max_seq_len_fit": fit_max_len(ok), "max_seq_len_fit_method":
+            f"linear extrapolation of chunked+ckpt peak RSS (last two lengths) to {FIT_TARGET_GIB:g} GiB"}
+
+
+def _table_rows(tp: dict[str, Any], mem: dict[str, Any]) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    for name, r in tp["rows"].items():
+        rows.append((f"{name}: real tokens/s", round(r["real_tokens_per_s"], 1)))
+        rows.append((f"{name}: real-token share", round(r["real_token_share"], 3)))
+    for r in mem["rows"]:
+        shown = (f"{r['peak_gib']:.2f} GiB peak ({r['base_gib']:.2f} base), {r['seconds']:.0f}s"
+                 if r["status"] == "ok" else r["status"])
+        rows.append((f"memory {r['config']} T={r['seq_len']}", shown))
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from albatross.bench.common import print_table, write_json
+
+    quick = bool(getattr(args, "quick", False))
+    max_len = getattr(args, "max_seq_len", None) or (8192 if quick else 32768)
+    budget = getattr(args, "memory_budget_s", None) or (150.0 if quick else 600.0)
+    lengths = [n for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+               if n <= max_len and (quick or n >= 4096)]
+    tp = bench_throughput(quick)
+    mem = _memory_result(memory_sweep(lengths, budget, getattr(args, "memory_limit_gib", 20.0)))
+    rows = tp["rows"]
+    result = {
+        "packed_vs_padded_speedup": rows["packed"]["real_tokens_per_s"] / rows["padded"]["real_tokens_per_s"],
+        "real_token_share": rows["packed"]["real_token_share"],
+        "padded_real_token_share": rows["padded"]["real_token_share"],
+        "max_seq_len_fit": mem["max_seq_len_fit"],
+        "max_seq_len_measured": mem["max_seq_len_measured"],
+        "quick": quick, "throughput": tp, "memory": mem,
+    }
+    table = [("packed vs padded speedup", round(result["packed_vs_padded_speedup"], 2)),
+             *_table_rows(tp, mem), ("max seq len measured", result["max_seq_len_measured"]),
+             ("max seq len fit (24 GiB, extrapolated)", result["max_seq_len_fit"])]
+    print_table("albatross bench trainer", table)
+    write_json(getattr(args, "json", None), result)
+    return result
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--child":
+    print(json.dumps(memory_child(json.loads(sys.argv[2]))))

@@ -1,0 +1,53 @@
+"""`albatross serve MODEL_DIR`: the built-in engine behind an OpenAI-compatible HTTP server on loopback."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any, tasks_sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API (loopback)")
+    p.add_argument("model_dir", help="directory of a transformers causal LM with its tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
+    p.add_argument("--served-model-name", help="model id in requests and /v1/models (default: directory name)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="largest running batch")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="n-gram speculative decoding: draft tokens per step (0 = off)")
+    p.add_argument("--version", type=int, default=0, help="policy version of the initial weights")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.set_defaults(fn=cmd_serve)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    import torch
+
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.engine.server import EngineServer
+    from albatross.engine.tokenizer import load_text_tokenizer
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}/config.json: not a model directory")
+    torch.set_num_threads(args.threads)
+    tok = load_text_tokenizer(model_dir)
+    engine = BuiltinEngine(str(model_dir), max_batch_size=args.max_batch_size, version=args.version,
+                           speculative=args.speculative, decode=tok.decode)
+    server = EngineServer(engine, tok, args.served_model_name or model_dir.resolve().name, args.host, args.port)
+    signal.signal(signal.SIGTERM, _interrupt)
+    print(f"albatross serve: {server.model_name} on {server.url}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.httpd.server_close()
+        engine.close()
+    return 0

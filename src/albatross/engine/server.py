@@ -1,0 +1,351 @@
+"""OpenAI-compatible HTTP server for an engine (stdlib ``ThreadingHTTPServer``, one thread per connection).
+
+Routes: ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions`` (the model's chat
+template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /update_weights``
+(``{"path": DIR, "version": N}``). Responses carry the exact ``token_ids``, per-token log-probs and, as an
+extension, the policy ``versions`` of every token. Concurrent requests share the engine's running batch.
+A malformed request gets a 4xx with an OpenAI-style error body naming the field; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.tokenizer import TextTokenizer
+
+MAX_BODY = 16 * 1024 * 1024
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# ------------------------------------------------------------------------------------------ request parsing
+
+
+def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if kind in (float, (float,)) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise BadRequest(f"'{key}' must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings")
+    return stops
+
+
+def _token_list(value: Any, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise BadRequest(f"'{key}' must be a list of integers")
+    return value
+
+
+def sampling_params(body: dict[str, Any], default_stop_ids: list[int], max_tokens: int = 16) -> SamplingParams:
+    """``SamplingParams`` from an OpenAI request body; ``BadRequest`` names the first bad field."""
+    top_k = _field(body, "top_k", int, 0)
+    stop_ids = _token_list(body.get("stop_token_ids") or [], "stop_token_ids")
+    if not _field(body, "ignore_eos", bool, False):
+        stop_ids = stop_ids + [i for i in default_stop_ids if i not in stop_ids]
+    n_tokens = _field(body, "max_completion_tokens", int, None)
+    params = SamplingParams(
+        temperature=_field(body, "temperature", float, 1.0),
+        top_p=_field(body, "top_p", float, 1.0),
+        top_k=0 if top_k < 0 else top_k,  # vLLM uses -1 for "off"
+        max_tokens=n_tokens if n_tokens is not None else _field(body, "max_tokens", int, max_tokens),
+        stop_token_ids=stop_ids,
+        seed=_field(body, "seed", int, None),
+        stop=_stops(body),
+    )
+    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_tokens < 0:
+        raise BadRequest("need temperature >= 0, 0 < top_p <= 1 and max_tokens >= 0")
+    if _field(body, "n", int, 1) != 1:
+        raise BadRequest("'n' must be 1 (send several requests instead)")
+    if _field(body, "stream", bool, False):
+        raise BadRequest("'stream' is not supported by this server")
+    return params
+
+
+def completion_prompts(body: dict[str, Any], tok: TextTokenizer) -> list[list[int]]:
+    """The prompts of a /v1/completions body: text, token ids, or a list of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [tok.encode(p) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return [_token_list(p, "prompt") for p in prompt]
+    raise BadRequest("'prompt' must be a string, a list of token ids, or a list of either")
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+def _text(tok: TextTokenizer, c: Completion) -> str:
+    text = tok.decode(c.token_ids)
+    if isinstance(c.stop_reason, str) and c.stop_reason in text:
+        text = text[: text.index(c.stop_reason)]  # OpenAI: the stop string is not part of the text
+    return text
+
+
+def _usage(prompts: list[list[int]], outs: list[Completion]) -> dict[str, Any]:
+    p, c = sum(len(x) for x in prompts), sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
+
+
+def completion_response(model: str, tok: TextTokenizer, prompts: list[list[int]], outs: list[Completion],
+                        with_logprobs: bool) -> dict[str, Any]:
+    choices = []
+    for i, (p, c) in enumerate(zip(prompts, outs, strict=True)):
+        logprobs = None
+        if with_logprobs:
+            pieces = [tok.decode([t]) for t in c.token_ids]
+            offsets = [sum(len(x) for x in pieces[:j]) for j in range(len(pieces))]
+            logprobs = {"tokens": pieces, "token_logprobs": c.logprobs, "top_logprobs": None,
+                        "text_offset": offsets}
+        choices.append({"index": i, "text": _text(tok, c), "logprobs": logprobs, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason, "token_ids": c.token_ids, "prompt_token_ids": p,
+                        "versions": c.versions})
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(prompts, outs)}
+
+
+def chat_response(model: str, tok: TextTokenizer, prompt: list[int], out: Completion,
+                  with_logprobs: bool) -> dict[str, Any]:
+    logprobs = None
+    if with_logprobs:
+        logprobs = {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                                for t, lp in zip(out.token_ids, out.logprobs, strict=True)]}
+    text = _text(tok, out)
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "token_ids": out.token_ids,
+              "prompt_token_ids": prompt, "versions": out.versions}
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": _usage([prompt], [out])}
+
+
+# ------------------------------------------------------------------------------------------ server
+
+
+class EngineServer:
+    """Serves ``engine`` (``generate`` / ``update_weights`` / ``version``) with tokenizer ``tok`` over HTTP."""
+
+    def __init__(self, engine: Any, tok: TextTokenizer, model_name: str, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self.engine, self.tok, self.model_name = engine, tok, model_name
+        self.stop_ids: list[int] = list(getattr(tok, "stop_ids", []))
+        self.http_requests: Counter[tuple[str, int]] = Counter()
+        self._lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer((host, port), _handler_class(self))
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> EngineServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="albatross-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join()
+
+    def count(self, path: str, status: int) -> None:
+        with self._lock:
+            self.http_requests[(path, status)] += 1
+
+    # -------------------------------------------------------------------------------------- routes
+
+    def route(self, method: str, path: str) -> Callable[[dict[str, Any]], tuple[int, Any]]:
+        routes: dict[tuple[str, str], Callable[[dict[str, Any]], tuple[int, Any]]] = {
+            ("GET", "/health"): self.health, ("GET", "/v1/models"): self.models,
+            ("GET", "/metrics"): self.metrics, ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat, ("POST", "/update_weights"): self.update_weights,
+        }
+        if (method, path) in routes:
+            return routes[(method, path)]
+        if any(p == path for _, p in routes):
+            raise BadRequest(f"method {method} not allowed on {path}", HTTPStatus.METHOD_NOT_ALLOWED)
+        raise BadRequest(f"no route {path}", HTTPStatus.NOT_FOUND)
+
+    def health(self, _: dict[str, Any]) -> tuple[int, Any]:
+        closed = getattr(getattr(self.engine, "scheduler", None), "closed", False)
+        status = HTTPStatus.SERVICE_UNAVAILABLE if closed else HTTPStatus.OK
+        return status, {"status": "closed" if closed else "ok", "version": self.engine.version}
+
+    def models(self, _: dict[str, Any]) -> tuple[int, Any]:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "albatross",
+                "version": self.engine.version}
+        return HTTPStatus.OK, {"object": "list", "data": [card]}
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"model {model!r} does not exist; this server has {self.model_name!r}",
+                             HTTPStatus.NOT_FOUND)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        try:
+            return self.engine.generate(prompts, params)
+        except ValueError as e:  # the engine's own validation: bad ids, bad parameters
+            raise BadRequest(str(e)) from e
+
+    def completions(self, body: dict[str, Any]) -> tuple[int, Any]:
+        self._check_model(body)
+        prompts = completion_prompts(body, self.tok)
+        params = sampling_params(body, [self.tok.eos_id] if self.tok.eos_id is not None else [])
+        if _field(body, "echo", bool, False):
+            raise BadRequest("'echo' is not supported by this server")
+        want_logprobs = _field(body, "logprobs", int, None) is not None
+        outs = self._generate(prompts, params)
+        return HTTPStatus.OK, completion_response(self.model_name, self.tok, prompts, outs, want_logprobs)
+
+    def chat(self, body: dict[str, Any]) -> tuple[int, Any]:
+        self._check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+        try:
+            prompt = self.tok.chat(messages)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        params = sampling_params(body, self.stop_ids)
+        out = self._generate([prompt], params)[0]
+        want = _field(body, "logprobs", bool, False)
+        return HTTPStatus.OK, chat_response(self.model_name, self.tok, prompt, out, want)
+
+    def update_weights(self, body: dict[str, Any]) -> tuple[int, Any]:
+        path, version = body.get("path"), body.get("version")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("'path' must be the checkpoint directory (a string)")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise BadRequest("'version' must be an integer")
+        try:
+            start = time.perf_counter()
+            self.engine.update_weights(path, version)
+        except FileNotFoundError as e:
+            raise BadRequest(str(e), HTTPStatus.NOT_FOUND) from e
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        return HTTPStatus.OK, {"version": self.engine.version, "seconds": time.perf_counter() - start}
+
+    def metrics(self, _: dict[str, Any]) -> tuple[int, Any]:
+        return HTTPStatus.OK, prometheus_text(self)
+
+
+def prometheus_text(server: EngineServer) -> str:
+    engine = server.engine
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP albatross_{name} {help_}", f"# TYPE albatross_{name} {kind}"])
+        lines.extend(f"albatross_{name}{labels} {value}" for labels, value in samples)
+
+    stats = getattr(engine, "stats", None)
+    if stats is not None:
+        for field_, help_ in (("requests", "Requests admitted"), ("prompt_tokens", "Prompt tokens"),
+                              ("cached_prompt_tokens", "Prompt tokens served from the prefix cache"),
+                              ("generated_tokens", "Generated tokens"), ("forward_passes", "Model forward passes"),
+                              ("draft_tokens", "Speculative draft tokens proposed"),
+                              ("accepted_draft_tokens", "Speculative draft tokens accepted")):
+            metric(f"{field_}_total", "counter", help_, [("", getattr(stats, field_))])
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is not None:
+        metric("running_requests", "gauge", "Requests in the running batch", [("", scheduler.runner.n_running)])
+        metric("waiting_requests", "gauge", "Requests waiting to join", [("", scheduler.n_waiting)])
+        metric("prefix_cache_tokens", "gauge", "Tokens held by the prefix cache",
+               [("", scheduler.runner.prefix_cache.tokens)])
+    metric("weight_version", "gauge", "Policy version of the weights in use", [("", engine.version)])
+    with server._lock:
+        counts = sorted(server.http_requests.items())
+    metric("http_requests_total", "counter", "HTTP requests by path and status",
+           [(f'{{path="{p}",code="{c}"}}', n) for (p, c), n in counts])
+    return "\n".join(lines) + "\n"
+
+
+def _handler_class(server: EngineServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet: /metrics counts requests
+            pass
+
+        def do_GET(self) -> None:
+            self._handle("GET")
+
+        def do_POST(self) -> None:
+            self._handle("POST")
+
+        def _body(self) -> dict[str, Any]:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                raise BadRequest(f"request body over {MAX_BODY} bytes", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            raw = self.rfile.read(length) if length else b""
+            if self.command == "GET":
+                return {}
+            try:
+                body = json.loads(raw or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise BadRequest(f"request body is not valid JSON: {e}") from e
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            return body
+
+        def _handle(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                status, payload = server.route(method, path)(self._body())
+            except BadRequest as e:
+                status, payload = e.status, _error(str(e), e.status)
+            except Exception as e:  # an engine failure is the server's error, and it keeps serving
+                status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, _error(f"{type(e).__name__}: {e}", 500)
+            server.count(path, int(status))
+            self._send(int(status), payload)
+
+        def _send(self, status: int, payload: Any) -> None:
+            text = isinstance(payload, str)
+            data = payload.encode() if text else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain; version=0.0.4" if text else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler
+
+
+def _error(message: str, status: int) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}

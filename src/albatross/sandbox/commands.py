@@ -1,0 +1,223 @@
+"""`albatross sandbox`: a shell or one command in a fresh attempt of a task, and the debian base.
+
+    albatross sandbox shell TASK_DIR              interactive shell (for writing and debugging tasks)
+    albatross sandbox run TASK_DIR -- CMD [ARG...] one command; prints its output, exits with its code
+    albatross sandbox base build                  build the cached debian base root (debootstrap, once)
+
+``run`` takes one argument as a shell command line (``-- 'ls | wc -l'``), several as an argv
+(``-- ls -la``). A command killed by its timeout exits 124; a limit it hit is named on stderr.
+Nothing heavy is imported until a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import shlex
+import sys
+from typing import Any
+
+EXIT_TIMEOUT = 124
+
+
+def register(sub: Any, tasks_sub: Any) -> None:
+    """Add the ``sandbox`` command group to the top-level subparsers."""
+    group = sub.add_parser("sandbox", help="a shell or one command in a fresh sandboxed attempt of a task")
+    gsub = group.add_subparsers(dest="sandbox_command", required=True)
+    p = gsub.add_parser("shell", help="interactive shell in a fresh attempt of a task")
+    p.add_argument("task_dir", help="task directory (with task.toml and environment/)")
+    _options(p)
+    p.set_defaults(fn=cmd_shell)
+    p = gsub.add_parser("run", help="run one command in a fresh attempt; exit with its exit code",
+                        usage="albatross sandbox run TASK_DIR [options] -- CMD [ARG...]")
+    p.add_argument("task_dir", help="task directory (with task.toml and environment/)")
+    _options(p)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
+    p.set_defaults(fn=cmd_run)
+    base = gsub.add_parser("base", help="base root file systems of the isolated sandbox")
+    bsub = base.add_subparsers(dest="base_command", required=True)
+    p = bsub.add_parser("build", help="build the cached debian base root with debootstrap (once)")
+    p.add_argument("--suite", default="bookworm", help="Debian suite (default: bookworm)")
+    p.add_argument("--mirror", default="http://deb.debian.org/debian", help="Debian mirror URL")
+    p.add_argument("--force", action="store_true", help="rebuild even if it is already built")
+    p.set_defaults(fn=cmd_base_build)
+
+
+def _options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["local", "process"], default="local",
+                   help="local: isolated (default); process: no isolation, dev only")
+    p.add_argument("--base", choices=["host", "debian"], default="host", help="base root file system")
+    p.add_argument("--tests", action="store_true", help="copy the task's tests/ to /tests first")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before the command is killed (default: the task's agent timeout)")
+
+
+class CommandError(Exception):
+    """A user error of a ``sandbox`` command: printed as one line, exit code 2."""
+
+
+def _user_error(message: str) -> Exception:
+    return CommandError(message)
+
+
+def _split_command(args: argparse.Namespace) -> list[str]:
+    """Options given after TASK_DIR land in the remainder: parse those before ``--``."""
+    rest = list(args.cmd)
+    if "--" in rest:
+        cut = rest.index("--")
+        options, rest = rest[:cut], rest[cut + 1:]
+        if options:
+            parser = argparse.ArgumentParser(prog="albatross sandbox run", add_help=False)
+            _options(parser)
+            try:
+                parser.parse_args(options, namespace=args)
+            except SystemExit:
+                raise _user_error(f"sandbox run: bad options {' '.join(options)!r}") from None
+    if not rest:
+        raise _user_error("sandbox run: give the command after --, e.g. sandbox run TASK_DIR -- ls -la")
+    return rest
+
+
+def _open(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """Load the task, make the backend, fork one attempt (tests copied in if asked)."""
+    from albatross.sandbox import Limits, make_backend
+    from albatross.sandbox.local import local_available, unavailable_reason
+    from albatross.tasks.format import load_task
+
+    task = load_task(args.task_dir)
+    if args.backend == "local" and not local_available():
+        raise _user_error(f"the local sandbox is unavailable here ({unavailable_reason()}); "
+                          "use --backend process (no isolation)")
+    options = {"warm": 0, "base": args.base} if args.backend == "local" else {}
+    backend = make_backend(args.backend, **options)
+    limits = Limits(memory_mb=task.memory_mb, disk_mb=task.storage_mb,
+                    command_timeout_s=args.timeout or task.agent_timeout_s)
+    try:
+        attempt = backend.fork(task.env_dir, task.workdir, limits)
+        if args.tests:
+            attempt.put_dir(task.tests_dir, "/tests")
+    except BaseException:
+        backend.close()
+        raise
+    return task, backend, attempt
+
+
+def _sandbox_errors(fn: Any) -> Any:
+    """User errors (and a failed environment build: the task author's) are one line, exit code 2; an
+    infrastructure failure is one line, exit code 1."""
+    @functools.wraps(fn)
+    def wrapped(args: argparse.Namespace, extra: list[str]) -> int:
+        from albatross.sandbox import EnvBuildError, SandboxError
+
+        try:
+            return fn(args, extra)
+        except (CommandError, EnvBuildError) as err:
+            print(f"albatross: error: {str(err).splitlines()[0]}", file=sys.stderr)
+            return 2
+        except SandboxError as err:
+            print(f"albatross: sandbox error: {str(err).splitlines()[0]}", file=sys.stderr)
+            return 1
+    return wrapped
+
+
+@_sandbox_errors
+def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    command = _split_command(args)
+    text = command[0] if len(command) == 1 else shlex.join(command)
+    _task, backend, attempt = _open(args)
+    try:
+        result = attempt.exec(text)
+    finally:
+        attempt.close()
+        backend.close()
+    sys.stdout.write(result.output)
+    sys.stdout.flush()
+    if result.truncated_bytes:
+        print(f"albatross: {result.truncated_bytes} bytes of output were dropped", file=sys.stderr)
+    if result.limit:
+        print(f"albatross: the command hit its {result.limit} limit", file=sys.stderr)
+    return EXIT_TIMEOUT if result.timed_out else result.exit_code
+
+
+@_sandbox_errors
+def cmd_shell(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.sandbox.holder import STATE_FILE
+    from albatross.sandbox.local import LocalAttempt
+
+    task, backend, attempt = _open(args)
+    try:
+        print(f"albatross: shell in a fresh attempt of {task.id} (exit to leave; nothing is kept)",
+              file=sys.stderr)
+        if isinstance(attempt, LocalAttempt):
+            return attempt.terminal(["/bin/bash", "--rcfile", STATE_FILE, "-i"], relay_terminal)
+        import subprocess
+
+        return subprocess.call(["bash", "-i"], cwd=attempt.host_path(task.workdir))
+    finally:
+        attempt.close()
+        backend.close()
+
+
+def relay_terminal(master: int) -> None:
+    """Copy our stdin to the sandbox terminal and its output to our stdout until it closes."""
+    import select
+    import termios
+    import tty
+
+    stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
+    saved = termios.tcgetattr(stdin) if os.isatty(stdin) else None
+    if saved is not None:
+        _copy_window_size(stdin, master)
+        tty.setraw(stdin)
+    poller = select.poll()
+    poller.register(master, select.POLLIN)
+    poller.register(stdin, select.POLLIN)
+    try:
+        while _pump(poller, master, stdin, stdout):
+            pass
+    finally:
+        if saved is not None:
+            termios.tcsetattr(stdin, termios.TCSADRAIN, saved)
+
+
+def _pump(poller: Any, master: int, stdin: int, stdout: int) -> bool:
+    for fd, _event in poller.poll():
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the last process holding the terminal has exited
+            data = b""
+        if fd == master:
+            if not data:
+                return False
+            os.write(stdout, data)
+        elif data:
+            os.write(master, data)
+        else:  # our stdin ended: end the shell's input too (EOF at the start of a line)
+            poller.unregister(stdin)
+            with contextlib.suppress(OSError):
+                os.write(master, b"\n\x04")
+    return True
+
+
+def _copy_window_size(tty_fd: int, master: int) -> None:
+    import fcntl
+    import termios
+
+    with contextlib.suppress(OSError):
+        size = fcntl.ioctl(tty_fd, termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(master, termios.TIOCSWINSZ, size)
+
+
+@_sandbox_errors
+def cmd_base_build(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.sandbox.rootfs import BaseUnavailable, build_debian, is_built
+
+    try:
+        path = build_debian(args.suite, args.mirror, force=args.force, log=print)
+    except BaseUnavailable as err:
+        raise _user_error(str(err)) from None
+    state = "built" if is_built(path) else "missing"
+    print(f"debian base ({args.suite}): {state} at {path}")
+    return 0

@@ -1,0 +1,200 @@
+"""`albatross tasks validate | probe | filter`: the gates, the probe and the difficulty filter.
+
+Registered by ``albatross.cli`` (``register(sub, tasks_sub)``); nothing heavy is imported at module level.
+Exit codes: 0 success, 1 some task failed a gate, 2 a user error (one line naming the file and field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_FAILED, EXIT_USER_ERROR = 1, 2
+SANDBOXES = ("auto", "local", "process")
+
+
+def register(sub: Any, tasks_sub: Any) -> None:
+    _add_validate(tasks_sub)
+    _add_probe(tasks_sub)
+    _add_filter(tasks_sub)
+
+
+def _add_validate(tasks_sub: Any) -> None:
+    p = tasks_sub.add_parser("validate", help="run the nine validation gates on task directories")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="task directories, or folders of them")
+    p.add_argument("--json", metavar="PATH", help="write the report (and partial-credit test weights) as JSON")
+    p.add_argument("--parallel", type=int, default=0, metavar="N",
+                   help="tasks gated at once (default: the number of cores)")
+    p.add_argument("--reruns", type=int, default=3, metavar="N",
+                   help="runs of the oracle and of the no-op for the determinism gate (default: 3)")
+    p.set_defaults(fn=cmd_validate)
+
+
+def _add_probe(tasks_sub: Any) -> None:
+    p = tasks_sub.add_parser("probe", help="probe tasks (>= 4 attempts each) under the training configuration")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="task directories, or folders of them")
+    p.add_argument("--model", required=True, metavar="DIR", help="the base model: a local transformers "
+                   "checkpoint directory")
+    p.add_argument("--tokenizer", metavar="DIR", help="directory of albatross_tokenizer.json (default: --model)")
+    p.add_argument("--attempts", type=int, metavar="N", help="attempts per task, at least 4 (default: the "
+                   "training group size, orchestrator.group_size)")
+    p.add_argument("--config", metavar="TOML", help="the training run's config (default: built-in defaults)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--gates", metavar="PATH", help="a `tasks validate --json` report: its no-op test "
+                   "weights give partial credit as in training")
+    p.add_argument("--json", metavar="PATH", help="write the pass-rate table as JSON")
+    p.add_argument("--sandbox", choices=SANDBOXES, help="sandbox backend (default: the config's sandbox.type)")
+    p.set_defaults(fn=cmd_probe)
+
+
+def _add_filter(tasks_sub: Any) -> None:
+    p = tasks_sub.add_parser("filter", help="keep probed tasks whose pass rate lies in a band")
+    p.add_argument("probe_json", metavar="PROBE_JSON", help="the table written by `tasks probe --json`")
+    p.add_argument("--low", type=float, default=0.15, help="lowest pass rate kept (default: 0.15)")
+    p.add_argument("--high", type=float, default=0.85, help="highest pass rate kept (default: 0.85)")
+    p.add_argument("--group-size", type=int, metavar="G", help="training group size for the expected "
+                   "zero-signal fraction (default: the probe's, else 8)")
+    p.add_argument("--out", metavar="PATH", help="write the kept task directories, one per line")
+    p.add_argument("--json", metavar="PATH", help="write the kept / dropped lists and fractions as JSON")
+    p.set_defaults(fn=cmd_filter)
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+
+def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.tasks.format import find_task_dirs
+    from albatross.tasks.gates import GateOptions, format_table, reports_json, validate
+
+    if args.reruns < 2 or args.parallel < 0:
+        return _user_error("--reruns must be at least 2 and --parallel at least 0")
+    dirs = find_task_dirs(args.dirs)
+    from albatross.sandbox import local_available
+
+    if not local_available():  # leakage and offline cannot be judged without isolation
+        return _user_error("the gates need the isolated local sandbox (root, cgroup v1 memory and pids, "
+                           "namespaces, overlayfs), which this machine lacks")
+    backend = _backend("local", [])
+    try:
+        reports = validate(dirs, backend, GateOptions(reruns=args.reruns, parallelism=args.parallel),
+                           progress=lambda r: print(f"[gates] {r.task}: {'passed' if r.passed else 'FAILED'} "
+                                                    f"({r.seconds:.1f} s)", flush=True))
+    finally:
+        backend.close()
+    print(format_table(reports), flush=True)
+    if args.json:
+        _write_json(args.json, reports_json(reports))
+    return 0 if all(r.passed for r in reports) else EXIT_FAILED
+
+
+def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.config import load_config
+    from albatross.tasks.format import load_tasks
+    from albatross.tasks.probe import MIN_ATTEMPTS, format_table, probe, write_json
+
+    cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
+    attempts = args.attempts or cfg.orchestrator.group_size
+    if attempts < MIN_ATTEMPTS:
+        return _user_error(f"--attempts must be at least {MIN_ATTEMPTS}, got {attempts}")
+    tasks = load_tasks(args.dirs)
+    try:
+        weights = _weights(args.gates)
+    except ValueError as e:
+        return _user_error(f"{args.gates}: not a `tasks validate --json` report ({e})")
+    backend = _backend(args.sandbox or cfg.sandbox.type, [*args.dirs, args.model])
+    engine = None
+    try:
+        agent, engine = _model_agent(cfg, backend, Path(args.model), Path(args.tokenizer or args.model))
+        from albatross.orchestrator.buffer import GroupScorer
+
+        rows = probe(agent, tasks, attempts, GroupScorer(cfg.rl, weights), retries=cfg.sandbox.max_infra_retries,
+                     workers=cfg.orchestrator.rollout_workers,
+                     progress=lambda r: print(f"[probe] {r.task}: {r.successes}/{r.attempts}", flush=True))
+    finally:
+        if engine is not None:
+            engine.close()
+        backend.close()
+    print(format_table(rows), flush=True)
+    if args.json:
+        config = {"model": str(Path(args.model).resolve()), "attempts": attempts,
+                  "group_size": cfg.orchestrator.group_size, "config": args.config, "overrides": args.set or []}
+        write_json(args.json, rows, config)
+    return 0
+
+
+def cmd_filter(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.tasks.filter import filter_rows, format_report
+    from albatross.tasks.probe import read_json
+
+    try:
+        rows, config = read_json(args.probe_json)
+        group_size = args.group_size or int(config.get("group_size") or 8)
+        result = filter_rows(rows, args.low, args.high, group_size)
+    except ValueError as e:
+        return _user_error(str(e))
+    print(format_report(result), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("".join(f"{r.path}\n" for r in result.kept))
+    if args.json:
+        _write_json(args.json, result.to_dict())
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path) -> tuple[Any, Any]:
+    """The training harness around the model in ``model_dir`` (built-in engine), and the engine."""
+    import torch
+
+    from albatross.demo import make_agent
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.harness.chat import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir / 'config.json'}: missing (--model must be a model directory)")
+    torch.set_num_threads(cfg.engine.threads)
+    engine = BuiltinEngine(str(model_dir), max_batch_size=cfg.engine.max_batch_size)
+    return make_agent(cfg, engine, backend, tokenizer), engine
+
+
+def _backend(kind: str, hide: list[str]) -> Any:
+    from albatross.sandbox import local_available, make_backend
+    from albatross.tasks.offline import cache_root
+
+    if kind == "auto":
+        kind = "local" if local_available() else "process"
+    if kind == "process":
+        return make_backend("process")
+    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]])
+
+
+def _weights(path: str | None) -> dict[str, dict[str, float]]:
+    if not path:
+        return {}
+    from albatross.tasks.gates import load_test_weights
+
+    try:
+        return load_test_weights(path)
+    except (AttributeError, TypeError) as e:
+        raise ValueError(str(e)) from None
+
+
+def _normalise(override: str) -> str:
+    key, sep, value = override.partition("=")
+    return key.replace("-", "_") + sep + value
+
+
+def _write_json(path: str, data: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _user_error(message: str) -> int:
+    print(f"albatross: error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR

@@ -1,0 +1,190 @@
+"""Remote engines against a deterministic fake of SGLang's HTTP API (backed by the built-in engine): parsing,
+versions, weight reloads, pause/resume, retries with backoff, and clear errors for missing or wrong servers.
+The vLLM client is tested against a real vLLM server in tests/integration/test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from albatross.engine import BuiltinEngine, SamplingParams
+from albatross.engine.remote import HTTPClient, RemoteError, SGLangEngine, VLLMEngine, spans_to_versions
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
+    )
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+class FakeSGLang:
+    """SGLang's /generate, /update_weights_from_disk, /pause_generation, /continue_generation, /health and
+    /model_info, answered by a BuiltinEngine; ``fail_next`` answers that many requests with 503 first."""
+
+    def __init__(self, engine: BuiltinEngine, model_info: bool = True) -> None:
+        self.engine, self.model_info = engine, model_info
+        self.weight_version = "0"
+        self.fail_next = 0
+        self.calls: list[str] = []
+        self.paused = False
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+    def answer(self, method: str, path: str, body: dict) -> tuple[int, object]:
+        self.calls.append(path)
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return 503, {"error": "busy"}
+        if (method, path) == ("GET", "/health"):
+            return 200, None
+        if (method, path) == ("GET", "/model_info") and self.model_info:
+            return 200, {"model_path": "fake", "weight_version": self.weight_version}
+        if (method, path) == ("POST", "/generate"):
+            return 200, self.generate(body)
+        if (method, path) == ("POST", "/update_weights_from_disk"):
+            self.engine.update_weights(body["model_path"], int(body["weight_version"]))
+            self.weight_version = body["weight_version"]
+            return 200, {"success": True, "message": "ok", "num_paused_requests": 0}
+        if (method, path) in (("POST", "/pause_generation"), ("POST", "/continue_generation")):
+            self.paused = path == "/pause_generation"
+            return 200, {"status": "ok"}
+        return 404, {"detail": "Not Found"}
+
+    def generate(self, body: dict) -> dict:
+        sp = body["sampling_params"]
+        params = SamplingParams(temperature=sp["temperature"], top_p=sp["top_p"], top_k=max(0, sp["top_k"]),
+                                max_tokens=sp["max_new_tokens"], stop_token_ids=sp["stop_token_ids"],
+                                seed=sp.get("sampling_seed"))
+        c = self.engine.generate([body["input_ids"]], params)[0]
+        meta = {"finish_reason": {"type": c.finish_reason, "matched": c.stop_reason},
+                "weight_version": self.weight_version, "prompt_tokens": len(body["input_ids"]),
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]}
+        return {"output_ids": c.token_ids, "meta_info": meta}
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._reply("GET")
+
+            def do_POST(self) -> None:
+                self._reply("POST")
+
+            def _reply(self, method: str) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}")
+                status, payload = fake.answer(method, self.path, body)
+                data = b"" if payload is None else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler
+
+
+@pytest.fixture
+def fake():
+    torch.set_num_threads(1)
+    engine = BuiltinEngine(tiny_model(0))
+    server = FakeSGLang(engine)
+    yield server
+    server.close()
+    engine.close()
+
+
+def test_sglang_generation_returns_ids_logprobs_and_versions(fake) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
+    with SGLangEngine(fake.url) as remote:
+        got = remote.generate([[5, 6, 7], [9, 10]], params)
+    want = fake.engine.generate([[5, 6, 7], [9, 10]], params)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs)
+        assert g.versions == [0] * 8 and g.finish_reason == "length"
+
+
+def test_sglang_weight_reload_labels_later_tokens(fake, tmp_path: Path) -> None:
+    state = {k: v.clone() for k, v in tiny_model(1).state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with SGLangEngine(fake.url) as remote:
+        remote.pause()
+        assert fake.paused
+        remote.resume()
+        assert not fake.paused
+        remote.update_weights(str(tmp_path), 3)
+        assert remote.version == 3
+        out = remote.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0]
+        with pytest.raises(FileNotFoundError):
+            remote.update_weights(str(tmp_path / "missing"), 4)
+    assert out.versions == [3] * 4
+    assert fake.engine.version == 3
+
+
+def test_retries_with_backoff_then_succeeds(fake) -> None:
+    with SGLangEngine(fake.url) as remote:
+        fake.fail_next = 2
+        remote.http.backoff = 0.01
+        out = remote.generate([[5, 6]], SamplingParams(temperature=0.0, max_tokens=2))[0]
+        assert len(out.token_ids) == 2
+        assert fake.calls[-3:] == ["/generate"] * 3
+        fake.fail_next = 10
+        with pytest.raises(RemoteError, match="failed after 4 tries: HTTP 503"):
+            remote.generate([[5, 6]], SamplingParams(max_tokens=2))
+
+
+def test_a_client_error_is_not_retried(fake) -> None:
+    client = HTTPClient(fake.url, retries=3, backoff=0.01)
+    with pytest.raises(RemoteError, match="HTTP 404"):
+        client.call("POST", "/nothing", {})
+    assert fake.calls == ["/nothing"]
+
+
+def test_missing_and_incompatible_servers_are_clear_errors() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RemoteError, match="no healthy sglang server"):
+        SGLangEngine(f"http://127.0.0.1:{port}", connect_timeout=0.5)
+    engine = BuiltinEngine(tiny_model(0))
+    not_sglang = FakeSGLang(engine, model_info=False)
+    try:
+        with pytest.raises(RemoteError, match="not an SGLang server"):
+            SGLangEngine(not_sglang.url)
+        with pytest.raises(RemoteError, match="/v1/models"):  # nor a vLLM server
+            VLLMEngine(not_sglang.url, retries=0)
+    finally:
+        not_sglang.close()
+        engine.close()
+
+
+def test_vllm_weight_version_spans_become_per_token_versions() -> None:
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert spans_to_versions(spans, 5, default=0) == [3, 3, 4, 4, 4]
+    assert spans_to_versions(None, 3, default=7) == [7, 7, 7]
