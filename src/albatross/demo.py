@@ -88,13 +88,22 @@ class Demo:
                 loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log,
                                  resume=self.resume)
                 state = loop.run()
+                (self.out / "eval_trained.jsonl").unlink(missing_ok=True)  # a resumed run evaluates anew
                 trained = evaluate(agent, heldout, cfg.eval.trials, out_jsonl=self.out / "eval_trained.jsonl")
                 self.log(f"[eval] trained held-out pass@1 {trained.pass_at_1:.3f}")
             finally:
                 engine.close()
         finally:
             backend.close()
-        return self._summary(base, trained, state, loop, len(heldout), time.monotonic() - t0)
+        summary = self._summary(base, trained, state, loop, len(heldout), time.monotonic() - t0)
+        self._report()
+        return summary
+
+    def _report(self) -> None:
+        from albatross.eval.report import write_report
+
+        path = write_report([self.out], self.out / "report.html")
+        self.log(f"[report] {path}")
 
     def _prepare_out(self) -> None:
         """A fresh run starts from an empty output directory; a resumed one keeps everything."""
@@ -109,16 +118,21 @@ class Demo:
         (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
 
     def _base_eval(self, agent, heldout):
-        from albatross.eval.run import EvalResult, evaluate
-        from albatross.records import Trajectory, read_jsonl
+        """Evaluate the base model; a resumed run only runs the (task, trial) pairs not yet scored."""
+        from albatross.eval.run import EvalResult, evaluate, final_records, finished_pairs, load_attempts
+        from albatross.records import STATUS_INFRA_ERROR, Trajectory
 
         path = self.out / "eval_base.jsonl"
-        rows = read_jsonl(path)
-        if self.resume and len(rows) == len(heldout) * self.cfg.eval.trials:
-            self.log("[resume] base evaluation already done")
-            return EvalResult([Trajectory.from_dict(r) for r in rows])
-        path.unlink(missing_ok=True)
-        return evaluate(agent, heldout, self.cfg.eval.trials, out_jsonl=path)
+        if not self.resume:
+            path.unlink(missing_ok=True)
+        done = finished_pairs(load_attempts(path))
+        if done:
+            self.log(f"[resume] base evaluation: {len(done)} attempts already scored")
+        evaluate(agent, heldout, self.cfg.eval.trials, out_jsonl=path, skip=done)
+        rows = load_attempts(path)
+        result = EvalResult([Trajectory.from_dict(r) for r in final_records(rows).values()])
+        result.counts["infra_error_attempts"] = sum(r.get("status") == STATUS_INFRA_ERROR for r in rows)
+        return result
 
     def _tasks(self):
         from albatross.tasks.builtin import generate_tasks

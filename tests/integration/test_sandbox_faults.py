@@ -146,7 +146,7 @@ def test_a_thousand_forks_and_closes_leave_the_machine_as_it_was(tmp_path: Path)
                 assert zygote is not None
                 zygote_mounts = Path(f"/proc/{zygote.proc.pid}/mountinfo").read_text()
         assert Path(f"/proc/{zygote.proc.pid}/mountinfo").read_text() == zygote_mounts  # no growth inside
-        assert backend.live_attempts() <= 2  # only the warm ones
+        assert backend.live_attempts() <= backend._pool.size  # only the warm ones
     finally:
         backend.close()
     assert _machine_state() == before

@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from albatross.engine import BuiltinEngine, SamplingParams
-from albatross.engine.remote import RemoteError, VLLMEngine, launch_vllm, stop_server, vllm_python
+from albatross.engine.remote import (
+    RemoteError,
+    VLLMEngine,
+    add_lm_head,
+    launch_vllm,
+    stop_server,
+    tied_without_lm_head,
+    vllm_python,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +43,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> tuple[Path, Path]:
-    """The demo model (v0) and a second set of weights (v1) in checkpoint directories."""
+    """The demo model (v0) and a second set of weights (v1) in checkpoint directories, with an explicit
+    lm_head.weight (see ``tied_without_lm_head``)."""
     from albatross.config import ModelConfig
     from albatross.harness.chat import TinyTokenizer
     from albatross.tasks.builtin import corpus_strings
@@ -43,8 +52,13 @@ def weights(tmp_path_factory) -> tuple[Path, Path]:
 
     tok = TinyTokenizer.from_corpus(corpus_strings())
     root = tmp_path_factory.mktemp("vllm-weights")
-    return (save_model(build_tiny(ModelConfig(), tok, seed=0), tok, root / "v0"),
+    dirs = (save_model(build_tiny(ModelConfig(), tok, seed=0), tok, root / "v0"),
             save_model(build_tiny(ModelConfig(), tok, seed=1), tok, root / "v1"))
+    for d in dirs:
+        assert tied_without_lm_head(d)
+        add_lm_head(d)
+        assert not tied_without_lm_head(d)
+    return dirs
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +162,21 @@ def test_weight_reload_during_generation_labels_tokens_by_version(vllm_url, weig
     assert len(versions) == 400
     assert versions == sorted(versions) and set(versions) <= {5, 6}
     print(f"\ntokens by version across a reload: 5: {versions.count(5)}, 6: {versions.count(6)}")
+
+
+@needs_vllm
+def test_a_tied_checkpoint_without_lm_head_is_refused(vllm_url, weights, tmp_path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tied = tmp_path / "tied"
+    shutil.copytree(weights[1], tied)
+    state = load_file(str(tied / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(tied / "model.safetensors"))
+    with VLLMEngine(vllm_url) as remote, pytest.raises(RemoteError, match="lm_head"):
+        remote.update_weights(str(tied), 9)
 
 
 def test_missing_server_is_a_clear_error() -> None:

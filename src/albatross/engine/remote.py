@@ -254,6 +254,11 @@ class VLLMEngine(RemoteEngine):
         """Reload the checkpoint directory ``path`` in place and label later tokens ``version``."""
         if not Path(path).is_dir():
             raise FileNotFoundError(f"weights directory not found: {path}")
+        if tied_without_lm_head(path):
+            raise RemoteError(f"{path}: tied word embeddings and no lm_head.weight: vLLM's in-place reload would "
+                              "leave its output layer at the old weights; write it with "
+                              "albatross.engine.remote.add_lm_head(dir) (and start the server from such a "
+                              "checkpoint)")
         for route in ("/collective_rpc", "/update_weight_version"):
             self._need(route)
         paused = "/pause" in self.routes and "/resume" in self.routes
@@ -269,6 +274,46 @@ class VLLMEngine(RemoteEngine):
         finally:
             if paused:
                 self.resume()
+
+
+def _safetensors_keys(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def tied_without_lm_head(path: str | Path) -> bool:
+    """Whether ``path``'s config ties the word embeddings while its safetensors hold no ``lm_head.weight``.
+
+    vLLM 0.32 ties such a model's ``lm_head`` to ``embed_tokens`` at load, and its in-place reload
+    (``reload_weights``) then updates the embedding but not the ``lm_head`` (checked here: log-probs after a
+    reload match the new weights with the old output layer). A checkpoint that carries ``lm_head.weight`` is
+    loaded untied, and both are reloaded."""
+    root = Path(path)
+    config = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", True))
+    return bool(tied) and "lm_head.weight" not in _safetensors_keys(root)
+
+
+def add_lm_head(path: str | Path) -> None:
+    """Add ``lm_head.weight`` (a copy of the input embedding) to a tied checkpoint, in place."""
+    from safetensors.torch import load_file, save_file
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors"))
+    for file in files:
+        state = load_file(str(file))
+        if "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+            tmp = file.with_suffix(".tmp")
+            save_file(state, str(tmp), metadata={"format": "pt"})
+            tmp.replace(file)
+            return
+    raise ValueError(f"{root}: no model.embed_tokens.weight in its safetensors files")
 
 
 # ------------------------------------------------------------------------------------------------ SGLang

@@ -321,22 +321,10 @@ def _load_tokenizer(directory: Path) -> Any:
 
 
 def _harness_agent(cfg: Any, engine: Any, backend: Any, tokenizer: Any) -> Any:
-    """The training harness: ``demo.make_agent`` for the demo's tiny tokenizer; the same agent with the
-    tokenizer's own chat template (``make_chat_format``) for a transformers one."""
-    from albatross.demo import make_agent
-    from albatross.harness.chat import TinyTokenizer, make_chat_format
+    """The training harness of the run config, with the tokenizer's chat format (``build_agent``)."""
+    from albatross.harness.agent import build_agent
 
-    if isinstance(tokenizer, TinyTokenizer):
-        return make_agent(cfg, engine, backend, tokenizer)
-    from albatross.engine.base import SamplingParams
-    from albatross.harness.agent import Agent
-    from albatross.sandbox.base import Limits
-
-    sc, sp = cfg.sandbox, cfg.sampling
-    limits = Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb,
-                    command_timeout_s=sc.command_timeout_s)
-    sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k)
-    return Agent(engine, backend, make_chat_format(tokenizer, cfg.harness), cfg.harness, sampling, limits)
+    return build_agent(cfg, engine, backend, tokenizer)
 
 
 def _writer(path: Path, tasks: list, label: str, price: Any, progress: Progress):

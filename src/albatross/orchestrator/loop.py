@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from albatross.config import RunConfig
+from albatross.eval.run import run_attempt
 from albatross.harness.agent import Agent, AttemptSpec
 from albatross.orchestrator.buffer import BatchBuilder, GroupScorer
 from albatross.orchestrator.metrics import MetricsSink
@@ -40,20 +41,12 @@ def run_with_retries(agent: Agent, spec: AttemptSpec, retries: int, counts: Coun
     """Run an attempt; an infrastructure error is retried on a fresh fork, never scored. Each failed
     try is counted in ``infra_error_attempts`` and by kind in ``infra_error:<kind>`` (the error's class:
     ForkError, SandboxDied, VerifierError, ...)."""
-    traj = agent.run(spec)
-    for _ in range(retries):
-        if traj.status != STATUS_INFRA_ERROR:
-            break
-        _count_infra_error(traj, counts)
-        traj = agent.run(spec)
-    if traj.status == STATUS_INFRA_ERROR:
-        _count_infra_error(traj, counts)
-    return traj
 
+    def count_kind(traj: Trajectory) -> None:
+        if traj.status == STATUS_INFRA_ERROR:
+            counts[f"infra_error:{traj.error.split(':', 1)[0].strip() or 'unknown'}"] += 1
 
-def _count_infra_error(traj: Trajectory, counts: Counter) -> None:
-    counts["infra_error_attempts"] += 1
-    counts[f"infra_error:{traj.error.split(':', 1)[0].strip() or 'unknown'}"] += 1
+    return run_attempt(agent, spec, retries, counts, on_try=count_kind)
 
 
 @dataclass
