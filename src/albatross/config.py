@@ -57,6 +57,11 @@ class SandboxConfig(_Section):
     disk_mb: int = Field(256, gt=0, description="Limit on bytes an attempt may write (MiB).")
     command_timeout_s: float = Field(10.0, gt=0, description="Wall-time limit per command.")
     max_infra_retries: int = Field(3, ge=0, description="Fresh forks tried after an infrastructure error.")
+    attempt_timeout_s: float = Field(0.0, ge=0, description="Wall-time limit of an attempt from its fork, "
+                                     "enforced by the sandbox (0 = none; the harness has its own budget).")
+    base: Literal["host", "debian"] = Field("host", description="`local` base root: the host's own root "
+                                           "(read-only, instant) or a debootstrap Debian root built once.")
+    warm: int = Field(3, ge=0, description="`local`: ready pre-forked attempts kept per recent environment.")
 
 
 class HarnessConfig(_Section):

@@ -152,9 +152,9 @@ class Demo:
         return train, heldout, demo_tokenizer(tc.families)
 
     def _backend(self):
-        from albatross.sandbox import make_backend
+        from albatross.sandbox import backend_from_config
 
-        backend = make_backend(self.cfg.sandbox.type, hide_paths=[str(self.out), str(cache_root())])
+        backend = backend_from_config(self.cfg.sandbox, hide_paths=[str(self.out), str(cache_root())])
         self.log(f"[sandbox] backend {backend.name} (isolated: {backend.isolated})")
         return backend
 

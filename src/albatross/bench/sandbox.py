@@ -3,10 +3,11 @@
 Every fork is of a real task parent (a Dockerfile with WORKDIR and COPY, built once) and runs
 ``echo ok`` in the fresh attempt, one after the other. Fork-to-first-output runs from ``fork()`` to the
 first byte of ``ok`` reaching the host; fork-to-command-end to ``exec`` returning (the command has
-exited and the holder has reported it). Close is ``close()`` returning with
-every process, mount and cgroup of the attempt gone. Throughput runs N workers that each fork, run
-``echo ok`` and close in a loop, so up to N attempts are alive at once; any exception or wrong output
-counts as a failure. The reference is ``sh -c 'echo ok'`` spawned and read the same way, unsandboxed.
+exited and the holder has reported it). Close is ``close()`` returning with every process, mount and
+cgroup of the attempt gone. Throughput runs N threads that each fork, run ``echo ok``, wait until all N
+attempts are alive at once, close, and start over; any exception or wrong output counts as a failure.
+The reference is ``sh -c 'echo ok'`` spawned and read the same way, unsandboxed. The machine's load
+average is recorded with the figures: on a shared machine they move with it.
 """
 
 from __future__ import annotations
@@ -90,26 +91,35 @@ def measure_forks(backend: Any, env_dir: Path, n: int) -> ForkTimes:
 
 
 def measure_concurrent(backend: Any, env_dir: Path, workers: int, total: int) -> tuple[float, int, int]:
-    """(forks per second, failures, most attempts alive at once) with ``workers`` fork loops."""
-    per_worker = max(1, total // workers)
+    """(forks per second, failures, most attempts alive at once): ``workers`` threads each fork, run
+    ``echo ok``, wait until every other thread has done the same (all attempts alive at once), close,
+    and start over, for ``total`` forks in all."""
+    rounds = max(1, total // workers)
+    barrier = threading.Barrier(workers)
     lock = threading.Lock()
     state = {"failures": 0, "alive": 0, "peak": 0}
 
+    def one_round() -> None:
+        attempt = None
+        try:
+            attempt = backend.fork(env_dir)
+            ok = attempt.exec("echo ok").output == "ok\n"
+        except Exception:  # noqa: BLE001 - a benchmark counts failures, it does not stop on them
+            ok = False
+        with lock:
+            state["failures"] += not ok
+            state["alive"] += attempt is not None
+            state["peak"] = max(state["peak"], state["alive"])
+        barrier.wait()
+        if attempt is not None:
+            attempt.close()
+            with lock:
+                state["alive"] -= 1
+        barrier.wait()
+
     def loop() -> None:
-        for _ in range(per_worker):
-            try:
-                with backend.fork(env_dir) as attempt:
-                    with lock:
-                        state["alive"] += 1
-                        state["peak"] = max(state["peak"], state["alive"])
-                    ok = attempt.exec("echo ok").output == "ok\n"
-                    with lock:
-                        state["alive"] -= 1
-            except Exception:  # noqa: BLE001
-                ok = False
-            if not ok:
-                with lock:
-                    state["failures"] += 1
+        for _ in range(rounds):
+            one_round()
 
     threads = [threading.Thread(target=loop) for _ in range(workers)]
     start = time.perf_counter()
@@ -118,7 +128,7 @@ def measure_concurrent(backend: Any, env_dir: Path, workers: int, total: int) ->
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    return per_worker * workers / wall, state["failures"], state["peak"]
+    return rounds * workers / wall, state["failures"], state["peak"]
 
 
 def _make_env(root: Path) -> Path:

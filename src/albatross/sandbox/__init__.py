@@ -45,6 +45,13 @@ __all__ = [
 ]
 
 
+def backend_from_config(sc: Any, hide_paths: list[str] | None = None) -> Backend:
+    """The backend a run's ``[sandbox]`` config section describes."""
+    if sc.type == "local":
+        return make_backend("local", hide_paths=hide_paths or [], base=sc.base, warm=sc.warm)
+    return make_backend(sc.type, hide_paths=hide_paths or [])
+
+
 def make_backend(kind: str, **kw: Any) -> Backend:
     """Create the sandbox backend named ``kind`` ("local" or "process") with its keyword options."""
     try:
