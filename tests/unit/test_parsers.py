@@ -67,3 +67,12 @@ def test_malformed_tool_calls_say_what_is_wrong(text, message):
     with pytest.raises(FormatError, match=message) as err:
         tool_parser().parse(text)
     assert str(err.value).startswith("Format error:")
+
+
+def test_sandbox_limit_is_named_to_the_agent():
+    from albatross.harness.tools import format_observation
+    from albatross.sandbox.base import ExecResult
+
+    obs = format_observation(ExecResult("partial\n", 137, limit="oom"), 400)
+    assert "out of memory" in obs and "137" in obs
+    assert format_observation(ExecResult("ok\n", 0), 400) == "ok\n"

@@ -102,7 +102,18 @@ def looks_binary(text: str) -> bool:
     return len(_CONTROL_RE.findall(text)) > max(2, len(text) // 20)
 
 
-def status_suffix(exit_code: int, timed_out: bool, seconds: float) -> str:
+_LIMIT_NOTES = {
+    "oom": "out of memory: the command was killed by the sandbox's memory limit",
+    "pids": "too many processes: the sandbox's process limit was reached",
+    "disk": "disk full: the sandbox's limit on bytes written was reached",
+    "attempt_timeout": "the attempt's time limit was reached",
+}
+
+
+def status_suffix(exit_code: int, timed_out: bool, seconds: float, limit: str = "") -> str:
+    """The exit status as the agent sees it; a sandbox limit (ExecResult.limit) is named."""
+    if limit in _LIMIT_NOTES:
+        return f"\n[{_LIMIT_NOTES[limit]}; exit code {exit_code}]\n"
     if timed_out:
         return f"\n[command timed out after {seconds:.0f}s and was killed]\n"
     if exit_code != 0:
@@ -115,7 +126,7 @@ def format_observation(result: ExecResult, limit: int) -> str:
     out = truncate_middle(result.output, limit)
     if result.truncated_bytes:
         out += f"\n[{result.truncated_bytes} more bytes of output were dropped]\n"
-    return out + status_suffix(result.exit_code, result.timed_out, result.seconds)
+    return out + status_suffix(result.exit_code, result.timed_out, result.seconds, result.limit)
 
 
 @dataclass
@@ -208,7 +219,8 @@ class Toolbox:
             rendered = self._render_file(path, result)
         else:
             result.exit_code = rendered.exit_code
-        text = self._show(rendered) + status_suffix(result.exit_code, result.timed_out, result.seconds)
+        text = self._show(rendered) + status_suffix(result.exit_code, result.timed_out, result.seconds,
+                                                    result.limit)
         return Observation(text, result.exit_code, result.timed_out, result.seconds)
 
     def _functions(self) -> tuple[str, str]:
