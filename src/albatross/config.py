@@ -112,6 +112,9 @@ class RLConfig(_Section):
     topk: int = Field(2, ge=1, description="k of `topk` centering.")
     success_offset: float = Field(0.0, description="delta: add delta * (y_i - mean y) to advantages.")
     cap_failures: bool = Field(False, description="Cap the advantage of failed attempts at 0.")
+    negative_scale: float = Field(1.0, ge=0, le=1, description="Weight of negative advantages. Below 1, "
+                                  "failures are pushed down less than successes are pulled up (for tiny "
+                                  "models, whose successes otherwise lose probability as a side effect).")
     partial_credit_c: float = Field(0.5, ge=0, lt=1, description="c: a failure scores c * fraction of tests passed.")
     efficiency_lambda: float = Field(0.1, ge=0, description="lambda of the efficiency term for successes.")
     loss: Literal["tis", "ppo_clip", "masked_is", "cispo"] = Field("tis", description="Policy loss.")

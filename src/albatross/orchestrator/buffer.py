@@ -42,7 +42,8 @@ class GroupScorer:
             group.advantages = [0.0] * len(trajs)
             return group
         advantages, _ = self.advantage_fn(scores, successes)
-        group.advantages = [float(a) for a in advantages]
+        neg = self.cfg.negative_scale
+        group.advantages = [float(a) if a >= 0 else float(a) * neg for a in advantages]
         return group
 
 

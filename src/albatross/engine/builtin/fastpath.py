@@ -57,6 +57,19 @@ def attention_mask(mask_BL: torch.Tensor | None, T: int, L: int) -> torch.Tensor
     return allowed_BTL[:, None]
 
 
+def _attend(q_BHTD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """SDPA with grouped KV heads. One query per row (decoding): the query heads that share a KV head become
+    that head's query rows, so K and V are read once instead of being expanded per query head."""
+    B, H, T, D = q_BHTD.shape
+    groups = H // k_BKLD.shape[1]
+    if T == 1 and groups > 1:
+        q_BKGD = q_BHTD.reshape(B, k_BKLD.shape[1], groups, D)
+        o = F.scaled_dot_product_attention(q_BKGD, k_BKLD, v_BKLD, attn_mask=mask, scale=scale)
+        return o.reshape(B, H, 1, D)
+    return F.scaled_dot_product_attention(q_BHTD, k_BKLD, v_BKLD, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 def forward(
     model: torch.nn.Module, ids_BT: torch.Tensor, mask_BL: torch.Tensor | None, pos_BT: torch.Tensor,
     cache: object, last_only: bool,
@@ -78,7 +91,7 @@ def forward(
         v = attn.v_proj(x).view(B, T, -1, attn.head_dim).transpose(1, 2)
         q, k = _rope(q, cos_B1TD, sin_B1TD), _rope(k, cos_B1TD, sin_B1TD)
         k_all, v_all = kv.update(k, v)
-        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        o = _attend(q, k_all, v_all, mask, attn.scaling)
         h_BTC = h_BTC + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         x = _rms(h_BTC, layer.post_attention_layernorm)
         mlp = layer.mlp
