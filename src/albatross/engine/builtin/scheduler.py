@@ -45,17 +45,12 @@ def _resolver(future: Future[Completion]) -> Done:
 class Scheduler:
     """Continuous batching of requests from many threads onto one runner; see the module docstring."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, max_prefill_tokens: int = 8192,
-                 admit_every: int = 1) -> None:
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, max_prefill_tokens: int = 8192) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.admit_every = admit_every
-        """While rows are running, waiting requests are admitted at most every this many decode steps (sooner
-        when a quarter of the batch is waiting): fewer, larger prefill passes."""
-        self._since_admit = 0
         self.step_hook: Callable[[], None] | None = None
         """Called by the worker before every forward pass (tests use it to act at a known step)."""
         self._cond = threading.Condition()
@@ -137,11 +132,6 @@ class Scheduler:
 
     def _take_joiners(self) -> list[tuple[Request, Future[Completion]]]:
         room = self.max_batch_size - self.runner.n_running
-        self._since_admit += 1
-        running = self.runner.n_running
-        if running and self._since_admit < self.admit_every and len(self._pending) < max(1, room // 4):
-            return []
-        self._since_admit = 0
         joiners: list[tuple[Request, Future[Completion]]] = []
         tokens = 0
         while self._pending and len(joiners) < room:
