@@ -27,3 +27,16 @@ def test_trajectory_json_roundtrip(tmp_path):
     assert len(rows) == 1
     back = Trajectory.from_dict(json.loads(json.dumps(rows[0])))
     assert back == t
+
+
+def test_prune_keeps_what_state_needs(tmp_path):
+    from albatross.orchestrator.state import prune_before
+
+    (tmp_path / "checkpoints").mkdir()
+    for v in range(1, 6):
+        (tmp_path / "checkpoints" / f"trainer-v{v:06d}.pt").write_text("x")
+        (tmp_path / "weights" / f"v{v:06d}").mkdir(parents=True)
+    prune_before(tmp_path, 3, keep_weights=2)  # the trainer ran ahead to v5; state names v3
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "trainer-v000003.pt", "trainer-v000004.pt", "trainer-v000005.pt"]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000003", "v000004", "v000005"]

@@ -27,7 +27,7 @@ from albatross.eval.run import run_attempt
 from albatross.harness.agent import Agent, AttemptSpec
 from albatross.orchestrator.buffer import BatchBuilder, GroupScorer
 from albatross.orchestrator.metrics import MetricsSink
-from albatross.orchestrator.state import RunState, TaskSampler, count_lines, truncate_lines
+from albatross.orchestrator.state import RunState, TaskSampler, count_lines, prune_before, truncate_lines
 from albatross.orchestrator.trainer_worker import trainer_main
 from albatross.records import STATUS_INFRA_ERROR, Group, Trajectory, append_jsonl
 from albatross.tasks.format import Task
@@ -101,6 +101,7 @@ class AsyncLoop:
         s.elapsed_s += time.monotonic() - self._t0
         self._t0 = time.monotonic()
         s.save(self.run_dir)
+        prune_before(self.run_dir, s.version, self.cfg.trainer.keep_versions)
 
     # ---- processes ----------------------------------------------------------------------------
     def run(self) -> RunState:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,18 @@ class TaskSampler:
         self.order, self.pos = list(state["order"]), int(state["pos"])
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
+
+
+def prune_before(run_dir: Path, version: int, keep_weights: int) -> None:
+    """Delete trainer checkpoints older than ``version`` and exported weights older than the newest
+    ``keep_weights`` up to it. Only the orchestrator prunes, after state.json names ``version``: the
+    trainer may run ahead of the saved state, and a resume needs exactly that version's files."""
+    for ckpt in (run_dir / "checkpoints").glob("trainer-v*.pt"):
+        if int(ckpt.stem.split("-v")[1]) < version:
+            ckpt.unlink(missing_ok=True)
+    for wdir in (run_dir / "weights").glob("v*"):
+        if wdir.is_dir() and wdir.name[1:].isdigit() and int(wdir.name[1:]) <= version - keep_weights:
+            shutil.rmtree(wdir, ignore_errors=True)
 
 
 def count_lines(path: Path) -> int:

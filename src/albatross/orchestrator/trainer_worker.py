@@ -48,7 +48,8 @@ def _serve(model_dir: str, run_dir: Path, cfg_json: str, batch_q: Any, result_q:
         if batch is None:
             return
         metrics = trainer.step(batch, current_version=trainer.version)
-        path = export_weights(trainer.model, run_dir / "weights", trainer.version, keep=cfg.trainer.keep_versions)
+        # no pruning here: the orchestrator prunes once its state.json no longer needs a version
+        path = export_weights(trainer.model, run_dir / "weights", trainer.version, keep=1 << 30)
         ckpt = ""
         if trainer.version % every == 0:
             ckpt = str(save_checkpoint(trainer, run_dir / "checkpoints"))
@@ -56,13 +57,11 @@ def _serve(model_dir: str, run_dir: Path, cfg_json: str, batch_q: Any, result_q:
                       "trainer_wait_s": wait_s})
 
 
-def save_checkpoint(trainer, directory: Path, keep: int = 2) -> Path:
-    """Save trainer + optimizer state for version ``trainer.version``; keep the last ``keep``."""
+def save_checkpoint(trainer, directory: Path) -> Path:
+    """Save trainer + optimizer state for version ``trainer.version`` (atomically, via the trainer)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"trainer-v{trainer.version:06d}.pt"
     trainer.save(path)
-    for old in sorted(directory.glob("trainer-v*.pt"))[:-keep]:
-        old.unlink(missing_ok=True)
     return path
 
 
