@@ -5,7 +5,15 @@ import random
 import pytest
 import torch
 
-from albatross.bench.trainer import agent_lengths, fit_max_len, padded_step, synthetic_batch
+from albatross.bench.trainer import (
+    MEMORY_CONFIGS,
+    agent_lengths,
+    fit_line,
+    fit_max_len,
+    padded_step,
+    sweep_plan,
+    synthetic_batch,
+)
 from albatross.trainer.model import tiny_causal_lm
 from albatross.trainer.step import Trainer
 
@@ -31,9 +39,20 @@ def test_padded_baseline_is_the_same_loss_and_update():
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_fit_max_len_extrapolates_the_last_two_points():
+def test_fit_max_len_extrapolates_a_least_squares_line():
     points = [{"seq_len": 4096, "peak_gib": 2.0}, {"seq_len": 8192, "peak_gib": 3.0}]
-    # 1 GiB per 4096 tokens: 24 GiB is reached 21 * 4096 tokens after 8192
-    assert fit_max_len(points, 24.0) == 8192 + 21 * 4096
+    # 1 GiB per 4096 tokens from 1 GiB at 0: 24 GiB at 23 * 4096 tokens
+    assert fit_line(points) == pytest.approx((1.0, 1 / 4096))
+    assert fit_max_len(points, 24.0) == 23 * 4096
+    noisy = [*points, {"seq_len": 16384, "peak_gib": 5.5}]  # residuals pull the slope up a little
+    intercept, slope = fit_line(noisy)
+    assert slope == pytest.approx(3.5 / 12288, rel=0.2) and slope > 1 / 4096
     assert fit_max_len(points[:1]) is None
     assert fit_max_len([points[0], {"seq_len": 8192, "peak_gib": 2.0}]) is None
+
+
+def test_sweep_plan_runs_the_main_curve_before_the_rest():
+    plan = sweep_plan([4096, 8192, 16384])
+    assert plan[:4] == [(name, 4096) for name in MEMORY_CONFIGS]
+    assert plan[4:6] == [("chunked+ckpt", 8192), ("chunked+ckpt", 16384)]
+    assert len(plan) == 4 * 3

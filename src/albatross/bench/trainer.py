@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, help="longest sequence of the memory sweep "
                    "(default 32768; quick 8192)")
     p.add_argument("--memory-budget-s", type=float, help="wall-time budget of the memory sweep "
-                   "(default 480 s; quick 150 s)")
+                   "(default 600 s; quick 150 s)")
     p.add_argument("--memory-limit-gib", type=float, default=16.0,
                    help="kill a memory child whose resident set passes this (default 16)")
 
@@ -279,32 +279,42 @@ def _project(points: list[dict[str, Any]], seq_len: int) -> tuple[float, float]:
     return peak, last["seconds"] * scale * 1.3 + 20  # attention grows faster than T; process start-up
 
 
+def sweep_plan(lengths: list[int]) -> list[tuple[str, int]]:
+    """(config, length) in priority order: all at the first length, the main curve, then the rest."""
+    first, rest = lengths[0], lengths[1:]
+    plan = [(name, first) for name in MEMORY_CONFIGS]
+    for name in MEMORY_CONFIGS:  # chunked+ckpt first: the curve the fit uses
+        plan += [(name, n) for n in rest]
+    return plan
+
+
 def memory_sweep(lengths: list[int], budget_s: float, limit_gib: float, log=print) -> list[dict[str, Any]]:
-    """Every configuration at the first length, then longer ones while memory and time allow."""
+    """Run ``sweep_plan`` while memory and time allow; a configuration stops at its first miss."""
     deadline = time.monotonic() + budget_s
     rows: list[dict[str, Any]] = []
     measured: dict[str, list[dict[str, Any]]] = {name: [] for name in MEMORY_CONFIGS}
     stopped: set[str] = set()
-    for seq_len in lengths:
-        for name, (chunk, ckpt) in MEMORY_CONFIGS.items():
-            if name in stopped:
-                continue
-            row = {"config": name, "seq_len": seq_len}
-            reason = _skip_reason(measured[name], seq_len, limit_gib, deadline - time.monotonic())
-            if reason:
-                row["status"] = reason
-                stopped.add(name)
-            else:
-                left = max(deadline - time.monotonic(), 60.0)
-                row.update(run_child({"seq_len": seq_len, "chunk": chunk, "ckpt": ckpt}, limit_gib, left))
-                if row["status"] == "ok":
-                    measured[name].append(row)
-                else:
-                    stopped.add(name)
-            log(f"[bench trainer] memory {name} T={seq_len}: " + (
-                f"peak {row['peak_gib']:.2f} GiB, {row['seconds']:.0f}s" if row["status"] == "ok"
-                else row["status"]))
-            rows.append(row)
+    for name, seq_len in sweep_plan(lengths):
+        if name in stopped:
+            continue
+        chunk, ckpt = MEMORY_CONFIGS[name]
+        row: dict[str, Any] = {"config": name, "seq_len": seq_len}
+        left = deadline - time.monotonic()
+        reason = _skip_reason(measured[name], seq_len, limit_gib, left)
+        if reason:
+            row["status"] = reason
+        else:  # a child may overrun the budget by up to its projected time, not more
+            expected = _project(measured[name], seq_len)[1] if measured[name] else 120.0
+            row.update(run_child({"seq_len": seq_len, "chunk": chunk, "ckpt": ckpt}, limit_gib,
+                                 max(left, 2 * expected)))
+        if row["status"] == "ok":
+            measured[name].append(row)
+        else:
+            stopped.add(name)
+        log(f"[bench trainer] memory {name} T={seq_len}: " + (
+            f"peak {row['peak_gib']:.2f} GiB, {row['seconds']:.0f}s" if row["status"] == "ok"
+            else row["status"]))
+        rows.append(row)
     return rows
 
 
@@ -319,15 +329,23 @@ def _skip_reason(points: list[dict[str, Any]], seq_len: int, limit_gib: float, l
     return ""
 
 
-def fit_max_len(points: list[dict[str, Any]], target_gib: float = FIT_TARGET_GIB) -> int | None:
-    """Longest T whose peak stays under ``target_gib``, from a line through the last two points."""
+def fit_line(points: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """Least-squares (intercept GiB, slope GiB per token) of peak vs length; None under two points."""
     if len(points) < 2:
         return None
-    (t1, p1), (t2, p2) = [(p["seq_len"], p["peak_gib"]) for p in points[-2:]]
-    slope = (p2 - p1) / (t2 - t1)
-    if slope <= 0:
+    xs, ys = [p["seq_len"] for p in points], [p["peak_gib"] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def fit_max_len(points: list[dict[str, Any]], target_gib: float = FIT_TARGET_GIB) -> int | None:
+    """Longest T (a multiple of 1024) whose fitted peak stays under ``target_gib``."""
+    line = fit_line(points)
+    if line is None or line[1] <= 0:
         return None
-    return int((t2 + (target_gib - p2) / slope) // 1024 * 1024)
+    intercept, slope = line
+    return int((target_gib - intercept) / slope) // 1024 * 1024
 
 
 # report ---------------------------------------------------------------------------------------------
@@ -335,9 +353,12 @@ def fit_max_len(points: list[dict[str, Any]], target_gib: float = FIT_TARGET_GIB
 
 def _memory_result(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in rows if r["config"] == "chunked+ckpt" and r["status"] == "ok"]
+    line = fit_line(ok)
     return {"model": MEMORY_MODEL, "rows": rows, "max_seq_len_measured": max((r["seq_len"] for r in ok), default=0),
-            "max_seq_len_fit": fit_max_len(ok), "max_seq_len_fit_method":
-            f"linear extrapolation of chunked+ckpt peak RSS (last two lengths) to {FIT_TARGET_GIB:g} GiB"}
+            "max_seq_len_fit": fit_max_len(ok),
+            "bytes_per_token": None if line is None else line[1] * GIB,
+            "max_seq_len_fit_method": "least-squares line through the chunked+ckpt peaks (VmHWM), "
+            f"extrapolated to {FIT_TARGET_GIB:g} GiB"}
 
 
 def _table_rows(tp: dict[str, Any], mem: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -357,7 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     quick = bool(getattr(args, "quick", False))
     max_len = getattr(args, "max_seq_len", None) or (8192 if quick else 32768)
-    budget = getattr(args, "memory_budget_s", None) or (150.0 if quick else 480.0)
+    budget = getattr(args, "memory_budget_s", None) or (150.0 if quick else 600.0)
     lengths = [n for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
                if n <= max_len and (quick or n >= 4096)]
     tp = bench_throughput(quick)
@@ -365,6 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = tp["rows"]
     result = {
         "packed_vs_padded_speedup": rows["packed"]["real_tokens_per_s"] / rows["padded"]["real_tokens_per_s"],
+        "packed_vs_padded_speedup_cpu_time": rows["padded"]["cpu_seconds"] / rows["packed"]["cpu_seconds"],
         "real_token_share": rows["packed"]["real_token_share"],
         "padded_real_token_share": rows["padded"]["real_token_share"],
         "max_seq_len_fit": mem["max_seq_len_fit"],
@@ -372,7 +394,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quick": quick, "throughput": tp, "memory": mem,
     }
     table = [("packed vs padded speedup", round(result["packed_vs_padded_speedup"], 2)),
+             ("  same, by CPU time", round(result["packed_vs_padded_speedup_cpu_time"], 2)),
              *_table_rows(tp, mem), ("max seq len measured", result["max_seq_len_measured"]),
+             ("chunked+ckpt bytes per token (fit)", round(mem["bytes_per_token"] or 0)),
              ("max seq len fit (24 GiB, extrapolated)", result["max_seq_len_fit"])]
     print_table("albatross bench trainer", table)
     write_json(getattr(args, "json", None), result)
