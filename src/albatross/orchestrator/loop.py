@@ -90,7 +90,9 @@ class AsyncLoop:
         self._batches_sent = saved.step
         for name, n in saved.lines.items():
             truncate_lines(self.run_dir / name, n)
-        self.engine.update_weights(str(self.run_dir / "weights" / f"v{saved.version:06d}"), saved.version)
+        from albatross.trainer.checkpoint import version_dir
+
+        self.engine.update_weights(str(version_dir(self.run_dir / "weights", saved.version)), saved.version)
         self.log(f"[resume] from step {saved.step} (version {saved.version}); in-flight attempts re-run")
 
     def _save_state(self, checkpoint: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from albatross.config import RunConfig
 from albatross.engine.scripted import ScriptedEngine
 from albatross.harness.agent import Agent, AttemptSpec
-from albatross.harness.chat import TinyChatFormat, TinyTokenizer
+from albatross.harness.chat import TinyTokenizer
 from albatross.records import Sample
 from albatross.tasks.format import Task
 
@@ -93,7 +93,3 @@ def warm_start(cfg: RunConfig, tokenizer: TinyTokenizer, agent: Agent, tasks: li
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
-
-
-def chat_format(tokenizer: TinyTokenizer) -> TinyChatFormat:
-    return TinyChatFormat(tokenizer)
