@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -234,6 +235,27 @@ def test_tests_and_solution_are_invisible_until_verification(backend: LocalBacke
             assert attempt.read_file(str(task.tests_dir / "test.sh")) is None
             attempt.put_dir(task.tests_dir, "/tests")  # what the verifier does, after the agent is done
             assert attempt.read_file("/tests/test.sh") == (task.tests_dir / "test.sh").read_bytes()
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+
+
+def test_an_adapted_environment_still_hides_its_task_directory(backend: LocalBackend, tmp_path: Path) -> None:
+    """A python-image task builds from an adapted copy in the cache (tasks/offline.py); the copy names its
+    task directory, which stays invisible although it lies outside every default hidden path."""
+    root = Path("/opt") / f"albatross-test-tasks-{uuid.uuid4().hex[:8]}"
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ALBATROSS_CACHE", str(tmp_path / "cache"))
+            path = generate_tasks(root, n_train=1, n_heldout=0, seed=6)["train"][0]
+            dockerfile = path / "environment" / "Dockerfile"
+            dockerfile.write_text(re.sub(r"^FROM .*$", "FROM python:3.12-slim", dockerfile.read_text(), count=1,
+                                         flags=re.M))
+            task = load_task(path)
+            assert task.offline is not None and not task.env_dir.is_relative_to(root)
+            with backend.fork(task.env_dir, task.workdir) as attempt:
+                looked = attempt.exec(f"ls -A {task.path}; cat {task.tests_dir}/test.sh")
+                assert "instruction.md" not in looked.output and "tests" not in looked.output.split()
+                assert looked.exit_code != 0
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=True)
 

@@ -84,6 +84,19 @@ class EnvKeys:
         return key
 
 
+SOURCE_MARKER = ".albatross-task-dir"  # in an adapted copy of an environment: the task directory it came from
+
+
+def task_dir_of(env_dir: Path) -> Path:
+    """The task directory an environment belongs to: its parent, or the one an adapted copy names."""
+    env_dir = Path(env_dir).resolve()
+    try:
+        named = (env_dir / SOURCE_MARKER).read_text(encoding="utf-8").strip()
+    except OSError:
+        named = ""
+    return Path(named) if named else env_dir.parent
+
+
 def task_allows_internet(env_dir: Path | None) -> bool:
     """``[environment] allow_internet`` of the task.toml next to ``env_dir`` (False if absent)."""
     if env_dir is None:

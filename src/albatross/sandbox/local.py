@@ -82,6 +82,7 @@ from albatross.sandbox.build import (
     needs_builder,
     state_script,
     task_allows_internet,
+    task_dir_of,
 )
 from albatross.sandbox.dockerfile import Instruction, parse_dockerfile
 from albatross.sandbox.faults import FAULT_DIE, FAULT_FORK, FaultInjector
@@ -619,7 +620,7 @@ class LocalBackend:
         """Build (once) and return the parent for ``env_dir``; safe to call from many threads."""
         hide = list(self.hide_paths)
         if env_dir is not None:  # the task's own directory (tests, solution) is never visible
-            hide.append(str(Path(env_dir).resolve().parent))
+            hide += sorted({str(Path(env_dir).resolve().parent), str(task_dir_of(env_dir))})
         internet = self.allow_internet if self.allow_internet is not None else task_allows_internet(env_dir)
         key = self._keys.get(env_dir, json.dumps([self.base, hide, internet]))
         with self._lock:

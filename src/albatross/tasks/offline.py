@@ -33,6 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from albatross.sandbox.build import SOURCE_MARKER
 from albatross.tasks import shims
 from albatross.tasks.shims import NEEDS_NETWORK, TOOLKIT_PATH
 
@@ -270,7 +271,8 @@ def adapt_environment(env_dir: Path) -> OfflineEnv | None:
     if not needs_adapting(env_dir):
         return None
     toolkit = toolkit_dir()
-    digest = hashlib.sha256(f"{toolkit.name}\0".encode())
+    # the source path is part of the key: the copy names its task directory for the sandbox to hide
+    digest = hashlib.sha256(f"{toolkit.name}\0{env_dir.resolve()}\0".encode())
     for path in sorted(env_dir.rglob("*")):
         digest.update(f"{path.relative_to(env_dir)}\0".encode())
         if path.is_file():
@@ -310,6 +312,7 @@ def _write_adapted(env_dir: Path, final: Path, toolkit: Path, text: str, after: 
         shutil.copytree(toolkit, tmp / _ENV_DIR, symlinks=True)
         rows = text.splitlines()
         (tmp / "Dockerfile").write_text("\n".join(rows[:after] + lines + rows[after:]) + "\n")
+        (tmp / SOURCE_MARKER).write_text(f"{env_dir.resolve().parent}\n")
         os.rename(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
