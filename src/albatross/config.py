@@ -125,6 +125,8 @@ class RLConfig(_Section):
     n_floor: int = Field(64, ge=1, description="Token-count floor of the loss denominator.")
     test_weights: str = Field("", description="Partial-credit weights: a `tasks validate --json` report "
                               "(tests that pass untouched weigh 0). Empty: every test weighs 1.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the behaviour policy (k3 estimator); 0 = off.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus; 0 = off.")
 
 
 class TrainerConfig(_Section):
@@ -134,6 +136,18 @@ class TrainerConfig(_Section):
     micro_batch_tokens: int = Field(4096, ge=64, description="Token budget of one packed micro-batch.")
     threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
     keep_versions: int = Field(3, ge=1, description="Exported weight versions kept on disk.")
+    logprob_chunk: int = Field(1024, ge=0, description="Tokens per chunk of the log-prob/entropy head, so the "
+                               "full [tokens x vocab] logits are never held at once; 0 = one chunk.")
+    attention: Literal["auto", "varlen", "flash", "dense"] = Field(
+        "auto", description="Document masking of packed micro-batches: `auto` is `flash` when the model "
+        "runs a flash_attention_* implementation, else `varlen` (per-document SDPA); `dense` builds a "
+        "block-diagonal mask.")
+    activation_checkpointing: bool = Field(False, description="Recompute decoder-layer activations in "
+                                           "the backward pass (less memory, about 1/3 more compute).")
+    freeze: list[str] = Field(default_factory=list, description="Glob patterns of parameter names to freeze "
+                              "(no gradients, not in the optimizer), e.g. `model.embed_tokens.*`.")
+    offload_optimizer: bool = Field(False, description="Keep the AdamW state in host memory (GPU runs).")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="`auto`: bf16 on GPU, fp32 on CPU.")
 
 
 class OrchestratorConfig(_Section):

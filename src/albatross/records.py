@@ -163,6 +163,7 @@ class Batch:
     samples: list[TrainSample]
     groups: int
     min_version: int  # oldest policy version of any model token in the batch
+    info: dict[str, float] = field(default_factory=dict)  # groups seen / dropped (by reason) since the last batch
 
     @property
     def num_tokens(self) -> int:

@@ -53,18 +53,24 @@ class BatchBuilder:
 
     groups_per_step: int
     pending: list[Group] = field(default_factory=list)
-    counts: Counter = field(default_factory=Counter)
+    counts: Counter = field(default_factory=Counter)  # over the whole run
+    window: Counter = field(default_factory=Counter)  # since the last batch: sent with it, logged per step
 
     def add(self, group: Group) -> Batch | None:
-        self.counts["groups"] += 1
+        counts = ["groups"] + ([f"dropped_{group.dropped}"] if group.dropped else [])
+        self.counts.update(counts)
+        self.window.update(counts)
         if group.dropped:
-            self.counts[f"dropped_{group.dropped}"] += 1
             return None
         self.pending.append(group)
         if len(self.pending) < self.groups_per_step:
             return None
         groups, self.pending = self.pending[: self.groups_per_step], self.pending[self.groups_per_step:]
-        return make_batch(groups)
+        batch = make_batch(groups)
+        batch.info = {"groups_seen": self.window["groups"], "groups_trained": len(groups),
+                      **{k: v for k, v in self.window.items() if k.startswith("dropped_")}}
+        self.window.clear()
+        return batch
 
 
 def make_batch(groups: list[Group]) -> Batch:

@@ -47,7 +47,7 @@ def _serve(model_dir: str, run_dir: Path, cfg_json: str, batch_q: Any, result_q:
         wait_s = time.monotonic() - t_wait
         if batch is None:
             return
-        metrics = trainer.step(batch, current_version=trainer.version)
+        metrics = trainer.step(batch, current_version=trainer.version, batch_info=batch.info)
         # no pruning here: the orchestrator prunes once its state.json no longer needs a version
         path = export_weights(trainer.model, run_dir / "weights", trainer.version, keep=1 << 30)
         ckpt = ""
@@ -66,10 +66,13 @@ def save_checkpoint(trainer, directory: Path) -> Path:
 
 
 def make_trainer(trainer_cls, model, cfg):
-    rl = cfg.rl
+    rl, tc = cfg.rl, cfg.trainer
     return trainer_cls(
-        model, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, grad_clip=cfg.trainer.grad_clip,
-        micro_batch_tokens=cfg.trainer.micro_batch_tokens, loss=rl.loss, seed=cfg.seed,
+        model, lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
+        micro_batch_tokens=tc.micro_batch_tokens, loss=rl.loss, seed=cfg.seed,
         loss_kwargs={"cap": rl.is_cap, "max_staleness": rl.max_staleness, "p_floor": rl.p_floor,
                      "n_floor": rl.n_floor},
+        kl_coef=rl.kl_coef, entropy_coef=rl.entropy_coef, logprob_chunk=tc.logprob_chunk or None,
+        attention=tc.attention, activation_checkpointing=tc.activation_checkpointing, freeze=tc.freeze,
+        offload_optimizer=tc.offload_optimizer, precision=tc.precision,
     )

@@ -47,11 +47,20 @@ _PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug")
 KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31}
 
 
-def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None) -> None:
-    """Set up the attempt's root, tell the host, then serve it until it hangs up. Never returns."""
+def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote_fd: int | None = None) -> None:
+    """Set up the attempt's root, tell the host, then serve it until it hangs up. Never returns.
+
+    ``zygote_fd``: a pidfd of the zygote; the holder dies with it (its layers and mounts are gone)."""
     sock = socket.socket(fileno=sock_fd)
     try:
         fds = setup_root(cfg, userns_fd)
+        # Changing credentials (joining the user namespace) cleared the parent-death signal: set it
+        # again, then make sure the zygote did not die before it was set (the signal would be lost).
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if zygote_fd is not None:
+            if select.select([zygote_fd], [], [], 0)[0]:
+                os._exit(1)
+            os.close(zygote_fd)
     except BaseException as err:  # noqa: BLE001 - reported to the host, which raises SandboxError
         with contextlib.suppress(OSError):
             where = " > ".join(f"{f.name}:{f.lineno}" for f in traceback.extract_tb(err.__traceback__)[-3:])

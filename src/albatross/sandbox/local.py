@@ -27,6 +27,13 @@ Speed: the zygote keeps network namespaces ready; the backend keeps ``warm`` att
 forked (parent, workdir, limits) ready in the background, so a fork usually takes an attempt that is
 already set up; the first request to a fresh attempt is pipelined behind its set-up.
 
+Recovery: the zygote is one process; if it dies (SIGKILL, a crash), its holders die with it (their
+layers lived in its mount namespace), so their attempts raise ``SandboxDied`` (an infrastructure error,
+retried by the harness). The next fork notices (a request finds the socket closed, or the process has
+exited), logs one warning, starts a fresh zygote (``restarts`` counts them; exactly one per death, under
+the backend lock, while concurrent forks wait), drops the warm attempts and the parents of the dead one,
+and rebuilds the parent it needs; a fork interrupted by the death is retried on the fresh zygote.
+
 Limits: hitting one is an outcome (``ExecResult.limit``), never an error; see ``base.LIMITS``.
 Limitations: needs root, cgroup v1 memory and pids controllers, overlayfs and tmpfs xattrs. The image
 named by FROM is not pulled: the base root (host or debian) is the base. USER is ignored.
@@ -87,7 +94,7 @@ from albatross.sandbox.build import (
 from albatross.sandbox.dockerfile import Instruction, parse_dockerfile
 from albatross.sandbox.faults import FAULT_DIE, FAULT_FORK, FaultInjector
 from albatross.sandbox.holder import STATE_FILE
-from albatross.sandbox.zygote import Zygote
+from albatross.sandbox.zygote import Zygote, ZygoteDied
 
 __all__ = ["EnvBuildError", "LocalAttempt", "LocalBackend", "local_available", "userns_available"]
 
@@ -98,6 +105,7 @@ HIDDEN_PATHS = ("/work", "/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "
                 "/old_root", "/farm")
 DISK_FULL_BYTES = 64 << 10  # less free space than this in the writable layer: the disk limit was hit
 MAX_POOL_KEYS = 4
+ZYGOTE_TRIES = 3  # a fork or prepare cut short by the zygote's death is tried again on a fresh one
 # Restore cwd and exported env, run the command, save them again (also on `exit N`). Commands are
 # the memory limit's first victims, not the holder (raising one's own oom_score_adj needs no privilege).
 _PROLOGUE = (
@@ -128,9 +136,10 @@ class LocalAttempt:
     """One attempt: a holder process in its own namespaces, driven over a Unix socket."""
 
     def __init__(self, backend: LocalBackend, attempt_id: str, sock: socket.socket, pid: int,
-                 groups: cgroups.AttemptCgroups, limits: Limits) -> None:
+                 groups: cgroups.AttemptCgroups, limits: Limits, zygote: Zygote | None = None) -> None:
         self.id, self.pid, self.limits = attempt_id, pid, limits
         self._backend, self._sock, self._cgroups = backend, sock, groups
+        self.zygote = zygote  # the zygote that forked the holder: the holder dies with it
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -150,7 +159,9 @@ class LocalAttempt:
             self.deadline = time.monotonic() + self.limits.attempt_timeout_s
 
     def alive(self) -> bool:
-        return not self._closed and self._pidfd is not None and not _wait_readable(self._pidfd, 0)
+        """The holder runs (and its zygote does: a holder of a dead zygote is being killed)."""
+        return (not self._closed and self._pidfd is not None and not _wait_readable(self._pidfd, 0)
+                and (self.zygote is None or self.zygote.alive()))
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         with self._lock:
@@ -452,6 +463,9 @@ class WarmPool:
         while (spec := self._next()) is not None:
             try:
                 self._add(spec, self.make(spec))
+            except ZygoteDied as err:  # the backend restarts it and clears the pool; forks want again
+                log.debug("warm pool: %s", err)
+                time.sleep(0.05)
             except Exception as err:  # noqa: BLE001 - a failed refill is retried; forks never wait long
                 log.warning("warm pool: %s", err)
                 time.sleep(0.5)
@@ -468,7 +482,8 @@ class WarmPool:
             if not self._waiting:
                 attempt.run_argv(["/bin/bash", "-c", ":"], {}, "/", 30)
         except SandboxError as err:
-            log.warning("warm pool: %s", err)
+            gone = attempt.zygote is not None and attempt.zygote.died_within(0.2)  # the backend says so once
+            log.log(logging.DEBUG if gone else logging.WARNING, "warm pool: %s", err)
             attempt.close()
             return
         with self._cond:
@@ -477,6 +492,16 @@ class WarmPool:
                 self._ready[spec.key].append(attempt)
                 self._cond.notify_all()
         if not keep:
+            attempt.close()
+
+    def clear(self) -> None:
+        """Forget every spec and close every ready attempt (after the zygote that made them died)."""
+        with self._cond:
+            attempts = [a for ready in self._ready.values() for a in ready]
+            self._ready.clear()
+            self._specs.clear()
+            self._cond.notify_all()
+        for attempt in attempts:
             attempt.close()
 
     def close(self) -> None:
@@ -536,9 +561,8 @@ class LocalBackend:
         self.userns = userns_available() if userns is None else userns
         self.faults = FaultInjector(fail_rate, fault_seed)
         self._zygote: Zygote | None = None
+        self.restarts = 0  # zygotes started again after the previous one died
         self._lock = threading.Lock()
-        self._base_lower: str | None = None
-        self._parents: dict[str, Parent] = {}
         self._keys = EnvKeys()
         self._building: dict[str, threading.Lock] = {}
         self._attempts: set[LocalAttempt] = set()
@@ -552,11 +576,41 @@ class LocalBackend:
     def id_base(self) -> int:
         return ID_BASE if self.userns else 0
 
+    @property
+    def zygote_pid(self) -> int | None:
+        """The pid of the running zygote (None before the first fork and after ``close``)."""
+        zygote = self._zygote
+        return None if zygote is None else zygote.pid
+
     def _zyg(self) -> Zygote:
+        """The zygote; if it died, a fresh one. Exactly one restart per death: the first thread to notice
+        restarts under the lock, the others wait for it and get the fresh one."""
         with self._lock:
+            dead = self._zygote if self._zygote is not None and not self._zygote.alive() else None
+            if dead is not None:
+                self.restarts += 1
+                self._zygote = None
+                log.warning("sandbox zygote %d died (exit code %s): starting a fresh one (restart %d); "
+                            "its attempts are lost, its environments are rebuilt", dead.pid, dead.proc.poll(),
+                            self.restarts)
             if self._zygote is None:
                 self._zygote = Zygote(self.id_base)
-            return self._zygote
+            zygote = self._zygote
+        if dead is not None:  # outside the lock: closing attempts takes it
+            dead.close()  # reap it and remove its directory (its mounts went with its namespace)
+            self._pool.clear()  # warm attempts of the dead zygote: their holders died with it
+        return zygote
+
+    def _retrying(self, what: Callable[[], Any]) -> Any:
+        """``what()``, again on a fresh zygote if the zygote died under it (a few times at most)."""
+        for tries_left in range(ZYGOTE_TRIES - 1, -1, -1):
+            try:
+                return what()
+            except ZygoteDied as err:
+                if not tries_left:
+                    raise
+                log.debug("retrying on a fresh zygote: %s", err)
+        raise AssertionError("unreachable")
 
     # ---- attempts ---------------------------------------------------------------------------------------
     def fork(self, env_dir: Path | None, workdir: str = "/app", limits: Limits | None = None) -> LocalAttempt:
@@ -564,24 +618,30 @@ class LocalBackend:
         fault = self.faults.draw()
         if fault == FAULT_FORK:
             raise ForkError("injected fault: fork failed")
-        parent = self.prepare(env_dir)
-        spec = _Spec(parent.key, parent.workdir or workdir, limits or Limits())
-        attempt = self._pool.take(spec) or self._make_attempt(spec)
+        attempt, spec = self._retrying(lambda: self._fork_once(env_dir, workdir, limits or Limits()))
         self._pool.want(spec)
         attempt.activate()
         if fault == FAULT_DIE:
             attempt.kill()
         return attempt
 
-    def _make_attempt(self, spec: _Spec) -> LocalAttempt:
-        parent = self._parents[spec.parent_key]
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **parent.env}
-        lower = [parent.layer, self._base()]
-        return self._spawn(spec.limits, {"lower": lower, "upper": None, "work": None, "new_net": True,
-                                         "workdir": spec.workdir, "state": state_script(env, spec.workdir)})
+    def _fork_once(self, env_dir: Path | None, workdir: str, limits: Limits) -> tuple[LocalAttempt, _Spec]:
+        parent = self._prepare(env_dir)
+        spec = _Spec(parent.key, parent.workdir or workdir, limits)
+        return self._pool.take(spec) or self._make_attempt(spec), spec
 
-    def _spawn(self, limits: Limits, cfg: dict[str, Any]) -> LocalAttempt:
+    def _make_attempt(self, spec: _Spec) -> LocalAttempt:
         zygote = self._zyg()
+        parent = zygote.parents.get(spec.parent_key)
+        if parent is None:  # built by a zygote that has died since: the next fork rebuilds it
+            raise ZygoteDied(f"environment {spec.parent_key[:12]} is not built on the fresh sandbox zygote")
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **parent.env}
+        lower = [parent.layer, self._base(zygote)]
+        return self._spawn(zygote, spec.limits, {"lower": lower, "upper": None, "work": None, "new_net": True,
+                                                 "workdir": spec.workdir,
+                                                 "state": state_script(env, spec.workdir)})
+
+    def _spawn(self, zygote: Zygote, limits: Limits, cfg: dict[str, Any]) -> LocalAttempt:
         attempt_id = f"{os.getpid()}-{self._token}-{next(self._ids)}"
         groups = cgroups.AttemptCgroups(attempt_id, limits, owner=self.id_base)
         cfg = {**cfg, "scratch": f"{zygote.root}/scratch", "disk_mb": limits.disk_mb,
@@ -596,7 +656,7 @@ class LocalBackend:
         finally:
             theirs.close()
         groups.holder = pid
-        attempt = LocalAttempt(self, attempt_id, ours, pid, groups, limits)
+        attempt = LocalAttempt(self, attempt_id, ours, pid, groups, limits, zygote)
         with self._lock:
             self._attempts.add(attempt)
         return attempt
@@ -610,47 +670,54 @@ class LocalBackend:
             return len(self._attempts)
 
     # ---- parents ----------------------------------------------------------------------------------------
-    def _base(self) -> str:
-        if self._base_lower is None:
+    def _base(self, zygote: Zygote) -> str:
+        """The base root's lower directory in ``zygote`` (mounted there once)."""
+        if zygote.base_lower is None:
             path = rootfs.base_root(self.base)
-            self._base_lower = self._zyg().request({"op": "base", "name": self.base, "path": path})["lower"]
-        return self._base_lower
+            zygote.base_lower = zygote.request({"op": "base", "name": self.base, "path": path})["lower"]
+        return zygote.base_lower
 
     def prepare(self, env_dir: Path | None) -> Parent:
         """Build (once) and return the parent for ``env_dir``; safe to call from many threads."""
+        return self._retrying(lambda: self._prepare(env_dir))
+
+    def _prepare(self, env_dir: Path | None) -> Parent:
+        """The parent for ``env_dir`` in the current zygote (built there once: a fresh zygote after a
+        restart builds it again). Raises ``ZygoteDied`` if the zygote died meanwhile."""
         hide = list(self.hide_paths)
         if env_dir is not None:  # the task's own directory (tests, solution) is never visible
             hide += sorted({str(Path(env_dir).resolve().parent), str(task_dir_of(env_dir))})
         internet = self.allow_internet if self.allow_internet is not None else task_allows_internet(env_dir)
         key = self._keys.get(env_dir, json.dumps([self.base, hide, internet]))
+        parent = self._zyg().parents.get(key)
+        if parent is not None:
+            return parent
         with self._lock:
-            if key in self._parents:
-                return self._parents[key]
             building = self._building.setdefault(key, threading.Lock())
         with building:
-            with self._lock:
-                if key in self._parents:
-                    return self._parents[key]
-            parent = self._build(env_dir, key, hide, internet)
-            with self._lock:
-                self._parents[key] = parent
+            zygote = self._zyg()
+            parent = zygote.parents.get(key)
+            if parent is None:
+                parent = self._build(zygote, env_dir, key, hide, internet)
+                with self._lock:
+                    zygote.parents[key] = parent
             return parent
 
-    def _build(self, env_dir: Path | None, key: str, hide: list[str], internet: bool) -> Parent:
+    def _build(self, zygote: Zygote, env_dir: Path | None, key: str, hide: list[str], internet: bool) -> Parent:
         instructions: list[Instruction] = []
         if env_dir is not None:
             dockerfile = Path(env_dir) / "Dockerfile"
             if not dockerfile.is_file():
                 raise EnvBuildError(f"{env_dir}: no Dockerfile")
             instructions = parse_dockerfile(dockerfile)
-        base = self._base()
+        base = self._base(zygote)
         base_path = rootfs.base_root(self.base)
-        dirs = self._zyg().request({"op": "parent_new", "key": key, "hide": hide, "base": base_path})
+        dirs = zygote.request({"op": "parent_new", "key": key, "hide": hide, "base": base_path})
         parent = Parent(key, dirs["layer"])
         try:
             builder = None
             if needs_builder(instructions):
-                builder = self._spawn(self.build_limits, {
+                builder = self._spawn(zygote, self.build_limits, {
                     "lower": [base], "upper": dirs["layer"], "work": dirs["work"], "new_net": not internet,
                     "workdir": None, "state": ""})
             try:
@@ -660,10 +727,14 @@ class LocalBackend:
             finally:
                 if builder is not None:
                     builder.close()
-        except BaseException:
-            self._zyg().request({"op": "rmtree", "path": str(Path(dirs["layer"]).parent)})
+        except BaseException as err:
+            with contextlib.suppress(SandboxError):  # a dead zygote took the layer with it
+                zygote.request({"op": "rmtree", "path": str(Path(dirs["layer"]).parent)})
+            infra = isinstance(err, (SandboxDied, ForkError)) and not isinstance(err, ZygoteDied)
+            if infra and zygote.died_within(0.5):  # the builder died with its zygote: build again
+                raise ZygoteDied(f"sandbox zygote {zygote.pid} died while building {env_dir}: {err}") from err
             raise
-        self._zyg().request({"op": "rmtree", "path": dirs["work"]})
+        zygote.request({"op": "rmtree", "path": dirs["work"]})
         return parent
 
     def close(self) -> None:
@@ -672,8 +743,6 @@ class LocalBackend:
         with self._lock:
             attempts, self._attempts = list(self._attempts), set()
             zygote, self._zygote = self._zygote, None
-            self._parents.clear()
-            self._base_lower = None
         for attempt in attempts:
             attempt.close()
         if zygote is not None:

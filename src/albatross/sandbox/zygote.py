@@ -9,6 +9,10 @@ up, so forking an attempt does not wait for the kernel to build one.
 
 Per attempt: unshare the mount/pid/ipc/uts namespaces (and take a prepared network namespace), fork the
 holder (pid 1 of the new pid namespace), and step back into its own namespaces with setns.
+
+Holders die with the zygote (parent-death signal SIGKILL): the parent layers and base mounts they were
+built on live in the zygote's mount namespace, which goes away with it. The host side (``Zygote``) then
+raises ``ZygoteDied`` and the backend starts a fresh zygote (``LocalBackend`` recovery).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class _State:
         self.netns: list[int] = []
         self.netns_target = int(opts.get("netns_pool", NETNS_POOL))
         self.bases: dict[str, str] = {}
+        self.pidfd = os.pidfd_open(os.getpid())  # holders check it: did we die before they set PDEATHSIG?
 
     def fill_netns(self) -> None:
         """Prepare one network namespace with loopback up (and, with a user namespace, low ports open)."""
@@ -213,26 +218,36 @@ def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> int:
 
 def _become_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> None:
     try:
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the zygote (set again in holder_main)
         gc.disable()  # a holder allocates little and lives for one attempt
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        keep = {0, 1, 2, sock_fd} | ({state.userns_fd} if state.userns_fd is not None else set())
+        keep = {0, 1, 2, sock_fd, state.pidfd} | ({state.userns_fd} if state.userns_fd is not None else set())
         linux.close_fds_except(keep)
     finally:
-        holder_main(cfg, sock_fd, state.userns_fd)
+        holder_main(cfg, sock_fd, state.userns_fd, state.pidfd)
 
 
 # ---- host side: the zygote client ----------------------------------------------------------------------
 
 
+class ZygoteDied(ForkError):
+    """The zygote process is gone (killed, crashed): every holder, parent layer and base mount it held
+    went with it. The backend starts a fresh one."""
+
+
 class Zygote:
-    """Starts the zygote process and sends it requests (one at a time)."""
+    """Starts the zygote process and sends it requests (one at a time). ``parents`` and ``base_lower``
+    are the host's record of what lives in this zygote's mount namespace (they die with it)."""
 
     def __init__(self, id_base: int) -> None:
         import albatross
 
+        self.parents: dict[str, Any] = {}  # env key -> build.Parent whose layer this zygote holds
+        self.base_lower: str | None = None  # the lower directory of the base root, once mounted
+        self.dead = False  # a request found it gone
         self.root = tempfile.mkdtemp(prefix="albatross-zygote-")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         src = str(Path(albatross.__file__).resolve().parents[1])
@@ -249,20 +264,42 @@ class Zygote:
         self.sock = ours
         self.lock = threading.Lock()
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return not self.dead and self.proc.poll() is None
+
+    def died_within(self, timeout_s: float) -> bool:
+        """True if the zygote is gone or exits within ``timeout_s`` (after a holder of it died)."""
+        if not self.alive():
+            return True
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout_s)
+        return not self.alive()
+
     def request(self, msg: dict[str, Any], fds: Iterable[int] = ()) -> dict[str, Any]:
         with self.lock:
             try:
+                if self.dead:
+                    raise EOFError("it died earlier")
                 send(self.sock, msg, fds=fds)
                 reply, _payload, _fds = recv(self.sock)
             except (EOFError, OSError) as err:
-                raise ForkError(f"sandbox zygote died (exit code {self.proc.poll()}): {err}") from err
+                self.dead = True
+                raise ZygoteDied(f"sandbox zygote {self.proc.pid} died (exit code {self.proc.poll()}): {err}") \
+                    from err
         if "error" in reply:
             kind = ForkError if msg["op"] == "spawn" else SandboxError
             raise kind(f"sandbox zygote: {msg['op']} failed: {reply['error']}")
         return reply
 
     def close(self) -> None:
-        self.sock.close()  # the zygote exits on EOF, and its mount namespace with it
+        """Stop the zygote (or reap it, if it died) and remove its directory. Idempotent."""
+        with self.lock:  # never close the socket under a request in flight (its fd could be reused)
+            self.dead = True
+            self.sock.close()  # the zygote exits on EOF, and its mount namespace with it
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
