@@ -21,6 +21,8 @@ class UserError(Exception):
 def _overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """`--set a.b=v` plus any `--a.b=v` / `--a.b v` flags: overrides of any config field."""
     out = list(args.set or [])
+    if getattr(args, "backend", None):
+        out.append(f"orchestrator.backend={args.backend}")
     i = 0
     while i < len(extra):
         tok = extra[i]
@@ -59,7 +61,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.demo import Demo, format_table
 
     if args.resume:
-        if args.config or extra or args.set:
+        if args.config or extra or args.set or args.backend:
             raise UserError("--resume takes the run directory only; its config.json is reused")
         demo = Demo.resumed(args.resume, log=_log)
     elif args.config:
@@ -155,6 +157,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set trainer.lr=1e-4 (or --trainer.lr 1e-4)")
 
 
+def _add_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("local", "ray"), help="where the trainer, engines and rollout "
+                   "workers run (orchestrator.backend): this machine, or Ray actors on the cluster of "
+                   "[ray] address")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="albatross", description="Asynchronous RL for terminal agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,11 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a smaller run that finishes in about 3 minutes")
     p.add_argument("--out", help="output directory (default: runs/demo)")
     p.add_argument("--config", help="TOML config (default: configs/demo.toml)")
+    _add_backend_arg(p)
     _add_config_args(p)
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("train", help="train with a TOML config, or resume a run")
     p.add_argument("config", nargs="?", help="TOML file describing the run")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped or crashed run (its --out dir)")
+    _add_backend_arg(p)
     _add_config_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("config", help="print every config field with its default and meaning, or a "

@@ -104,6 +104,10 @@ class EngineConfig(_Section):
     type: Literal["builtin"] = Field("builtin", description="Rollout engine: `builtin` (PyTorch).")
     max_batch_size: int = Field(64, ge=1, description="Largest decode batch.")
     threads: int = Field(1, ge=1, description="torch threads of the engine.")
+    replicas: int = Field(1, ge=1, description="Engine replicas; each attempt stays on the replica holding "
+                          "its KV cache, new attempts go to the least loaded one.")
+    process: bool = Field(False, description="Run each replica as its own `albatross serve` process (restarted "
+                          "if it dies; its in-flight attempts are re-run) instead of in the orchestrator.")
 
 
 class RLConfig(_Section):
@@ -159,6 +163,22 @@ class OrchestratorConfig(_Section):
     rollout_workers: int = Field(32, ge=1, description="Attempts run concurrently.")
     checkpoint_every: int = Field(1, ge=1, description="Trainer steps between resumable checkpoints.")
     wandb_project: str = Field("", description="Log to this Weights & Biases project (needs wandb).")
+    backend: Literal["local", "ray"] = Field("local", description="`local`: trainer in a child process, "
+                                             "rollouts on threads here; `ray`: trainer, engine replicas and "
+                                             "rollout workers as Ray actors (see [ray]).")
+
+
+class RayConfig(_Section):
+    address: str = Field("", description="Ray cluster to join: `auto` (a `ray start` cluster on this node "
+                         "or RAY_ADDRESS), `ray://HOST:PORT`, or empty: the one already initialised in this "
+                         "process, else a new local one.")
+    rollout_workers: int = Field(2, ge=1, description="Rollout worker actors; each runs its own sandboxes on "
+                                 "its node, `orchestrator.rollout_workers / ray.rollout_workers` attempts at once.")
+    worker_cpus: float = Field(0.25, gt=0, description="CPUs reserved by each rollout worker actor.")
+    engine_cpus: float = Field(0.5, gt=0, description="CPUs reserved by each engine replica actor.")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each engine replica actor.")
+    trainer_cpus: float = Field(1.0, gt=0, description="CPUs reserved by the trainer actor.")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved by the trainer actor.")
 
 
 class EvalConfig(_Section):
@@ -189,6 +209,7 @@ class RunConfig(_Section):
     rl: RLConfig = Field(default_factory=RLConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
 

@@ -60,7 +60,6 @@ class Demo:
     def run(self) -> dict[str, Any]:
         import torch
 
-        from albatross.engine.builtin import BuiltinEngine
         from albatross.eval.run import evaluate
         from albatross.orchestrator.loop import AsyncLoop
         from albatross.trainer.model import load_model, num_parameters
@@ -80,24 +79,49 @@ class Demo:
             torch.set_num_threads(cfg.engine.threads)
             model = load_model(base_dir)
             self.log(f"[model] {num_parameters(model) / 1e6:.2f}M parameters, vocab {tokenizer.vocab_size}")
-            agent.engine = engine = BuiltinEngine(model, max_batch_size=cfg.engine.max_batch_size)
+            ray_run = self._ray(base_dir, tokenizer) if cfg.orchestrator.backend == "ray" else None
+            agent.engine = engine = ray_run.engine if ray_run else self._engine(model, base_dir)
             try:
                 base = self._base_eval(agent, heldout)
                 self.log(f"[eval] base held-out pass@1 {base.pass_at_1:.3f} ({len(heldout)} tasks "
                          f"x {cfg.eval.trials} trials)")
                 loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log,
-                                 resume=self.resume)
+                                 resume=self.resume, launcher=ray_run)
                 state = loop.run()
                 (self.out / "eval_trained.jsonl").unlink(missing_ok=True)  # a resumed run evaluates anew
                 trained = evaluate(agent, heldout, cfg.eval.trials, out_jsonl=self.out / "eval_trained.jsonl")
                 self.log(f"[eval] trained held-out pass@1 {trained.pass_at_1:.3f}")
             finally:
-                engine.close()
+                if ray_run is not None:
+                    ray_run.close()
+                else:
+                    engine.close()
         finally:
             backend.close()
         summary = self._summary(base, trained, state, loop, len(heldout), time.monotonic() - t0)
         self._report()
         return summary
+
+    def _engine(self, model, base_dir: Path):
+        """One in-process engine, or a pool of replicas (in-process, or `albatross serve` processes)."""
+        import copy
+
+        from albatross.engine.builtin import BuiltinEngine
+        from albatross.engine.pool import EnginePool, LocalReplica
+
+        ec = self.cfg.engine
+        if ec.process:
+            return EnginePool.of_processes(base_dir, ec.replicas, self.out / "logs", threads=ec.threads,
+                                           max_batch_size=ec.max_batch_size, log=self.log)
+        if ec.replicas == 1:
+            return BuiltinEngine(model, max_batch_size=ec.max_batch_size)
+        return EnginePool([LocalReplica(BuiltinEngine(copy.deepcopy(model), max_batch_size=ec.max_batch_size))
+                           for _ in range(ec.replicas)], log=self.log)
+
+    def _ray(self, base_dir: Path, tokenizer):
+        from albatross.orchestrator.ray_backend import RayRun
+
+        return RayRun(self.cfg, base_dir, self.out / "run", tokenizer, self._hide_paths(), self.log)
 
     def _report(self) -> None:
         from albatross.eval.report import write_report
@@ -154,9 +178,12 @@ class Demo:
     def _backend(self):
         from albatross.sandbox import backend_from_config
 
-        backend = backend_from_config(self.cfg.sandbox, hide_paths=[str(self.out), str(cache_root())])
+        backend = backend_from_config(self.cfg.sandbox, hide_paths=self._hide_paths())
         self.log(f"[sandbox] backend {backend.name} (isolated: {backend.isolated})")
         return backend
+
+    def _hide_paths(self) -> list[str]:
+        return [str(self.out), str(cache_root())]
 
     def _pass_rate_fn(self, agent, train) -> Callable[[Any], float]:
         import copy

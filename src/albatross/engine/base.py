@@ -30,6 +30,11 @@ class Completion:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled again)
 
 
+class EngineError(RuntimeError):
+    """The engine could not serve a request (its process died, its server is unreachable): an
+    infrastructure error for the attempt, which is retried, never a failure of the model."""
+
+
 class Engine(Protocol):
     version: int
 

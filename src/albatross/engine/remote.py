@@ -1,4 +1,4 @@
-"""Remote engines: vLLM and SGLang servers through their HTTP APIs, token-in/token-out.
+"""Remote engines: vLLM, SGLang and ``albatross serve`` servers through their HTTP APIs, token-in/token-out.
 
 Both implement ``albatross.engine.base.Engine`` (``generate`` / ``update_weights`` / ``version`` / ``close``) plus
 ``health``, ``pause`` and ``resume``. Requests are retried with exponential backoff on connection errors and on
@@ -17,6 +17,8 @@ SGLang (``python/sglang/srt/entrypoints/http_server.py``): ``POST /generate`` (`
 ``meta_info.output_token_logprobs`` and ``meta_info.weight_version``), ``POST /update_weights_from_disk``
 (``model_path``, ``weight_version``), ``POST /pause_generation``, ``POST /continue_generation``,
 ``GET /health``, ``GET /model_info`` (or ``/get_model_info``).
+albatross (``engine/server.py``): ``POST /v1/completions`` with a token-id prompt (the response adds ``token_ids``
+and per-token ``versions``), ``POST /update_weights`` (``path``, ``version``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, EngineError, SamplingParams
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 
 
-class RemoteError(RuntimeError):
+class RemoteError(EngineError):
     """The remote server is missing, incompatible, or failed after retries."""
 
 
@@ -377,6 +379,30 @@ class SGLangEngine(RemoteEngine):
         _, out = self.http.call("POST", "/update_weights_from_disk", body)
         if isinstance(out, dict) and not out.get("success", True):
             raise RemoteError(f"SGLang refused the weights: {out.get('message')}")
+        self.version = version
+
+
+# ------------------------------------------------------------------------------------------------ albatross
+
+
+class AlbatrossEngine(RemoteEngine):
+    """Our own server (``albatross serve``): token ids in, token ids, log-probs and per-token versions out."""
+
+    kind = "albatross"
+
+    def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+        body = {"model": self.model, "prompt": prompt, "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k, "max_tokens": params.max_tokens, "logprobs": 0, "ignore_eos": True,
+                "stop_token_ids": list(params.stop_token_ids), "seed": params.seed, "stop": params.stop or None}
+        _, out = self.http.call("POST", "/v1/completions", body)
+        choice = out["choices"][0]
+        ids = list(choice["token_ids"])
+        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        return Completion(ids, logprobs, [int(v) for v in choice["versions"]], choice["finish_reason"],
+                          choice.get("stop_reason"))
+
+    def update_weights(self, path: str, version: int) -> None:
+        self.http.call("POST", "/update_weights", {"path": str(Path(path).resolve()), "version": version})
         self.version = version
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from albatross.config import HarnessConfig
-from albatross.engine.base import Completion, Engine, SamplingParams
+from albatross.engine.base import Completion, Engine, EngineError, SamplingParams
 from albatross.harness.chat import ChatFormat, make_chat_format
 from albatross.harness.context import SUMMARY_REQUEST, Context
 from albatross.harness.parsers import SUBMIT, BashBlockParser, FormatError, Parser, ToolCallParser
@@ -81,14 +81,20 @@ class Agent:
         start = time.monotonic()
         attempt: Attempt | None = None
         episode: Episode | None = None
+        engine = engine or self.engine
+        session = None
         try:
+            # an engine pool keeps the attempt on one replica (the one holding its KV cache)
+            session = engine.session() if hasattr(engine, "session") else None
             attempt = self.backend.fork(spec.task.env_dir, spec.task.workdir, self.limits)
-            episode = Episode(self, spec.task, attempt, traj, engine or self.engine, start)
+            episode = Episode(self, spec.task, attempt, traj, session or engine, start)
             traj.status = episode.run()
             self._verify(spec.task, attempt, traj)
-        except (SandboxError, VerifierError, OSError) as e:
+        except (SandboxError, VerifierError, EngineError, OSError) as e:
             traj.status, traj.error = STATUS_INFRA_ERROR, f"{type(e).__name__}: {e}"
         finally:
+            if session is not None:
+                session.close()
             if attempt is not None:
                 self._close(attempt, episode, traj)
         traj.wall_seconds = time.monotonic() - start

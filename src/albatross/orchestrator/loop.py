@@ -49,6 +49,41 @@ def run_with_retries(agent: Agent, spec: AttemptSpec, retries: int, counts: Coun
     return run_attempt(agent, spec, retries, counts, on_try=count_kind)
 
 
+class ThreadRollouts:
+    """Attempts on threads of this process (the sandboxes run on this machine)."""
+
+    def __init__(self, agent: Agent, workers: int, retries: int, counts: Counter) -> None:
+        self.agent, self.retries, self.counts = agent, retries, counts
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="rollout")
+
+    def submit(self, spec: AttemptSpec) -> Future:
+        return self.pool.submit(run_with_retries, self.agent, spec, self.retries, self.counts)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class LocalLauncher:
+    """Where the parts of a run live: the trainer in a spawned process, rollouts on threads here.
+    ``orchestrator/ray_backend.py`` has the same methods for a Ray cluster."""
+
+    name = "local"
+
+    def queues(self, maxsize: int):
+        ctx = mp.get_context("spawn")
+        return ctx.Queue(maxsize=maxsize), ctx.Queue()
+
+    def start_trainer(self, args: tuple):
+        proc = mp.get_context("spawn").Process(target=trainer_main, daemon=True, name="albatross-trainer",
+                                               args=args)
+        proc.start()
+        return proc
+
+    def rollouts(self, loop: AsyncLoop) -> ThreadRollouts:
+        return ThreadRollouts(loop.agent, loop.cfg.orchestrator.rollout_workers,
+                              loop.cfg.sandbox.max_infra_retries, loop.counts)
+
+
 @dataclass
 class _PendingGroup:
     task: Task
@@ -60,8 +95,10 @@ class AsyncLoop:
     """One training run: ``run()`` returns the final state; metrics and attempts go to ``run_dir``."""
 
     def __init__(self, cfg: RunConfig, agent: Agent, engine, tasks: list[Task], model_dir: Path,
-                 run_dir: Path, log: Callable[[str], None] = print, resume: bool = False) -> None:
+                 run_dir: Path, log: Callable[[str], None] = print, resume: bool = False,
+                 launcher: Any = None) -> None:
         self.cfg, self.agent, self.engine, self.tasks = cfg, agent, engine, tasks
+        self.launcher = launcher or LocalLauncher()
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
@@ -71,7 +108,7 @@ class AsyncLoop:
         self.counts: Counter = Counter()
         self._window: Counter = Counter()  # attempts, solves, rewards since the last step
         self._batches_sent = 0
-        self._last_pass_rate = 0.0
+        self._last_pass_rate = self._last_reward = 0.0
         self._t0 = time.monotonic()
         if resume:
             self._restore()
@@ -107,16 +144,15 @@ class AsyncLoop:
 
     # ---- processes ----------------------------------------------------------------------------
     def run(self) -> RunState:
-        ctx = mp.get_context("spawn")
-        batch_q, result_q = ctx.Queue(maxsize=self.cfg.orchestrator.queue_size), ctx.Queue()
-        proc = ctx.Process(target=trainer_main, daemon=True, name="albatross-trainer",
-                           args=(str(self.model_dir), str(self.run_dir), self.cfg.model_dump_json(),
-                                 batch_q, result_q, self.state.version, self.state.trainer_checkpoint))
-        proc.start()
-        (self.run_dir / "pids.json").write_text(json.dumps({"orchestrator": os.getpid(), "trainer": proc.pid}))
+        batch_q, result_q = self.launcher.queues(self.cfg.orchestrator.queue_size)
+        proc = self.launcher.start_trainer((str(self.model_dir), str(self.run_dir), self.cfg.model_dump_json(),
+                                            batch_q, result_q, self.state.version, self.state.trainer_checkpoint))
+        self._trainer_pid = proc.pid
+        self._pids: dict[str, int] = {}
+        self._write_pids()
         self.sink = MetricsSink(self.run_dir, self.cfg.orchestrator.max_steps, self.log,
                                 self.cfg.orchestrator.wandb_project, self.cfg.model_dump())
-        pool = ThreadPoolExecutor(self.cfg.orchestrator.rollout_workers, thread_name_prefix="rollout")
+        pool = self.launcher.rollouts(self)
         try:
             self._wait_ready(result_q, proc)
             self._drive(pool, batch_q, result_q, proc)
@@ -125,10 +161,22 @@ class AsyncLoop:
                      f"`albatross train --resume {self.run_dir.parent}`")
             raise
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown()
             _stop_trainer(proc, batch_q)
             self.sink.close()
         return self.state
+
+    def _write_pids(self) -> None:
+        """``pids.json``: the processes this run started (trainer, engine replicas, sandbox helpers), so
+        that tests and operators can find them; rewritten when one is restarted."""
+        pids = {"orchestrator": os.getpid(), "trainer": self._trainer_pid}
+        for part in (self.engine, self.agent.backend, self.launcher):
+            pids.update(getattr(part, "pids", dict)())
+        if pids != self._pids:
+            self._pids = pids
+            tmp = self.run_dir / "pids.json.tmp"
+            tmp.write_text(json.dumps(pids))
+            tmp.replace(self.run_dir / "pids.json")
 
     def _wait_ready(self, result_q, proc) -> None:
         while True:
@@ -167,6 +215,7 @@ class AsyncLoop:
                 ready.pop(0)
                 self._batches_sent += 1
             self._drain_results(result_q, proc, block=False)
+            self._write_pids()
             self.sink.status(self._status(inflight))
             time.sleep(0.02)
         self._finish_queued_steps(result_q, proc)
@@ -186,9 +235,7 @@ class AsyncLoop:
         task = self.tasks[self.sampler.next()]
         gid = f"g{self.state.group_seq:06d}"
         self.state.group_seq += 1
-        retries = self.cfg.sandbox.max_infra_retries
-        futures = [pool.submit(run_with_retries, self.agent, AttemptSpec(task, gid, i), retries, self.counts)
-                   for i in range(self.cfg.orchestrator.group_size)]
+        futures = [pool.submit(AttemptSpec(task, gid, i)) for i in range(self.cfg.orchestrator.group_size)]
         return _PendingGroup(task, gid, futures)
 
     def _collect(self, inflight: list[_PendingGroup], ready: list) -> list[_PendingGroup]:
@@ -255,17 +302,20 @@ class AsyncLoop:
 
     def _step_record(self, msg: dict[str, Any]) -> dict[str, Any]:
         c, w, bc = self.counts, self._window, self.builder.counts
-        if w["attempts"]:
+        if w["attempts"]:  # no attempt finished since the last step: show the last window's figures
             self._last_pass_rate = w["solved"] / w["attempts"]
+            self._last_reward = w["reward_x1000"] / 1000 / w["attempts"]
         elapsed = self.state.elapsed_s + time.monotonic() - self._t0
         record = {
             "step": self.state.step, "version": self.state.version, "time": time.time(),
             "pass_rate": self._last_pass_rate,
-            "reward_mean": w["reward_x1000"] / 1000 / max(1, w["attempts"]),
+            "reward_mean": self._last_reward,
             "groups": bc["groups"], "zero_signal_groups": bc["dropped_zero_signal"],
             "zero_signal_share": bc["dropped_zero_signal"] / max(1, bc["groups"]),
             "infra_dropped_groups": bc["dropped_infra_error"],
             "infra_error_attempts": c["infra_error_attempts"],
+            "engine_restarts": getattr(self.engine, "restarts", 0),
+            "sandbox_restarts": getattr(self.agent.backend, "restarts", 0),
             "dropped_stale_tokens_total": c["dropped_stale_tokens"],
             "queue_depth": self._batches_sent - self.state.step,
             "engine_tokens_per_s": c["completion_tokens"] / max(elapsed, 1e-6),
@@ -280,7 +330,8 @@ class AsyncLoop:
         return {"step": f"{self.state.step}/{self.cfg.orchestrator.max_steps}",
                 "pass": self._last_pass_rate, "groups in flight": len(inflight),
                 "batches waiting": self._batches_sent - self.state.step,
-                "attempts": self.counts["attempts"], "infra": self.counts["infra_error_attempts"]}
+                "attempts": self.counts["attempts"], "infra": self.counts["infra_error_attempts"],
+                **({"engine restarts": self.engine.restarts} if getattr(self.engine, "restarts", 0) else {})}
 
 
 def _test_weights(path: str) -> dict[str, dict[str, float]] | None:

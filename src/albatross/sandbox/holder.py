@@ -58,7 +58,9 @@ def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote
         # again, then make sure the zygote did not die before it was set (the signal would be lost).
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         if zygote_fd is not None:
-            if select.select([zygote_fd], [], [], 0)[0]:
+            poller = select.poll()
+            poller.register(zygote_fd, select.POLLIN)
+            if poller.poll(0):
                 os._exit(1)
             os.close(zygote_fd)
     except BaseException as err:  # noqa: BLE001 - reported to the host, which raises SandboxError

@@ -582,6 +582,11 @@ class LocalBackend:
         zygote = self._zygote
         return None if zygote is None else zygote.pid
 
+    def pids(self) -> dict[str, int]:
+        """The helper process this backend started (for a run's pids.json)."""
+        pid = self.zygote_pid
+        return {} if pid is None else {"sandbox": pid}
+
     def _zyg(self) -> Zygote:
         """The zygote; if it died, a fresh one. Exactly one restart per death: the first thread to notice
         restarts under the lock, the others wait for it and get the fresh one."""

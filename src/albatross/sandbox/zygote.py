@@ -73,6 +73,7 @@ def _make_userns(id_base: int) -> int:
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(go_w)  # so the read below ends if the zygote dies first
             linux.unshare(linux.CLONE_NEWUSER)
             os.write(ready_w, b"x")
             os.read(go_r, 1)

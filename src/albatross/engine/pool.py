@@ -1,0 +1,302 @@
+"""Several engine replicas behind one ``Engine``: sticky sessions, least-loaded placement, restarts.
+
+An attempt is a conversation of many turns whose prompts share their prefix, so it must stay on the
+replica that holds that prefix's KV cache: ``EnginePool.session()`` binds an attempt to the live replica
+with the fewest bound attempts, and every ``generate`` of the attempt goes there (the harness opens a
+session per attempt when its engine has ``session``). ``generate`` without a session goes to the least
+loaded replica.
+
+Replicas are in-process engines (``LocalReplica``) or ``albatross serve`` processes the pool started
+(``ProcessReplica``). A supervisor thread checks them every ``check_s``; a replica process that died
+(SIGKILL, OOM) is started again, loads the newest weights the pool was given, then serves new sessions.
+Requests in flight on the dead process fail with ``EngineError`` after the HTTP client's retries; the
+harness turns that into an infrastructure error and the attempt is re-run (on a live replica).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from albatross.engine.base import Completion, Engine, EngineError, SamplingParams
+
+URL_PREFIX = "albatross serve: "
+
+
+class LocalReplica:
+    """An engine in this process (built-in or a client of a server someone else runs): never restarted."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine: Engine | None = engine
+        self.pid: int | None = None
+
+    def alive(self) -> bool:
+        return True
+
+    def start(self, newest: Callable[[], tuple[str, int] | None]) -> None:
+        raise EngineError("an in-process replica cannot be restarted")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+class ProcessReplica:
+    """``albatross serve MODEL_DIR`` in its own process (and process group), on a free loopback port."""
+
+    def __init__(self, model_dir: str | Path, log_path: str | Path, version: int = 0, threads: int = 1,
+                 max_batch_size: int = 64, start_timeout_s: float = 180.0) -> None:
+        self.model_dir, self.log_path = Path(model_dir), Path(log_path)
+        self.version, self.threads, self.max_batch_size = version, threads, max_batch_size
+        self.start_timeout_s = start_timeout_s
+        self.proc: Any = None
+        self.engine: Engine | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, newest: Callable[[], tuple[str, int] | None] = lambda: None) -> None:
+        """Start the server, load the weights ``newest()`` names (asked again if a version is pruned
+        meanwhile), then serve: no session binds to this replica before its weights are current."""
+        import subprocess
+
+        from albatross.engine.remote import AlbatrossEngine, RemoteError
+
+        self.engine = None
+        version = self.version
+        cmd = [sys.executable, "-m", "albatross.cli", "serve", str(self.model_dir), "--port", "0",
+               "--version", str(version), "--threads", str(self.threads),
+               "--max-batch-size", str(self.max_batch_size)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            offset = log.tell()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = self._wait_url(offset)
+        engine = AlbatrossEngine(url, version=version, connect_timeout=30.0, retries=2)
+        last: Exception | None = None
+        for _ in range(5):
+            weights = newest()
+            if weights is None:
+                break
+            try:
+                engine.update_weights(*weights)
+                break
+            except RemoteError as e:  # e.g. that version was pruned while the server started
+                last = e
+        else:
+            engine.close()
+            raise EngineError(f"the restarted replica could not load the newest weights: {last}")
+        self.engine = engine
+
+    def _wait_url(self, offset: int) -> str:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            with self.log_path.open("rb") as f:
+                f.seek(offset)
+                for line in f.read().decode(errors="replace").splitlines():
+                    if line.startswith(URL_PREFIX) and " on http" in line:
+                        return line.rsplit(" on ", 1)[1].strip()
+            if self.proc.poll() is not None:
+                raise EngineError(f"engine server exited with code {self.proc.returncode} while starting; "
+                                  f"see {self.log_path}")
+            time.sleep(0.1)
+        self.close()
+        raise EngineError(f"engine server did not start within {self.start_timeout_s:.0f}s; see {self.log_path}")
+
+    def close(self) -> None:
+        from albatross.engine.remote import stop_server
+
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.proc is not None:
+            try:
+                stop_server(self.proc, timeout=10)
+            except ProcessLookupError:  # its process group is gone already
+                self.proc.wait()
+
+
+class _Session:
+    """One attempt's handle: every call goes to the replica chosen when the session opened."""
+
+    def __init__(self, pool: EnginePool, index: int) -> None:
+        self.pool, self.index, self._open = pool, index, True
+
+    @property
+    def version(self) -> int:
+        return self.pool.version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.pool._generate_on(self.index, prompts, params)
+
+    def update_weights(self, path: str, version: int) -> None:
+        self.pool.update_weights(path, version)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.pool._release(self.index)
+
+    def __enter__(self) -> _Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EnginePool:
+    """Replicas behind one engine; ``restarts`` counts replica processes started again after dying."""
+
+    def __init__(self, replicas: list[Any], version: int = 0, log: Callable[[str], None] = print,
+                 check_s: float = 0.5, place_timeout_s: float = 300.0) -> None:
+        if not replicas:
+            raise ValueError("an engine pool needs at least one replica")
+        self.replicas, self.version, self.log = replicas, version, log
+        self.place_timeout_s = place_timeout_s
+        self.weights: tuple[str, int] | None = None
+        self.restarts = 0
+        self.sessions = [0] * len(replicas)  # attempts bound to each replica now
+        self.requests = [0] * len(replicas)
+        self._applied: list[tuple[str, int] | None] = [None] * len(replicas)
+        self._locks = [threading.Lock() for _ in replicas]  # held while a replica loads weights or restarts
+        self._lock = threading.Lock()
+        self._turn = itertools.count()
+        self._stop = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, args=(check_s,), daemon=True,
+                                            name="albatross-engine-supervisor")
+        self._supervisor.start()
+
+    @classmethod
+    def of_processes(cls, model_dir: str | Path, replicas: int, log_dir: str | Path, version: int = 0,
+                     threads: int = 1, max_batch_size: int = 64,
+                     log: Callable[[str], None] = print) -> EnginePool:
+        """Start ``replicas`` ``albatross serve`` processes of ``model_dir`` (logs in ``log_dir``)."""
+        started: list[ProcessReplica] = []
+        try:
+            for i in range(replicas):
+                r = ProcessReplica(model_dir, Path(log_dir) / f"engine-{i}.log", version, threads, max_batch_size)
+                r.start()
+                started.append(r)
+        except BaseException:
+            for r in started:
+                r.close()
+            raise
+        log(f"[engine] {replicas} replica process(es): pids {[r.pid for r in started]}")
+        return cls(started, version, log)
+
+    # ---- placement ----------------------------------------------------------------------------------
+    def session(self) -> _Session:
+        """Bind a new attempt to the live replica with the fewest attempts (ties: round robin)."""
+        deadline = time.monotonic() + self.place_timeout_s
+        while True:
+            with self._lock:
+                live = [i for i, r in enumerate(self.replicas) if r.alive() and r.engine is not None]
+                if live:
+                    turn = next(self._turn)
+                    n = len(self.replicas)
+                    index = min(live, key=lambda i: (self.sessions[i], (i - turn) % n))
+                    self.sessions[index] += 1
+                    return _Session(self, index)
+            if self._stop.is_set() or time.monotonic() > deadline:
+                raise EngineError("no live engine replica")
+            time.sleep(0.1)
+
+    def _release(self, index: int) -> None:
+        with self._lock:
+            self.sessions[index] -= 1
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        with self.session() as s:
+            return s.generate(prompts, params)
+
+    def _generate_on(self, index: int, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        engine = self.replicas[index].engine
+        if engine is None:
+            raise EngineError(f"engine replica {index} is restarting")
+        self.requests[index] += 1
+        try:
+            return engine.generate(prompts, params)
+        except EngineError:
+            raise
+        except OSError as e:  # a connection torn down mid-read
+            raise EngineError(f"engine replica {index}: {type(e).__name__}: {e}") from e
+
+    # ---- weights and restarts -----------------------------------------------------------------------
+    def update_weights(self, path: str, version: int) -> None:
+        """Every live replica loads ``path``; one busy restarting loads it when its restart ends."""
+        self.weights, self.version = (str(path), int(version)), int(version)
+        for i in range(len(self.replicas)):
+            if self._locks[i].acquire(blocking=False):
+                try:
+                    self._sync(i)
+                finally:
+                    self._locks[i].release()
+
+    def _sync(self, i: int) -> None:
+        r, want = self.replicas[i], self.weights
+        if want is None or self._applied[i] == want or not r.alive() or r.engine is None:
+            return
+        try:
+            r.engine.update_weights(*want)
+            self._applied[i] = want
+        except EngineError as e:  # it died meanwhile: the supervisor restarts it with these weights
+            self.log(f"[engine] replica {i} did not take version {want[1]}: {e}")
+
+    def _supervise(self, check_s: float) -> None:
+        while not self._stop.wait(check_s):
+            for i, r in enumerate(self.replicas):
+                with self._locks[i]:
+                    if self._stop.is_set():
+                        return
+                    if not r.alive():
+                        self._restart(i)
+                    self._sync(i)
+
+    def _restart(self, i: int) -> None:
+        r = self.replicas[i]
+        old = r.pid
+        code = getattr(r.proc, "returncode", None) if hasattr(r, "proc") else None
+        self.log(f"[engine] replica {i} (pid {old}) exited with code {code}; restarting it")
+        r.close()
+        loaded: list[tuple[str, int] | None] = [None]
+
+        def newest() -> tuple[str, int] | None:
+            loaded[0] = self.weights
+            return loaded[0]
+
+        try:
+            r.start(newest)
+        except EngineError as e:
+            self.log(f"[engine] replica {i} failed to restart: {e}; trying again")
+            r.close()
+            return
+        self._applied[i] = loaded[0]
+        with self._lock:
+            self.restarts += 1
+        at = loaded[0][1] if loaded[0] else r.version
+        self.log(f"[engine] replica {i} restarted as pid {r.pid} at version {at}")
+
+    def pids(self) -> dict[str, int]:
+        return {f"engine{i}": r.pid for i, r in enumerate(self.replicas) if r.pid is not None}
+
+    def close(self) -> None:
+        self._stop.set()
+        # a restart under way finishes first (bounded by its start-up timeout), so nothing outlives us
+        self._supervisor.join(timeout=max((getattr(r, "start_timeout_s", 0) for r in self.replicas), default=0) + 30)
+        for r in self.replicas:
+            r.close()
+
+    def __enter__(self) -> EnginePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
