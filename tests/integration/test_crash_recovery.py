@@ -69,6 +69,7 @@ def test_engine_and_sandbox_killed_mid_run_are_restarted_and_the_run_finishes(tm
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     # the engine restart may end after the last step (a server start takes seconds on a busy machine)
     assert metrics[-1]["engine_restarts"] <= 1 and metrics[-1]["sandbox_restarts"] == 1
+    assert all(0.0 <= m["engine_idle_share"] <= 1.0 for m in metrics)
     state = _read(out / "run" / "state.json")
     assert state["counts"]["infra_error_attempts"] >= 1  # the attempts in flight were re-run
     rows = [json.loads(line) for line in (out / "run" / "trajectories.jsonl").read_text().splitlines()]

@@ -342,3 +342,15 @@ def test_engine_loads_a_model_directory(tmp_path) -> None:
             from_dir.generate(PROMPTS, greedy()), from_module.generate(PROMPTS, greedy()), strict=True
         ):
             assert_same(got, want)
+
+
+def test_busy_seconds_count_forward_passes_not_idle_time() -> None:
+    with BuiltinEngine(tiny_model()) as eng:
+        assert eng.busy_seconds == 0.0
+        t0 = time.perf_counter()
+        eng.generate([[5, 6, 7]], greedy(16))
+        time.sleep(0.1)  # the pass that resolved the request finishes its accounting
+        busy = eng.busy_seconds
+        assert 0.0 < busy <= time.perf_counter() - t0
+        time.sleep(0.3)  # idle: no request, no forward pass
+        assert eng.busy_seconds == busy

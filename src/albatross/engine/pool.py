@@ -285,6 +285,12 @@ class EnginePool:
         at = loaded[0][1] if loaded[0] else r.version
         self.log(f"[engine] replica {i} restarted as pid {r.pid} at version {at}")
 
+    @property
+    def busy_seconds(self) -> float:
+        """Forward-pass seconds summed over the replicas (a restarted replica counts from zero again)."""
+        return sum(float(getattr(r.engine, "busy_seconds", 0.0)) for r in self.replicas
+                   if r.engine is not None and r.alive())
+
     def pids(self) -> dict[str, int]:
         return {f"engine{i}": r.pid for i, r in enumerate(self.replicas) if r.pid is not None}
 

@@ -405,6 +405,15 @@ class AlbatrossEngine(RemoteEngine):
         self.http.call("POST", "/update_weights", {"path": str(Path(path).resolve()), "version": version})
         self.version = version
 
+    @property
+    def busy_seconds(self) -> float:
+        """The server's seconds in forward passes (``/health``); 0 when it does not answer."""
+        try:
+            _, out = HTTPClient(self.http.base_url, timeout=5, retries=0).call("GET", "/health")
+            return float(out.get("busy_s", 0.0))
+        except (RemoteError, AttributeError, TypeError, ValueError):
+            return 0.0
+
 
 # ------------------------------------------------------------------------------------------------ vllm-cpu
 

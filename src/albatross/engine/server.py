@@ -203,7 +203,8 @@ class EngineServer:
     def health(self, _: dict[str, Any]) -> tuple[int, Any]:
         closed = getattr(getattr(self.engine, "scheduler", None), "closed", False)
         status = HTTPStatus.SERVICE_UNAVAILABLE if closed else HTTPStatus.OK
-        return status, {"status": "closed" if closed else "ok", "version": self.engine.version}
+        return status, {"status": "closed" if closed else "ok", "version": self.engine.version,
+                        "busy_s": float(getattr(self.engine, "busy_seconds", 0.0))}
 
     def models(self, _: dict[str, Any]) -> tuple[int, Any]:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "albatross",

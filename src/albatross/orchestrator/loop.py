@@ -110,6 +110,7 @@ class AsyncLoop:
         self._batches_sent = 0
         self._last_pass_rate = self._last_reward = 0.0
         self._t0 = time.monotonic()
+        self._busy_mark = (time.monotonic(), self._engine_busy())
         if resume:
             self._restore()
         self._start_version = self.state.version - self.state.step
@@ -315,6 +316,7 @@ class AsyncLoop:
             "infra_dropped_groups": bc["dropped_infra_error"],
             "infra_error_attempts": c["infra_error_attempts"],
             "engine_restarts": getattr(self.engine, "restarts", 0),
+            **({} if (idle := self._engine_idle_share()) is None else {"engine_idle_share": idle}),
             "sandbox_restarts": getattr(self.agent.backend, "restarts", 0),
             "dropped_stale_tokens_total": c["dropped_stale_tokens"],
             "queue_depth": self._batches_sent - self.state.step,
@@ -325,6 +327,19 @@ class AsyncLoop:
         }
         self._window.clear()
         return record
+
+    def _engine_busy(self) -> float | None:
+        busy = getattr(self.engine, "busy_seconds", None)
+        return None if busy is None else float(busy)
+
+    def _engine_idle_share(self) -> float | None:
+        """Share of the wall time since the last step that the engine replicas spent idle."""
+        now, busy = time.monotonic(), self._engine_busy()
+        (then, before), self._busy_mark = self._busy_mark, (now, busy)
+        if busy is None or before is None or now <= then:
+            return None
+        capacity = (now - then) * len(getattr(self.engine, "replicas", [0]))
+        return min(1.0, max(0.0, 1.0 - max(0.0, busy - before) / capacity))
 
     def _status(self, inflight: list[_PendingGroup]) -> dict[str, Any]:
         return {"step": f"{self.state.step}/{self.cfg.orchestrator.max_steps}",

@@ -62,6 +62,7 @@ def step_line(r: dict[str, Any], max_steps: int) -> str:
             f"stale mean {r.get('staleness_mean', 0.0):.1f} max {r.get('staleness_max', 0):.0f}  "
             f"kl {r.get('mismatch_kl', 0.0):.4f}  queue {r.get('queue_depth', 0)}  "
             f"trainer idle {r.get('trainer_idle_share', 0.0):.0%}  "
+            + (f"engine idle {r['engine_idle_share']:.0%}  " if "engine_idle_share" in r else "") +
             f"gen tok/s {r.get('engine_tokens_per_s', 0.0):.0f}  train tok/s {r.get('tokens_per_s', 0.0):.0f}  "
             f"infra {r.get('infra_error_attempts', 0)}")
 

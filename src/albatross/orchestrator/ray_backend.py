@@ -67,6 +67,9 @@ class EngineActor:
         self.engine.update_weights(path, version)
         return self.engine.version
 
+    def busy_seconds(self) -> float:
+        return self.engine.busy_seconds
+
 
 class RayEngineClient:
     """``Engine`` over one engine actor; a dead or restarting actor is an ``EngineError``."""
@@ -87,6 +90,13 @@ class RayEngineClient:
     def update_weights(self, path: str, version: int) -> None:
         self._get(self.handle.update_weights.remote(path, version))
         self.version = version
+
+    @property
+    def busy_seconds(self) -> float:
+        try:
+            return float(self._get(self.handle.busy_seconds.remote()))
+        except EngineError:
+            return 0.0
 
     def close(self) -> None:
         pass

@@ -97,6 +97,11 @@ class BuiltinEngine:
         """One completion per prompt; blocks until all are done. Thread-safe."""
         return [f.result() for f in self.scheduler.submit_many(prompts, params)]
 
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds spent in forward passes so far (the rest of the wall time the engine was idle)."""
+        return self.scheduler.busy_s
+
     def update_weights(self, path: str, version: int) -> None:
         """Load the safetensors checkpoint in directory ``path``; tokens after the swap carry ``version``."""
         self.update_weights_from_state_dict(read_safetensors_dir(path), version)

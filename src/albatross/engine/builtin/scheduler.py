@@ -10,6 +10,7 @@ passes, never during one; running requests continue with the new weights.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -52,6 +53,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.step_hook: Callable[[], None] | None = None
+        self.busy_s = 0.0  # seconds spent in prefill and decode passes (idle share = 1 - busy / wall)
         """Called by the worker before every forward pass (tests use it to act at a known step)."""
         self._cond = threading.Condition()
         self._pending: deque[tuple[Request, Future[Completion]]] = deque()
@@ -146,10 +148,18 @@ class Scheduler:
         live = [(r, f) for r, f in joiners if f.set_running_or_notify_cancel()]
         if live:
             self._between_steps()
-            self.runner.admit([(r, _resolver(f)) for r, f in live])
+            t0 = time.perf_counter()
+            try:
+                self.runner.admit([(r, _resolver(f)) for r, f in live])
+            finally:
+                self.busy_s += time.perf_counter() - t0
         if self.runner.n_running:
             self._between_steps()
-            self.runner.step()
+            t0 = time.perf_counter()
+            try:
+                self.runner.step()
+            finally:
+                self.busy_s += time.perf_counter() - t0
         elif not live:
             self._apply_swaps()
 
