@@ -145,6 +145,8 @@ def test_a_thousand_forks_and_closes_leave_the_machine_as_it_was(tmp_path: Path)
                 zygote = backend._zygote
                 assert zygote is not None
                 zygote_mounts = Path(f"/proc/{zygote.proc.pid}/mountinfo").read_text()
+        assert backend._zygote is zygote and zygote.alive() and backend.restarts == 0, (
+            f"the zygote was replaced or died (restarts {backend.restarts}, exit code {zygote.proc.poll()})")
         assert Path(f"/proc/{zygote.proc.pid}/mountinfo").read_text() == zygote_mounts  # no growth inside
         assert backend.live_attempts() <= backend._pool.size  # only the warm ones
     finally:
