@@ -9,3 +9,16 @@ def demo_cache(tmp_path_factory) -> Path:
     """One cache of warm-started demo models shared by the tests that run the quick demo."""
     path = os.environ.get("ALBATROSS_TEST_CACHE")
     return Path(path) if path else tmp_path_factory.mktemp("albatross-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 model with the demo tokenizer, saved as a model directory (for servers and pools)."""
+    from albatross.config import ModelConfig
+    from albatross.harness.chat import TinyTokenizer
+    from albatross.trainer.model import build_tiny, save_model
+
+    tok = TinyTokenizer.from_corpus(["count the lines of notes in the file", "echo hello world"])
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                      max_positions=256)
+    return save_model(build_tiny(cfg, tok), tok, tmp_path_factory.mktemp("tiny-model") / "tiny")

@@ -61,15 +61,8 @@ def test_sessions_stick_to_one_replica_and_spread_over_the_least_loaded() -> Non
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from albatross.config import ModelConfig
-    from albatross.harness.chat import TinyTokenizer
-    from albatross.trainer.model import build_tiny, save_model
-
-    tok = TinyTokenizer.from_corpus(["count the lines of notes in the file", "echo hello world"])
-    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                      max_positions=256)
-    return save_model(build_tiny(cfg, tok), tok, tmp_path_factory.mktemp("pool") / "tiny")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 def _perturbed_weights(model_dir: Path, root: Path, version: int) -> Path:
