@@ -33,7 +33,7 @@ def cache_root() -> Path:
 
 def demo_config(config_path: str | None, quick: bool, out: str | None, overrides: list[str]) -> RunConfig:
     path = config_path
-    if path is None:  # the repo's recipe when run from a checkout; the same values are the defaults
+    if path is None:  # the repo's recipe (configs/demo.toml) when run from a checkout, else the defaults
         repo_cfg = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
         path = str(repo_cfg) if repo_cfg.is_file() else None
     extra = (QUICK_OVERRIDES if quick else []) + list(overrides)
