@@ -16,7 +16,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen2 model with the demo tokenizer, saved as a model directory (for servers and pools)."""
     from albatross.config import ModelConfig
     from albatross.harness.chat import TinyTokenizer
-    from albatross.trainer.model import build_tiny, save_model
+    from albatross.pipeline.demo import build_tiny, save_model
 
     tok = TinyTokenizer.from_corpus(["count the lines of notes in the file", "echo hello world"])
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,

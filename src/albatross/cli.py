@@ -6,16 +6,15 @@ User errors (bad config, bad task directory, missing file) print one line and ex
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from albatross.errors import UserError  # the one user-error type: printed as one line, exit code 2
+
 EXIT_USER_ERROR = 2
-
-
-class UserError(Exception):
-    """Printed as one line, exit code 2."""
 
 
 def _overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -46,30 +45,38 @@ def _normalise_key(override: str) -> str:
 
 
 def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
-    from albatross.demo import Demo, demo_config, format_table
+    from albatross.pipeline.demo import demo_config
+    from albatross.pipeline.driver import Pipeline
+    from albatross.pipeline.summary import format_table
 
     cfg = demo_config(args.config, args.quick, args.out, _overrides(args, extra))
-    summary = Demo(cfg, log=_log).run()
-    print(format_table(summary), flush=True)
+    pipeline = Pipeline(cfg, log=_log, command="demo --quick" if args.quick else "demo")
+    summary = pipeline.run()
+    print(format_table(summary, pipeline.title), flush=True)
+    if args.quick:
+        print("\nalbatross demo --quick is a smoke test: a few steps on a few tasks, so the difference above is "
+              "mostly noise; the full demo (`albatross demo`) measures learning.", flush=True)
     print(f"\nwritten: {Path(cfg.out).resolve() / 'summary.json'}", flush=True)
     return 0
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    """A training run is the demo pipeline driven by a config file; `--resume DIR` continues one."""
+    """A training run of a config file, for any model; `--resume DIR` continues one."""
     from albatross.config import load_config
-    from albatross.demo import Demo, format_table
+    from albatross.pipeline.driver import Pipeline
+    from albatross.pipeline.summary import format_table
 
     if args.resume:
         if args.config or extra or args.set or args.backend:
             raise UserError("--resume takes the run directory only; its config.json is reused")
-        demo = Demo.resumed(args.resume, log=_log)
+        pipeline = Pipeline.resumed(args.resume, log=_log)
     elif args.config:
-        demo = Demo(load_config(args.config, _overrides(args, extra)), log=_log)
+        pipeline = Pipeline(load_config(args.config, _overrides(args, extra)), log=_log)
     else:
         raise UserError("train needs a CONFIG file or --resume RUN_DIR")
-    summary = demo.run()
-    print(format_table(summary), flush=True)
+    summary = pipeline.run()
+    print(format_table(summary, pipeline.title), flush=True)
+    print(f"\nwritten: {pipeline.out / 'summary.json'}", flush=True)
     return 0
 
 
@@ -85,11 +92,35 @@ def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+MAX_NEW_TASKS = 100_000
+
+
+def _check_tasks_new(args: argparse.Namespace) -> None:
+    """One-line errors for `tasks new` arguments: counts, families, and an --out that is not a directory."""
+    from albatross.tasks.builtin import list_families
+
+    for flag, n in (("--count", args.count), ("--heldout", args.heldout)):
+        if not 0 <= n <= MAX_NEW_TASKS:
+            raise UserError(f"tasks new: {flag} must be between 0 and {MAX_NEW_TASKS}, got {n}")
+    if args.count + args.heldout == 0:
+        raise UserError("tasks new: --count and --heldout are both 0: nothing to generate")
+    known = list_families()
+    unknown = [f for f in args.family or [] if f != "all" and f not in known]
+    if unknown:
+        raise UserError(f"tasks new: unknown family {unknown[0]!r}; known: all, {', '.join(known)}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"tasks new: --out {args.out}: exists and is not a directory")
+
+
 def cmd_tasks_new(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.tasks.builtin import generate_tasks
 
-    paths = generate_tasks(Path(args.out), families=args.family or None, n_train=args.count,
-                           n_heldout=args.heldout, seed=args.seed, difficulty=args.difficulty)
+    _check_tasks_new(args)
+    try:
+        paths = generate_tasks(Path(args.out), families=args.family or None, n_train=args.count,
+                               n_heldout=args.heldout, seed=args.seed, difficulty=args.difficulty)
+    except (ValueError, FileExistsError) as e:  # no more distinct instances; --out already holds tasks
+        raise UserError(f"tasks new: {e}") from None
     for split, ps in paths.items():
         print(f"{split}: {len(ps)} tasks under {Path(args.out) / split}")
     return 0
@@ -190,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = tasks.add_parser("new", help="generate built-in task directories")
     p.add_argument("family", nargs="*", help="families to generate, or `all` (default: the demo's three)")
     p.add_argument("--difficulty", choices=("easy", "medium", "hard"), default="easy", help="difficulty knob")
-    p.add_argument("--count", type=int, default=16, help="training tasks")
-    p.add_argument("--heldout", type=int, default=0, help="held-out tasks")
+    p.add_argument("--count", type=int, default=16, help=f"training tasks (0 to {MAX_NEW_TASKS})")
+    p.add_argument("--heldout", type=int, default=0, help=f"held-out tasks (0 to {MAX_NEW_TASKS})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(fn=cmd_tasks_new)
@@ -201,16 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from albatross.config import ConfigError
-
-    errors: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError]
-    try:
-        from albatross.tasks.format import TaskFormatError
-
-        errors.append(TaskFormatError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(errors)
+    """``UserError`` (config, task, model errors subclass it), and a missing file the user named."""
+    return (UserError, FileNotFoundError)
 
 
 def _runtime_failures() -> tuple[type[BaseException], ...]:
@@ -242,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     except _runtime_failures() as e:
         print(f"albatross: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        print(f"albatross: error: no space left on the device{where}; free some space and rerun (a run or an "
+              "eval resumes where it stopped)", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

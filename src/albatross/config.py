@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from albatross.errors import UserError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user error in a config file or override: one line, names the file and the field."""
 
 
@@ -28,22 +30,31 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = Field("", description="Directory of a transformers causal LM (config + safetensors). "
-                      "Empty: build the tiny demo model from the fields below.")
-    hidden_size: int = Field(128, gt=0, description="Tiny model: hidden size.")
-    num_layers: int = Field(4, gt=0, description="Tiny model: number of transformer layers.")
-    num_heads: int = Field(4, gt=0, description="Tiny model: attention heads.")
-    num_kv_heads: int = Field(2, gt=0, description="Tiny model: key/value heads (GQA).")
-    intermediate_size: int = Field(384, gt=0, description="Tiny model: MLP width.")
-    max_positions: int = Field(1024, gt=0, description="Tiny model: maximum sequence length.")
+    path: str = Field("", description="Directory of a transformers causal LM: config.json, safetensors, tokenizer "
+                      "files with a chat template. Empty: the demo recipe builds its tiny model from the fields "
+                      "below.")
+    hidden_size: int = Field(128, gt=0, description="Tiny model (no `path`): hidden size.")
+    num_layers: int = Field(4, gt=0, description="Tiny model (no `path`): number of transformer layers.")
+    num_heads: int = Field(4, gt=0, description="Tiny model (no `path`): attention heads.")
+    num_kv_heads: int = Field(2, gt=0, description="Tiny model (no `path`): key/value heads (GQA).")
+    intermediate_size: int = Field(384, gt=0, description="Tiny model (no `path`): MLP width.")
+    max_positions: int = Field(1024, gt=0, description="Tiny model (no `path`): maximum sequence length.")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, value: str) -> str:
+        if value and not Path(value).expanduser().is_dir():
+            raise ValueError(f"model directory {value!r} does not exist")
+        return str(Path(value).expanduser()) if value else value
 
 
 class TasksConfig(_Section):
     train: list[str] = Field(default_factory=list, description="Task directories (or folders of them) "
                              "to train on. Empty: generate built-in tasks into the run directory.")
     heldout: list[str] = Field(default_factory=list, description="Held-out task directories for evaluation.")
-    families: list[str] = Field(default_factory=list, description="Built-in families to generate "
-                                "(empty: all). See `albatross tasks families`.")
+    families: list[str] = Field(default_factory=list, description="Built-in families to generate when `train` "
+                                "is empty: names, or [\"all\"] for every family; empty: the demo's three "
+                                "(`albatross tasks families` lists them).")
     n_train: int = Field(48, ge=1, description="Number of generated training tasks.")
     n_heldout: int = Field(12, ge=1, description="Number of generated held-out tasks.")
     seed: int = Field(0, description="Seed of the task generator.")
@@ -52,22 +63,31 @@ class TasksConfig(_Section):
 class SandboxConfig(_Section):
     type: Literal["local", "process"] = Field("local", description="`local`: Linux namespaces + "
                                               "copy-on-write overlay (isolated). `process`: no isolation, dev only.")
-    memory_mb: int = Field(512, gt=0, description="Memory limit per attempt (MiB).")
+    memory_mb: int = Field(512, ge=1, description="Memory limit per attempt (MiB, at least 1).")
     pids: int = Field(256, gt=0, description="Process limit per attempt.")
-    disk_mb: int = Field(256, gt=0, description="Limit on bytes an attempt may write (MiB).")
-    command_timeout_s: float = Field(10.0, gt=0, description="Wall-time limit per command.")
+    disk_mb: int = Field(256, ge=1, description="Limit on bytes an attempt may write (MiB, at "
+                         "least 1).")
+    command_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="Wall-time limit per command "
+                                     "(seconds, finite).")
     max_infra_retries: int = Field(3, ge=0, description="Fresh forks tried after an infrastructure error.")
-    attempt_timeout_s: float = Field(0.0, ge=0, description="Wall-time limit of an attempt from its fork, "
-                                     "enforced by the sandbox (0 = none; the harness has its own budget).")
+    attempt_timeout_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="Wall-time limit of an attempt "
+                                     "from its fork, enforced by the sandbox (0 = none; the harness has its own "
+                                     "budget).")
+    cpus: float = Field(0.0, ge=0, allow_inf_nan=False, description="`local`: CPU time per attempt per wall "
+                        "second (1.5 = one and a half CPUs; cgroup cpu quota); 0 = no limit.")
     base: Literal["host", "debian"] = Field("host", description="`local` base root: the host's own root "
                                            "(read-only, instant) or a debootstrap Debian root built once.")
     warm: int = Field(3, ge=0, description="`local`: ready pre-forked attempts kept per recent environment.")
 
 
 class HarnessConfig(_Section):
-    action_format: Literal["bash_block", "tool_calls"] = Field(
-        "bash_block", description="How actions are written: fenced ```bash blocks (small models) or JSON tool "
-        "calls in the model's chat template (Qwen/Hermes `<tool_call>`).")
+    action_format: Literal["auto", "bash_block", "tool_calls"] = Field(
+        "auto", description="How actions are written: fenced ```bash blocks (small models) or JSON tool calls in "
+        "the model's chat template (Qwen/Hermes `<tool_call>`); `auto`: tool calls when the template has a "
+        "`<tool_call>` format and the tokenizer a `<tool_call>` token, else bash blocks.")
+    reasoning: Literal["keep", "strip"] = Field(
+        "keep", description="Whether the `<think>...</think>` part of a completion stays in the next turns' "
+        "context (`strip`: the context is no longer a prefix, so each turn starts a new sample).")
     max_turns: int = Field(4, ge=1, description="Turn budget per attempt.")
     max_tokens_per_turn: int = Field(32, ge=1, description="Generated-token budget per turn.")
     max_generated_tokens: int = Field(0, ge=0, description="Generated-token budget for the whole attempt, "
@@ -101,13 +121,41 @@ class SamplingConfig(_Section):
 
 
 class EngineConfig(_Section):
-    type: Literal["builtin"] = Field("builtin", description="Rollout engine: `builtin` (PyTorch).")
-    max_batch_size: int = Field(64, ge=1, description="Largest decode batch.")
-    threads: int = Field(1, ge=1, description="torch threads of the engine.")
-    replicas: int = Field(1, ge=1, description="Engine replicas; each attempt stays on the replica holding "
-                          "its KV cache, new attempts go to the least loaded one.")
-    process: bool = Field(False, description="Run each replica as its own `albatross serve` process (restarted "
-                          "if it dies; its in-flight attempts are re-run) instead of in the orchestrator.")
+    type: Literal["builtin", "vllm", "sglang"] = Field(
+        "builtin", description="Rollout engine: `builtin` (PyTorch, in this process or `albatross serve` "
+        "processes), `vllm` or `sglang` (servers launched from `engine.python`, or attached by `engine.urls`).")
+    urls: list[str] = Field(default_factory=list, description="Attach to these running servers (base URLs, "
+                            "one replica each; `builtin`: `albatross serve`) instead of launching any.")
+    weight_sync: Literal["filesystem", "nccl"] = Field(
+        "filesystem", description="How new weights reach the engines: `filesystem` (safetensors in the run "
+        "directory, reloaded by path; works everywhere) or `nccl` (broadcast from the trainer's rank 0 into "
+        "the vLLM / SGLang servers' weight-update group; CUDA only).")
+    max_batch_size: int = Field(64, ge=1, description="Largest decode batch (`builtin`).")
+    threads: int = Field(1, ge=1, description="torch threads of the engine (`builtin`; `vllm` on CPU: OpenMP "
+                         "threads of each server).")
+    replicas: int = Field(1, ge=1, description="Engine replicas (servers launched); each attempt stays on the "
+                          "replica holding its KV cache, new attempts go to the least loaded one.")
+    process: bool = Field(False, description="`builtin`: run each replica as its own `albatross serve` process "
+                          "(restarted if it dies; its in-flight attempts are re-run) instead of in the "
+                          "orchestrator. vLLM and SGLang replicas are always processes.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the built-in engine runs: `auto` "
+                                                  "is the GPU after the trainer's (`cuda:<trainer.gpus>`, or the "
+                                                  "last GPU when the trainer holds them all) when CUDA is present, "
+                                                  "else the CPU.")
+    python: str = Field("", description="Python interpreter that runs launched vLLM / SGLang servers. Empty: "
+                        "the venv of `albatross engines install TYPE`, else this interpreter.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra command-line flags appended to "
+                                  "each launched vLLM / SGLang server, e.g. [\"--kv-cache-dtype\", \"fp8\"].")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype of launched vLLM / SGLang servers; `auto`: float32 without a GPU "
+        "(so log-probs match the CPU trainer), the checkpoint's dtype on GPU.")
+    gpu_memory_utilization: float = Field(0.0, ge=0, le=1, description="Share of GPU memory a launched server "
+                                          "may take (vLLM `--gpu-memory-utilization`, SGLang "
+                                          "`--mem-fraction-static`); 0: the server's default.")
+    max_model_len: int = Field(0, ge=0, description="Context length of launched vLLM / SGLang servers "
+                               "(0: the model's own limit).")
+    start_timeout_s: float = Field(900.0, gt=0, description="Seconds a launched server may take to answer "
+                                   "(vLLM compiles the model on its first start).")
 
 
 class RLConfig(_Section):
@@ -122,7 +170,15 @@ class RLConfig(_Section):
     partial_credit_c: float = Field(0.5, ge=0, lt=1, description="c: a failure scores c * fraction of tests passed.")
     efficiency_lambda: float = Field(0.1, ge=0, description="lambda of the efficiency term for successes.")
     loss: Literal["tis", "ppo_clip", "masked_is", "cispo"] = Field("tis", description="Policy loss.")
-    is_cap: float = Field(2.0, gt=0, description="C: cap of the truncated importance ratio.")
+    is_cap: float = Field(2.0, gt=0, description="C: cap of the truncated importance ratio (`tis`).")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="`ppo_clip` / `cispo`: the ratio is clipped below at "
+                            "1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="`ppo_clip` / `cispo`: the ratio is clipped above at "
+                             "1 + clip_high.")
+    mask_low: float = Field(0.5, ge=0, description="`masked_is`: tokens whose ratio is below this give no "
+                            "gradient.")
+    mask_high: float = Field(2.0, gt=0, description="`masked_is`: tokens whose ratio is above this give no "
+                             "gradient.")
     max_staleness: int = Field(6, ge=0, description="Tokens more than this many versions old give no gradient.")
     p_floor: float = Field(0.0, ge=0, lt=1, description="Loss floor: negative-advantage tokens below this "
                            "probability stop contributing.")
@@ -151,7 +207,14 @@ class TrainerConfig(_Section):
     freeze: list[str] = Field(default_factory=list, description="Glob patterns of parameter names to freeze "
                               "(no gradients, not in the optimizer), e.g. `model.embed_tokens.*`.")
     offload_optimizer: bool = Field(False, description="Keep the AdamW state in host memory (GPU runs).")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="`auto`: bf16 on GPU, fp32 on CPU.")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="`auto`: bf16 on GPU, fp32 on CPU. "
+                                                       "bf16 keeps fp32 master weights and optimizer state "
+                                                       "(autocast; FSDP: bf16 compute, fp32 reduction).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the trainer runs: `auto` is CUDA "
+                                                  "when present (the first `gpus` devices), else the CPU.")
+    gpus: int = Field(1, ge=1, description="Trainer ranks: above 1 the trainer shards the model with FSDP2 over "
+                      "this many processes it starts itself (one per GPU; gloo ranks on the CPU), or the ranks of "
+                      "a `torchrun` launch.")
 
 
 class OrchestratorConfig(_Section):
@@ -183,11 +246,19 @@ class RayConfig(_Section):
 
 class EvalConfig(_Section):
     trials: int = Field(3, ge=1, description="Trials per held-out task.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature for evaluation.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of base and trained evaluation "
+                               "(and of `albatross eval`); training samples at `sampling.temperature`.")
 
 
 class WarmStartConfig(_Section):
-    steps: int = Field(300, ge=0, description="Max SFT steps on oracle demonstrations.")
+    source: Literal["auto", "off", "oracle", "chats"] = Field(
+        "auto", description="Supervised warm start before RL: `oracle` plays each training task's oracle steps "
+        "through the real harness and sandbox and trains on them; `chats` trains on the JSONL of `chats`; `off` "
+        "starts RL from the model as it is. `auto`: `oracle` for the demo's tiny model (no `model.path`), `off` "
+        "when `model.path` is set.")
+    chats: str = Field("", description="`source = chats`: a JSONL file, one {\"messages\": [...]} chat per "
+                       "line, rendered with the model's chat template; assistant messages are trained on.")
+    steps: int = Field(300, ge=0, description="Max SFT steps.")
     batch_size: int = Field(32, ge=1, description="Demonstrations per SFT step.")
     lr: float = Field(1e-3, gt=0, description="SFT learning rate.")
     target_pass_rate: float = Field(0.35, gt=0, lt=1, description="Stop SFT once the sampled train pass rate "
@@ -212,6 +283,13 @@ class RunConfig(_Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+
+def default(section: str, name: str) -> Any:
+    """The default of config field ``section.name``: code that takes a setting as an argument uses this as its
+    own default, so every default is written once, here."""
+    model = RunConfig.model_fields[section].annotation
+    return model.model_fields[name].get_default(call_default_factory=True)
 
 
 def _parse_value(raw: str) -> Any:
@@ -251,9 +329,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        except OSError as e:  # unreadable (permissions, a directory in disguise)
+            raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-4")

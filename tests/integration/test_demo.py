@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from albatross.demo import SUMMARY_KEYS
+from albatross.pipeline.summary import SUMMARY_KEYS
 from albatross.sandbox import local_available
 
 

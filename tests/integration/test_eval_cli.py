@@ -162,7 +162,8 @@ def _tiny_model_dir(root: Path, kind: str) -> Path:
     from albatross.harness.chat import TinyTokenizer
     from albatross.harness.hf_chat import toy_chatml_tokenizer
     from albatross.tasks.builtin import corpus_strings
-    from albatross.trainer.model import build_tiny, save_model, tiny_causal_lm
+    from albatross.pipeline.demo import build_tiny, save_model
+    from albatross.trainer.model import tiny_causal_lm
 
     if kind == "tiny":
         tok = TinyTokenizer.from_corpus(corpus_strings())

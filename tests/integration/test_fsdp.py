@@ -97,3 +97,52 @@ def test_two_gloo_ranks_match_a_single_process(tmp_path):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     worker(Path(sys.argv[sys.argv.index("--worker") + 1]))
+
+
+def _worker_losses(tmp_path: Path, gpus: int) -> list[float]:
+    """Losses of two steps through `trainer_main`, the trainer process `albatross train` starts: with
+    `trainer.gpus = 2` it launches rank 1 itself and shards with FSDP2 over gloo."""
+    import multiprocessing as mp
+
+    from albatross.config import load_config
+
+    model = tmp_path / "model"
+    tiny_causal_lm(VOCAB, 64, 2, seed=3).save_pretrained(model)
+    run = tmp_path / f"run{gpus}"
+    cfg = load_config(None, ["trainer.lr=1e-3", "trainer.weight_decay=0.01", "trainer.micro_batch_tokens=64",
+                             f"trainer.gpus={gpus}", "seed=3", "rl.n_floor=1", "rl.p_floor=0.0001"])
+    ctx = mp.get_context("spawn")
+    batch_q, result_q = ctx.Queue(), ctx.Queue()
+    from albatross.orchestrator.trainer_worker import trainer_main
+
+    proc = ctx.Process(target=trainer_main, args=(str(model), str(run), cfg.model_dump_json(), batch_q, result_q,
+                                                  0, ""))
+    proc.start()
+    try:
+        ready = result_q.get(timeout=240)
+        assert "error" not in ready, ready.get("error")
+        losses = []
+        for seed in (0, 1):
+            batch_q.put(make_batch(seed))
+            msg = result_q.get(timeout=240)
+            assert "error" not in msg, msg.get("error")
+            losses.append(msg["loss"])
+        batch_q.put(None)
+        proc.join(timeout=60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert proc.exitcode == 0
+    if gpus > 1:
+        assert ready["device"].endswith("x 2 ranks")
+        assert (run / "logs" / "trainer-rank1.log").is_file()
+    assert (run / "weights" / "v000002").is_dir()
+    return losses
+
+
+def test_the_trainer_process_of_a_run_shards_over_ranks_it_starts_itself(tmp_path):
+    two = _worker_losses(tmp_path, 2)
+    one = _worker_losses(tmp_path, 1)
+    for a, b in zip(two, one, strict=True):
+        assert abs(a - b) < 1e-5

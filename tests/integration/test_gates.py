@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from albatross.config import RunConfig
-from albatross.demo import make_agent
+from albatross.harness.agent import build_agent as make_agent
 from albatross.engine.scripted import ScriptedEngine
 from albatross.harness.chat import TinyTokenizer
 from albatross.orchestrator.buffer import GroupScorer
@@ -220,7 +220,7 @@ def test_probe_and_filter_cli_with_a_tiny_model(tmp_path: Path, cache: Path,
     """The real entry point, in this process (torch is imported once)."""
     from albatross.cli import main
     from albatross.config import ModelConfig
-    from albatross.trainer.model import build_tiny, save_model
+    from albatross.pipeline.demo import build_tiny, save_model
 
     tokenizer = TinyTokenizer.from_corpus(corpus_strings())
     model = build_tiny(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,

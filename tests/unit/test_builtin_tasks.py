@@ -23,9 +23,11 @@ from albatross.tasks.builtin import (
     DEMO_FAMILIES,
     DIFFICULTIES,
     FAMILIES,
+    SPLIT_WORDS,
     WORDS,
     corpus_strings,
     generate_tasks,
+    instruction_words,
     list_families,
 )
 
@@ -53,6 +55,16 @@ class DirAttempt:
             timeout=timeout_s,
         )
         return ExecResult(proc.stdout + proc.stderr, proc.returncode, seconds=time.monotonic() - start)
+
+    def exec_clean(self, command: str, cwd: str, timeout_s: float | None = None) -> ExecResult:
+        start = time.monotonic()
+        proc = subprocess.run(["bash", "--noprofile", "--norc", "-c", self.map(command)],
+                              cwd=self.map(cwd) if cwd != "/" else self.root, capture_output=True, text=True,
+                              timeout=timeout_s)
+        return ExecResult(proc.stdout + proc.stderr, proc.returncode, seconds=time.monotonic() - start)
+
+    def kill_all(self) -> None:
+        """Commands run to completion here: no process of the attempt outlives its ``exec``."""
 
     def put_dir(self, host_dir: Path, sandbox_path: str) -> None:
         dest = Path(self.map(sandbox_path))
@@ -204,6 +216,7 @@ def test_corpus_covers_templates_and_words() -> None:
         assert family.instruction_template in corpus
         assert set(family.demo_templates) <= set(corpus)
         assert set(family.vocabulary) <= set(corpus)
+        assert set(family.split_templates.values()) <= set(corpus)
     assert set(WORDS) <= set(corpus) and len(corpus) == len(set(corpus))
     demo = [s for name in DEMO_FAMILIES for s in (FAMILIES[name].instruction_template,
                                                   *FAMILIES[name].demo_templates)]
@@ -376,7 +389,7 @@ def test_new_family_is_seeded_and_its_splits_share_no_instance(tmp_path: Path, n
         keys[split] = set()
         for task in load_tasks(dirs):
             instance = FAMILIES[name].generate(random.Random(task.metadata["seed"]), "medium")
-            assert instance.instruction + "\n" == task.instruction
+            assert FAMILIES[name].split_templates.get(split, instance.instruction) + "\n" == task.instruction
             keys[split].add(instance.key)
     assert len(keys["train"]) == 12 and len(keys["heldout"]) == 6 and keys["train"].isdisjoint(keys["heldout"])
 
@@ -462,3 +475,75 @@ def test_py_fix_editing_the_tests_earns_nothing_for_them(tmp_path: Path) -> None
     session.exec(f"echo 'import unittest' > test_{module}.py")
     result = verify(session, task)
     assert result.metrics["tests_unchanged"] == 0.0 and result.metrics["unittest_passes"] == 0.0
+
+
+# ------------------------------------------------------------------------------------- honest splits
+
+
+def _by_split(out: dict[str, list[Path]]) -> dict[str, list[Task]]:
+    return {split: load_tasks(dirs) for split, dirs in out.items()}
+
+
+def _oracle_lines(task: Task) -> set[str]:
+    return {line for line in (task.solution_dir / "solve.sh").read_text().splitlines()[3:] if line.strip()}
+
+
+def test_split_word_lists_partition_the_vocabulary() -> None:
+    lists = [set(SPLIT_WORDS[s]) for s in ("train", "validation", "heldout")]
+    assert sum(map(len, lists)) == len(WORDS) and set().union(*lists) == set(WORDS)
+    assert instruction_words("Fix test_kiwi.py and kiwi.txt; leave teapot.txt") == {"kiwi"}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 23])
+def test_heldout_and_validation_instructions_never_appear_in_training(tmp_path: Path, seed: int) -> None:
+    """Regression (issue 18): 13 of 21 held-out instructions of a default demo run were training ones."""
+    tasks = _by_split(generate_tasks(tmp_path, families=["all"], n_train=240, n_heldout=44, n_validation=22,
+                                     seed=seed))
+    train = [t.instruction.strip() for t in tasks["train"]]
+    for split in ("heldout", "validation"):
+        assert len(tasks[split]) == {"heldout": 44, "validation": 22}[split]
+        for task in tasks[split]:
+            text = task.instruction.strip()
+            assert not [t for t in train if text in t or t in text], (split, text)
+    heldout = {t.instruction for t in tasks["heldout"]}
+    assert heldout.isdisjoint(t.instruction for t in tasks["validation"])
+
+
+def test_an_instruction_names_only_its_splits_words(tmp_path: Path) -> None:
+    tasks = _by_split(generate_tasks(tmp_path, n_train=60, n_heldout=12, n_validation=9, seed=3))
+    for split, split_tasks in tasks.items():
+        named = set().union(*(instruction_words(t.instruction) for t in split_tasks))
+        assert named and named <= set(SPLIT_WORDS[split]), split
+
+
+def test_demo_oracles_differ_between_splits(tmp_path: Path) -> None:
+    tasks = _by_split(generate_tasks(tmp_path, n_train=240, n_heldout=12, n_validation=9, seed=0))
+    train = set().union(*(_oracle_lines(t) for t in tasks["train"]))
+    for split in ("heldout", "validation"):
+        for task in tasks[split]:
+            assert _oracle_lines(task) and _oracle_lines(task).isdisjoint(train), (split, task.id)
+
+
+def test_validation_is_a_third_split_that_does_not_move_the_heldout_set(tmp_path: Path) -> None:
+    plain = generate_tasks(tmp_path / "a", n_train=6, n_heldout=6, seed=2)
+    more = generate_tasks(tmp_path / "b", n_train=6, n_heldout=6, n_validation=6, seed=2)
+    assert plain["validation"] == [] and len(more["validation"]) == 6
+    assert [_files(d) for d in plain["heldout"]] == [_files(d) for d in more["heldout"]]
+    assert {load_task(d).metadata["split"] for d in more["validation"]} == {"validation"}
+    keys = {s: {_files(d)["tests/test.sh"] for d in dirs} for s, dirs in more.items()}
+    assert keys["validation"].isdisjoint(keys["train"]) and keys["validation"].isdisjoint(keys["heldout"])
+
+
+def test_a_heldout_family_appears_only_in_heldout(tmp_path: Path) -> None:
+    out = generate_tasks(tmp_path / "a", n_train=12, n_heldout=8, n_validation=6, seed=1,
+                         heldout_families=["sort_unique"])
+    families = {s: [load_task(d).metadata["family"] for d in dirs] for s, dirs in out.items()}
+    assert families["heldout"] == [[*DEMO_FAMILIES, "sort_unique"][i % 4] for i in range(8)]
+    assert "sort_unique" not in families["train"] + families["validation"]
+    assert set(families["train"]) == set(families["validation"]) == set(DEMO_FAMILIES)
+    inner = generate_tasks(tmp_path / "b", n_train=6, n_heldout=4, seed=1, heldout_families=["grep_word"])
+    assert {load_task(d).metadata["family"] for d in inner["train"]} == {"count_lines", "follow_pointer"}
+    assert "grep_word" in {load_task(d).metadata["family"] for d in inner["heldout"]}
+    with pytest.raises(ValueError, match="no family to train on"):
+        generate_tasks(tmp_path / "c", families=["count_lines"], n_train=2, n_heldout=2, seed=1,
+                       heldout_families=["count_lines"])

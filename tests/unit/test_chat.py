@@ -101,10 +101,14 @@ def test_hf_unclosed_completion_gets_the_turn_end_first(hf_tok):
     assert hf_tok.decode(closed).startswith("\n<|im_start|>user\nx<|im_end|>")
 
 
-def test_hf_templates_that_cannot_be_appended_to_are_refused(hf_tok):
+def test_hf_templates_that_rewrite_history_are_detected_and_broken_ones_refused(hf_tok):
     counting = "{{ messages|length }}{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
-    with pytest.raises(ValueError, match="not append-only"):
-        HFChatFormat(hf_tok, template=counting).observation("x")
+    fmt = HFChatFormat(hf_tok, template=counting)
+    assert not fmt.append_only and fmt.template_drift().startswith("the first prompt differs")
+    assert HFChatFormat(hf_tok).append_only
+    rewriting = "{% for m in messages %}<|im_start|>{{ m.content }}{{ '' if loop.last else '!' }}<|im_end|>{% endfor %}"
+    with pytest.raises(ValueError, match="no longer renders"):
+        HFChatFormat(hf_tok, template=rewriting).observation("x")
     no_stop = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     with pytest.raises(ValueError, match="special token"):
         HFChatFormat(hf_tok, template=no_stop)
@@ -114,4 +118,5 @@ def test_make_chat_format_follows_the_tokenizer_and_action_format(hf_tok):
     assert isinstance(make_chat_format(tok(), HarnessConfig()), TinyChatFormat)
     tools = make_chat_format(hf_tok, HarnessConfig().model_copy(update={"action_format": "tool_calls"}))
     assert isinstance(tools, HFChatFormat) and tools.observation_role == "tool"
-    assert make_chat_format(hf_tok, HarnessConfig()).observation_role == "user"
+    assert make_chat_format(hf_tok, HarnessConfig(action_format="bash_block")).observation_role == "user"
+    assert make_chat_format(hf_tok, HarnessConfig()).observation_role == "tool"  # auto: ChatML has <tool_call>

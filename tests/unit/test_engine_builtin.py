@@ -354,3 +354,23 @@ def test_busy_seconds_count_forward_passes_not_idle_time() -> None:
         assert 0.0 < busy <= time.perf_counter() - t0
         time.sleep(0.3)  # idle: no request, no forward pass
         assert eng.busy_seconds == busy
+
+
+def test_engine_failures_are_engine_errors_that_the_harness_retries():
+    """A closed engine and a forward pass that raises both surface as ``EngineError`` (infrastructure)."""
+    import pytest
+
+    from albatross.engine.base import EngineError, SamplingParams
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.trainer.model import tiny_causal_lm
+
+    import torch
+
+    model = tiny_causal_lm(64, 32, 1)
+    model.model.norm.weight = torch.nn.Parameter(torch.ones(7))  # every forward pass now fails (shape mismatch)
+    engine = BuiltinEngine(model, fast_forward=False)
+    with pytest.raises(EngineError, match="built-in engine"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    engine.close()
+    with pytest.raises(EngineError):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))

@@ -1,9 +1,15 @@
 """Remote engines against a deterministic fake of SGLang's HTTP API (backed by the built-in engine): parsing,
 versions, weight reloads, pause/resume, retries with backoff, and clear errors for missing or wrong servers.
-The vLLM client is tested against a real vLLM server in tests/integration/test_vllm.py."""
+The vLLM client is tested against a real vLLM server in tests/integration/test_vllm.py.
+
+``FakeSGLang`` also runs as a process (``python -m sglang.launch_server`` with the fake package that
+``fake_sglang_package`` writes): tests/integration/test_engine_launch.py launches it through ``make_engine`` and
+pushes weights into it over its weight-update group (``/init_weights_update_group``,
+``/update_weights_from_distributed``) with the gloo backend."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import threading
@@ -33,13 +39,15 @@ class FakeSGLang:
     """SGLang's /generate, /update_weights_from_disk, /pause_generation, /continue_generation, /health and
     /model_info, answered by a BuiltinEngine; ``fail_next`` answers that many requests with 503 first."""
 
-    def __init__(self, engine: BuiltinEngine, model_info: bool = True) -> None:
+    def __init__(self, engine: BuiltinEngine, model_info: bool = True, port: int = 0,
+                 weight_version: str = "0") -> None:
         self.engine, self.model_info = engine, model_info
-        self.weight_version = "0"
+        self.weight_version = weight_version
         self.fail_next = 0
         self.calls: list[str] = []
         self.paused = False
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.group = None  # the weight-update process group, once joined
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
@@ -70,7 +78,26 @@ class FakeSGLang:
         if (method, path) in (("POST", "/pause_generation"), ("POST", "/continue_generation")):
             self.paused = path == "/pause_generation"
             return 200, {"status": "ok"}
+        if (method, path) == ("GET", "/server_info"):
+            return 200, {"tp_size": 1, "pp_size": 1, "weight_version": self.weight_version}
+        if (method, path) == ("POST", "/init_weights_update_group"):
+            self.group = join_group(body)
+            return 200, {"success": True, "message": "joined"}
+        if (method, path) == ("POST", "/update_weights_from_distributed"):
+            return 200, self.receive(body)
         return 404, {"detail": "Not Found"}
+
+    def receive(self, body: dict) -> dict:
+        """Receive every tensor from rank 0 of the group, then swap them in and take the new version."""
+        import torch.distributed as dist
+
+        state = {}
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+            state[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(state[name], src=0, group=self.group)
+        self.engine.update_weights_from_state_dict(state, int(body["weight_version"]))
+        self.weight_version = body["weight_version"]
+        return {"success": True, "message": f"{len(state)} tensors"}
 
     def generate(self, body: dict) -> dict:
         sp = body["sampling_params"]
@@ -107,6 +134,53 @@ class FakeSGLang:
                 self.wfile.write(data)
 
         return Handler
+
+
+def join_group(body: dict):
+    """Join the trainer's weight-update group as SGLang's workers do: TCP rendezvous, a prefix store named after
+    the group, rank ``rank_offset``."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    rank, world, name = body["rank_offset"], body["world_size"], body["group_name"]
+    url = f"tcp://{body['master_address']}:{body['master_port']}"
+    store, rank, world = next(c10d.rendezvous(url, rank, world, timeout=timedelta(seconds=60)))
+    group, _ = c10d._new_process_group_helper(world, rank, [], body["backend"], c10d.PrefixStore(name, store),
+                                              group_name=name, timeout=timedelta(seconds=60))
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+    return group
+
+
+def serve_main(argv: list[str]) -> None:
+    """``python -m sglang.launch_server`` of the fake package: the flags albatross passes (an unknown one exits
+    with code 2, as SGLang's own parser does), a BuiltinEngine of ``--model-path`` behind ``FakeSGLang``."""
+    p = argparse.ArgumentParser(prog="sglang.launch_server")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--mem-fraction-static", type=float)
+    args = p.parse_args(argv)
+    assert args.skip_tokenizer_init, argv  # token ids in and out
+    torch.set_num_threads(1)
+    server = FakeSGLang(BuiltinEngine(args.model_path), port=args.port, weight_version=args.weight_version)
+    print(f"fake sglang on {server.url}", flush=True)
+    server.thread.join()
+
+
+def fake_sglang_package(root: Path) -> Path:
+    """Write a package ``sglang`` whose ``launch_server`` runs ``serve_main``; put ``root`` on PYTHONPATH."""
+    pkg = root / "sglang"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text('__version__ = "0.0-fake"\n')
+    (pkg / "launch_server.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_engine_remote import serve_main\nserve_main(sys.argv[1:])\n")
+    return root
 
 
 @pytest.fixture

@@ -207,3 +207,28 @@ def test_format_summary_tables():
     assert "k=1 0.500  k=2 1.000" in text
     assert not math.isnan(s["cost_per_task"])
     assert "x         1      2         0.500" in text
+
+
+def test_pass_at_1_standard_error_over_tasks():
+    rows = [_t("a", True, 1), _t("a", True, 1), _t("b", True, 1), _t("b", False, 1), _t("c", False, 1),
+            _t("c", False, 1), _t("c", True, 1, status="infra_error")]
+    r = EvalResult(rows)
+    rates = [1.0, 0.5, 0.0]
+    assert r.pass_at_1 == pytest.approx(0.5)
+    mean = sum(rates) / 3
+    sd = (sum((x - mean) ** 2 for x in rates) / 2) ** 0.5
+    assert r.pass_at_1_se == pytest.approx(sd / 3 ** 0.5) == pytest.approx(0.288675, abs=1e-6)
+    assert EvalResult([_t("a", True, 1), _t("a", False, 1)]).pass_at_1_se is None  # one task
+    assert EvalResult([_t("a", True, 1), _t("b", True, 1)]).pass_at_1_se == 0.0
+
+
+def test_pass_at_1_by_family_reads_builtin_ids_or_a_mapping():
+    from albatross.eval.run import pass_at_1_by_family, task_family
+
+    r = EvalResult([_t("heldout-0000-count_lines", True, 1), _t("heldout-0003-count_lines", False, 1),
+                    _t("heldout-0001-grep_word", True, 1), _t("heldout-0001-grep_word", True, 1),
+                    _t("validation-0002-follow_pointer", False, 1), _t("my-task", True, 1)])
+    assert pass_at_1_by_family(r) == {"count_lines": 0.5, "follow_pointer": 0.0, "grep_word": 1.0,
+                                      "uncategorized": 1.0}
+    assert pass_at_1_by_family(r, {"my-task": "custom"})["custom"] == 1.0
+    assert task_family("train-0012-py_fix") == "py_fix" and task_family("heldout-x-count_lines") == "uncategorized"

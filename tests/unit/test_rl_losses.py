@@ -30,7 +30,7 @@ VERS = torch.tensor([10, 10, 10, -1])
 
 def test_tis_value_and_gradient():
     new = _lp(NEW, grad=True)
-    loss, m = tis_loss(new, _lp(OLD), ADV, MASK, VERS, current_version=10)
+    loss, m = tis_loss(new, _lp(OLD), ADV, MASK, VERS, n_floor=1, current_version=10)
     expected = -(1 * 1 * math.log(0.5) + 0.5 * 1 * math.log(0.25) + 2 * -1 * math.log(0.1)) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     loss.backward()
@@ -44,14 +44,14 @@ def test_tis_value_and_gradient():
 
 def test_tis_cap_changes_the_weight():
     new = _lp(NEW, grad=True)
-    tis_loss(new, _lp(OLD), ADV, MASK, VERS, current_version=10, cap=10.0)[0].backward()
+    tis_loss(new, _lp(OLD), ADV, MASK, VERS, n_floor=1, current_version=10, cap=10.0)[0].backward()
     assert new.grad[2].item() == pytest.approx(5 / 3, rel=1e-5)
 
 
 def test_stale_tokens_give_no_gradient():
     new = _lp(NEW, grad=True)
     versions = torch.tensor([10, 3, 4, -1])  # staleness 0, 7 (> 6: dropped), 6 (kept)
-    loss, m = tis_loss(new, _lp(OLD), ADV, MASK, versions, current_version=10)
+    loss, m = tis_loss(new, _lp(OLD), ADV, MASK, versions, n_floor=1, current_version=10)
     loss.backward()
     assert new.grad[1].item() == 0.0
     assert new.grad[0].item() == pytest.approx(-1 / 3) and new.grad[2].item() == pytest.approx(2 / 3)
@@ -66,19 +66,19 @@ def test_loss_floor_only_stops_negative_advantage_tokens():
     new = _lp([0.1, 0.1, 0.5], grad=True)
     adv = torch.tensor([1.0, -1.0, -1.0])
     mask, vers = torch.ones(3), torch.zeros(3, dtype=torch.long)
-    loss, m = tis_loss(new, new.detach(), adv, mask, vers, current_version=0, p_floor=0.2)
+    loss, m = tis_loss(new, new.detach(), adv, mask, vers, n_floor=1, current_version=0, p_floor=0.2)
     loss.backward()
     assert new.grad.tolist() == pytest.approx([-1 / 3, 0.0, 1 / 3])
     assert m["floored_tokens"] == 1.0
     new.grad = None
-    tis_loss(new, new.detach(), adv, mask, vers, current_version=0, p_floor=0.0)[0].backward()
+    tis_loss(new, new.detach(), adv, mask, vers, n_floor=1, current_version=0, p_floor=0.0)[0].backward()
     assert new.grad[1].item() == pytest.approx(1 / 3)
 
 
 def test_normalisation_by_batch_tokens_and_floor():
     new, old = _lp(NEW), _lp(OLD)
-    base = tis_loss(new, old, ADV, MASK, VERS, current_version=10)[0].item()
-    by_batch = tis_loss(new, old, ADV, MASK, VERS, current_version=10, num_batch_tokens=12)[0].item()
+    base = tis_loss(new, old, ADV, MASK, VERS, n_floor=1, current_version=10)[0].item()
+    by_batch = tis_loss(new, old, ADV, MASK, VERS, n_floor=1, current_version=10, num_batch_tokens=12)[0].item()
     floored = tis_loss(new, old, ADV, MASK, VERS, current_version=10, n_floor=30)[0].item()
     assert by_batch == pytest.approx(base * 3 / 12)
     assert floored == pytest.approx(base * 3 / 30)
@@ -86,9 +86,9 @@ def test_normalisation_by_batch_tokens_and_floor():
 
 def test_micro_batch_losses_sum_to_batch_loss():
     new, old = _lp(NEW), _lp(OLD)
-    whole = tis_loss(new, old, ADV, MASK, VERS, current_version=10)[0]
+    whole = tis_loss(new, old, ADV, MASK, VERS, n_floor=1, current_version=10)[0]
     parts = [
-        tis_loss(new[s], old[s], ADV[s], MASK[s], VERS[s], current_version=10, num_batch_tokens=3)[0]
+        tis_loss(new[s], old[s], ADV[s], MASK[s], VERS[s], n_floor=1, current_version=10, num_batch_tokens=3)[0]
         for s in (slice(0, 1), slice(1, 4))
     ]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item())
@@ -99,7 +99,7 @@ def _ratio_case(ratios: list[float], adv: list[float]) -> tuple[torch.Tensor, to
     new = (old + torch.tensor(ratios).log()).requires_grad_(True)
     new.retain_grad()
     args = (old, torch.tensor(adv), torch.ones(len(ratios)), torch.zeros(len(ratios), dtype=torch.long))
-    return new, args, {"current_version": 0}
+    return new, args, {"current_version": 0, "n_floor": 1}
 
 
 def test_ppo_clip_zero_gradient_when_clipped():
@@ -142,7 +142,7 @@ def test_sft_loss_is_masked_mean_nll():
 
 def test_empty_mask_gives_zero_loss():
     loss, m = tis_loss(
-        _lp([0.5], grad=True), _lp([0.5]), torch.ones(1), torch.zeros(1), torch.zeros(1), current_version=0
+        _lp([0.5], grad=True), _lp([0.5]), torch.ones(1), torch.zeros(1), torch.zeros(1), n_floor=1, current_version=0
     )
     assert loss.item() == 0.0 and m["tokens"] == 0.0
 
@@ -151,8 +151,8 @@ def test_registry():
     assert set(LOSSES) == {"tis", "ppo_clip", "masked_is", "cispo"}
     fn = get_loss_fn("tis", cap=10.0)
     new = _lp(NEW)
-    assert fn(new, _lp(OLD), ADV, MASK, VERS, current_version=10)[0].item() == pytest.approx(
-        tis_loss(new, _lp(OLD), ADV, MASK, VERS, current_version=10, cap=10.0)[0].item()
+    assert fn(new, _lp(OLD), ADV, MASK, VERS, n_floor=1, current_version=10)[0].item() == pytest.approx(
+        tis_loss(new, _lp(OLD), ADV, MASK, VERS, n_floor=1, current_version=10, cap=10.0)[0].item()
     )
     with pytest.raises(ValueError, match="unknown loss"):
         get_loss_fn("kl")
@@ -181,3 +181,17 @@ def test_entropy_bonus_value():
     value.backward()
     assert entropy.grad.tolist() == pytest.approx([-0.1 / 3] * 3 + [0.0])
     assert m["entropy_bonus"] == pytest.approx(value.item())
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_config_loss_binds_its_knobs_from_the_rl_section(name):
+    """Each `rl.loss` gets the knobs of its own variant from `[rl]` (a knob of another variant is refused)."""
+    from albatross.config import load_config
+    from albatross.rl.losses import loss_knobs
+
+    rl = load_config(None, [f"rl.loss={name}", "rl.n_floor=1"]).rl
+    fn = get_loss_fn(name, **loss_knobs(rl))
+    new, args, kw = _ratio_case([1.0, 0.5, 1.5], [1.0, -1.0, 1.0])
+    loss, m = fn(new, *args, current_version=0)
+    loss.backward()
+    assert torch.isfinite(loss) and new.grad is not None and m["tokens"] == 3.0

@@ -7,10 +7,13 @@ import torch
 
 from albatross.bench.trainer import (
     MEMORY_CONFIGS,
+    _memory_result,
     agent_lengths,
     fit_line,
     fit_max_len,
+    padded_order,
     padded_step,
+    padded_tokens,
     sweep_plan,
     synthetic_batch,
 )
@@ -56,3 +59,30 @@ def test_sweep_plan_runs_the_main_curve_before_the_rest():
     assert plan[:4] == [(name, 4096) for name in MEMORY_CONFIGS]
     assert plan[4:6] == [("chunked+ckpt", 8192), ("chunked+ckpt", 16384)]
     assert len(plan) == 4 * 3
+
+
+def test_sorted_padded_baseline_is_the_same_loss_with_less_padding():
+    lengths = [40, 9, 23, 17, 31]
+    batch = synthetic_batch(lengths, vocab=300, seed=2)
+    assert [len(ts.sample.token_ids) for ts in padded_order(batch.samples, sort=True)] == sorted(lengths)
+    assert padded_order(batch.samples, sort=False) == batch.samples
+    plain, ordered = tiny_causal_lm(300), tiny_causal_lm(300)
+    a = padded_step(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3), batch, batch_size=2)
+    b = padded_step(ordered, torch.optim.AdamW(ordered.parameters(), lr=1e-3), batch, batch_size=2, sort=True)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    # sorted: (9, 17) -> 2 x 16, (23, 31) -> 2 x 30, (40) -> 39; arrival order: 2 x 39 + 2 x 22 + 30
+    assert b["processed_tokens"] == padded_tokens(lengths, 2, sort=True) == 2 * 16 + 2 * 30 + 39
+    assert a["processed_tokens"] == padded_tokens(lengths, 2) == 2 * 39 + 2 * 22 + 30
+    for (name, p), (_, q) in zip(plain.named_parameters(), ordered.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_memory_result_names_the_projection_apart_from_the_measurement():
+    rows = [{"config": "chunked+ckpt", "seq_len": 4096, "peak_gib": 2.0, "status": "ok"},
+            {"config": "chunked+ckpt", "seq_len": 8192, "peak_gib": 3.0, "status": "ok"},
+            {"config": "chunked+ckpt", "seq_len": 16384, "status": "over 16 GiB"},
+            {"config": "full-logits", "seq_len": 16384, "peak_gib": 9.0, "status": "ok"}]
+    mem = _memory_result(rows)
+    assert mem["max_seq_len_measured"] == 8192  # the longest chunked+ckpt step that ran
+    assert mem["max_seq_len_projected"] == 23 * 4096 and "max_seq_len_fit" not in mem
+    assert "projection, not a measurement" in mem["max_seq_len_projected_method"]

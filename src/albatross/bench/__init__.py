@@ -10,6 +10,8 @@ BENCHES = {
     "engine": "albatross.bench.engine",
     "harness": "albatross.bench.harness",
     "loop": "albatross.bench.loop",
+    "packing": "albatross.bench.packing",
+    "recipe": "albatross.bench.recipe",
 }
 
 

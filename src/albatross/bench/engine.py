@@ -37,28 +37,27 @@ def demo_model_dir(explicit: str | None = None) -> tuple[Path, str]:
     if explicit:
         return Path(explicit), "given"
     root = Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross"))
-    warm = sorted(root.glob("demo-base-*/warmstart.json"), key=lambda p: p.stat().st_mtime)
+    warm = sorted(root.glob("warm-*/warmstart.json"), key=lambda p: p.stat().st_mtime)
     if warm:
         return warm[-1].parent, "warm-started"
     out = root / "engine-bench-tiny"
     if not (out / "config.json").is_file():
         from albatross.config import ModelConfig
-        from albatross.harness.chat import TinyTokenizer
-        from albatross.tasks.builtin import corpus_strings
-        from albatross.trainer.model import build_tiny, save_model
+        from albatross.pipeline.demo import build_tiny, demo_tokenizer, save_model
 
-        tok = TinyTokenizer.from_corpus(corpus_strings())
+        tok = demo_tokenizer(["all"])
         save_model(build_tiny(ModelConfig(), tok), tok, out)
     return out, "random (no warm-started demo model found)"
 
 
 def agent_prompts(tokenizer: Any, n: int, seed: int = 0) -> list[list[int]]:
     """Initial prompts of built-in tasks, some followed by a demonstration turn and its observation."""
-    from albatross.harness.chat import TinyChatFormat
+    from albatross.config import HarnessConfig
+    from albatross.harness.chat import make_chat_format
     from albatross.tasks.builtin import generate_tasks
     from albatross.tasks.format import load_tasks
 
-    fmt = TinyChatFormat(tokenizer)
+    fmt = make_chat_format(tokenizer, HarnessConfig())
     with tempfile.TemporaryDirectory() as tmp:
         paths = generate_tasks(Path(tmp), n_train=max(8, n // 4), n_heldout=0, seed=seed)
         tasks = load_tasks(paths["train"])
@@ -318,12 +317,13 @@ def speculative(model_dir: Path, prompts: list[list[int]], draft_tokens: int, re
     """Greedy and sampled agent turns (stop at the end-of-action token), one request at a time, with and
     without n-gram speculation (alternating, best of ``repeats``): speedup, acceptance rate, forward passes
     saved, and whether greedy outputs are identical."""
-    from albatross.harness.chat import load_tokenizer
+    from albatross.config import HarnessConfig
+    from albatross.engine.tokenizer import load_tokenizer
+    from albatross.harness.chat import make_chat_format
     from albatross.trainer.model import load_model
 
     model = load_model(model_dir)
-    tok = load_tokenizer(model_dir)
-    stops = [tok.special("<|end|>"), tok.eos_id]
+    stops = make_chat_format(load_tokenizer(model_dir), HarnessConfig()).stop_ids
     out: dict[str, Any] = {}
     for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
         best: dict[int, tuple[float, list[list[int]], Any]] = {}
@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     quick = bool(getattr(args, "quick", False))
     model_dir, kind = demo_model_dir(getattr(args, "model", None))
-    from albatross.harness.chat import load_tokenizer
+    from albatross.engine.tokenizer import load_tokenizer
 
     prompts = agent_prompts(load_tokenizer(model_dir), 64)
     results: dict[str, Any] = {"model": str(model_dir), "model_kind": kind}

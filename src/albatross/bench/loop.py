@@ -15,7 +15,9 @@ suites): most commands are quick, a few take seconds, so a synchronous batch wai
 
 Figures per mode: trainer steps finished within the budget and steps per hour, trainer idle share (time the
 trainer waited for a batch / its wall time, from metrics.jsonl), engine idle share (share of the budget in
-which the engine ran no forward pass), mean staleness of the trained tokens, and held-out pass@1 of the final
+which the engine ran no forward pass), mean and max staleness of the trained tokens (``max_staleness`` never
+exceeds the setting: a group overtaken by later ones and too old by the time its batch is trained is dropped,
+``stale_dropped_groups``; ``dropped_stale_tokens``, masked by the loss, stays 0), and held-out pass@1 of the final
 model (the weights of the last step finished within the budget; the loop still trains the batches queued when
 time runs out, counted in ``steps_total`` but not evaluated). ``wall_seconds`` is the whole ``AsyncLoop.run``
 of a mode: trainer start-up, the budget, and the drain of attempts in flight. Attempt durations
@@ -259,8 +261,8 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
     """Train from ``base_dir`` for ``cfg.orchestrator.max_minutes`` with slow commands, then evaluate."""
     import torch
 
-    from albatross.demo import make_agent
     from albatross.engine.builtin import BuiltinEngine
+    from albatross.harness.agent import build_agent as make_agent
     from albatross.eval.run import evaluate
     from albatross.trainer.model import load_model
 
@@ -288,6 +290,8 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
         out["steps_total"] = int(state.step)
         groups = max(1, loop.builder.counts["groups"])
         out["zero_signal_group_share"] = round(loop.builder.counts["dropped_zero_signal"] / groups, 4)
+        out["stale_dropped_groups"] = int(loop.builder.counts["dropped_stale"])
+        out["train_version_mismatches"] = int(loop.counts["train_version_mismatches"])
         out["infra_error_attempts"] = int(loop.counts["infra_error_attempts"])
         draws = sorted(delay.draws)
         out["command_delays"] = {"n": len(draws), "p50_s": round(_percentile(draws, 0.5), 3),
@@ -313,7 +317,7 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
 
 def bench_config(args: argparse.Namespace, out_dir: Path):
     """The demo's config (quick: tiny) with the bench's budget; max_steps is never what stops a mode."""
-    from albatross.demo import demo_config
+    from albatross.pipeline.demo import demo_config
 
     minutes = args.minutes if args.minutes is not None else (QUICK_MINUTES if args.quick else 3.0)
     extra = (QUICK_OVERRIDES if args.quick else []) + list(args.set or [])
@@ -344,22 +348,26 @@ def _log(line: str) -> None:
 def _run(args: argparse.Namespace, root: Path, modes: list[str]) -> tuple[dict[str, dict[str, Any]], dict]:
     import torch
 
-    from albatross.demo import Demo, cache_root, make_agent
-    from albatross.trainer.sft import warm_start
+    from albatross.cache import cache_root
+    from albatross.harness.agent import build_agent as make_agent
+    from albatross.pipeline.driver import Pipeline
+    from albatross.pipeline.warmstart import warm_start
 
     cfg = bench_config(args, root)
     tail_cap = args.tail_cap if args.tail_cap is not None else (QUICK_TAIL_CAP if args.quick else 10.0)
-    demo = Demo(cfg, _log)
+    demo = Pipeline(cfg, _log, command="bench loop")
     demo._prepare_out()
     t0 = time.monotonic()
-    train, heldout, tokenizer = demo._tasks()
+    train, heldout = demo._tasks()
+    tokenizer, model_dir = demo._model()
     backend = demo._backend()
     results: dict[str, dict[str, Any]] = {}
     try:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.engine.threads)
         agent = make_agent(cfg, None, backend, tokenizer)
-        base_dir = warm_start(cfg, tokenizer, agent, train, demo._pass_rate_fn(agent, train), cache_root(), _log)
+        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, demo._pass_rate_fn(agent, train),
+                              cache_root(), _log)
         _log(f"[bench] base model {base_dir} ({time.monotonic() - t0:.0f}s)")
         async_staleness = cfg.rl.max_staleness if args.max_staleness is None else args.max_staleness
         for i, mode in enumerate(modes):

@@ -1,6 +1,7 @@
 """Engine protocol: token-in/token-out generation with per-token log-probs and policy versions.
 
-Siblings: ``builtin/`` (PyTorch, in-process) and ``remote.py`` (vLLM / SGLang over HTTP).
+Siblings: ``builtin/`` (PyTorch, in-process) and ``remote.py`` (vLLM / SGLang / ``albatross serve`` over HTTP);
+``pool.py`` puts replicas behind one engine and ``launch.py`` builds the engine of a run config.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class Engine(Protocol):
         ...
 
     def update_weights(self, path: str, version: int) -> None:
-        """Load weights from a safetensors checkpoint directory; later tokens carry ``version``."""
+        """Load weights from a safetensors checkpoint directory; later tokens carry ``version``. Requests in flight
+        keep running. (An ``EnginePool`` also takes ``""``: the weights were pushed into its servers over NCCL.)"""
         ...
 
     def close(self) -> None: ...

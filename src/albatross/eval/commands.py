@@ -97,14 +97,13 @@ class _Model:
 @_one_line_errors
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.config import load_config
-    from albatross.tasks.format import load_tasks
 
     _check_counts(args)
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise EvalError(f"--out {args.out}: exists and is not a directory")
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     cfg.sampling.temperature = cfg.eval.temperature
-    tasks = load_tasks(args.tasks)
-    if args.agent == "oracle":
-        _check_solutions(tasks)
+    tasks = _usable_tasks(args.tasks, args.agent == "oracle")
     model = _resolve_model(args)
     try:
         label = args.name or model.label
@@ -187,10 +186,34 @@ def _price(path: str | None, label: str):
     return price or Price()
 
 
-def _check_solutions(tasks: list) -> None:
-    for task in tasks:
-        if not (task.solution_dir / "solve.sh").is_file():
-            raise EvalError(f"{task.solution_dir / 'solve.sh'}: missing (needed by --agent oracle)")
+def _usable_tasks(paths: list[str], oracle: bool) -> list:
+    """The tasks under ``paths`` that can run here. A task that cannot (malformed, a Dockerfile the sandbox
+    cannot build, no solve.sh for ``--agent oracle``) is reported on stderr and skipped; the others run."""
+    from albatross.tasks.format import TaskFormatError, find_task_dirs, load_task
+    from albatross.tasks.offline import dockerfile_problem
+
+    tasks, seen = [], {}
+    for task_dir in find_task_dirs(paths):
+        try:
+            task = load_task(task_dir)
+            problem = dockerfile_problem(task) or _solution_problem(task, oracle)
+        except TaskFormatError as e:
+            problem = str(e)
+        if problem:
+            print(f"albatross: skipping task {task_dir}: {problem.splitlines()[0]}", file=sys.stderr)
+            continue
+        if task.id in seen:
+            raise EvalError(f"{task_dir}: duplicate task id {task.id!r} (also {seen[task.id]})")
+        seen[task.id] = task_dir
+        tasks.append(task)
+    if not tasks:
+        raise EvalError(f"no task in {' '.join(paths)} can run (each skipped above)")
+    return tasks
+
+
+def _solution_problem(task: Any, oracle: bool) -> str:
+    solve = task.solution_dir / "solve.sh"
+    return f"{solve}: missing (needed by --agent oracle)" if oracle and not solve.is_file() else ""
 
 
 def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, label: str,
@@ -211,11 +234,15 @@ def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model,
 
 def _check_resume(out: Path, config: dict[str, Any]) -> None:
     path = out / CONFIG_FILE
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--out {out}: exists and is not a directory")
     if path.is_file():
         try:
-            old = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise EvalError(f"{path}: invalid JSON: {e}") from None
+        if not isinstance(old, dict):
+            raise EvalError(f"{path}: not an eval config (a JSON object); choose another --out")
         for key in _IDENTITY:
             if old.get(key) != config[key]:
                 raise EvalError(f"{path}: {out} holds an eval with {key} {old.get(key)!r}, not "
@@ -245,8 +272,12 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
          config: dict[str, Any], price: Any) -> int:
     from albatross.eval.run import evaluate, finished_pairs, load_attempts
 
-    records = load_attempts(out / ATTEMPTS_FILE)
-    skip = finished_pairs(records)
+    try:
+        records = load_attempts(out / ATTEMPTS_FILE)
+        skip = finished_pairs(records)
+    except (UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise EvalError(f"{out / ATTEMPTS_FILE}: not an attempts file ({type(e).__name__}: {e}); "
+                        "choose another --out") from None
     todo = sum((t.id, i) not in skip for t in tasks for i in range(args.trials))
     print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
           + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
@@ -270,7 +301,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
 
 
 def _backend(kind: str, hide: list):
-    from albatross.demo import cache_root
+    from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
 
     if kind == "auto":
@@ -310,14 +341,10 @@ def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):
 
 
 def _load_tokenizer(directory: Path) -> Any:
-    """The demo's ``TinyTokenizer`` (albatross_tokenizer.json), else the directory's transformers one."""
-    from albatross.harness.chat import load_tokenizer
+    """The directory's transformers tokenizer (the demo's included; ``engine.tokenizer.load_tokenizer``)."""
+    from albatross.engine.tokenizer import load_tokenizer
 
-    if (directory / TINY_TOKENIZER).is_file():
-        return load_tokenizer(directory)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return load_tokenizer(directory)
 
 
 def _harness_agent(cfg: Any, engine: Any, backend: Any, tokenizer: Any) -> Any:

@@ -438,8 +438,43 @@ def _config_section(results: list[Result], runs: list[TrainingRun]) -> str:
     return "\n".join(parts)
 
 
-def render_html(results: list[Result], runs: list[TrainingRun], title: str) -> str:
-    """The whole page as one string."""
+RECIPE_FILE = "bench_recipe.json"  # `albatross bench recipe --json` output, when put in a run directory
+
+
+def load_recipe(path: str | Path) -> dict[str, Any] | None:
+    """The ``bench recipe`` JSON of a directory, or None when it has none."""
+    file = Path(path) / RECIPE_FILE
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as e:
+        raise ReportError(f"{file}: not JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("table"), list):
+        raise ReportError(f"{file}: no 'table' field (not the output of `albatross bench recipe --json`)")
+    return data
+
+
+def recipe_section(source: Path, data: dict[str, Any]) -> str:
+    """A ``bench recipe`` JSON as HTML: the table (claim, the seed's figure, ours), its notes and its plot."""
+    mode = f"--quick, {data.get('seeds')} seed(s): a smoke test" if data.get("quick") else f"{data.get('seeds')} seeds"
+    parts = [f"<h2>Recipe: the seed's figures beside ours</h2><p class='meta'>{_esc(source / RECIPE_FILE)} "
+             f"({_esc(mode)})</p>",
+             _html_table(["claim", "seed", "ours"], [list(row)[:3] for row in data["table"]])]
+    if data.get("notes"):
+        parts.append("<ul>" + "".join(f"<li>{_esc(n)}</li>" for n in data["notes"]) + "</ul>")
+    plot = Path(str(data.get("stability_plot") or ""))
+    if plot.name and not plot.is_absolute():
+        plot = source / plot
+    if plot.name and plot.is_file():
+        parts.append(_img("fig-recipe-stability", base64.b64encode(plot.read_bytes()).decode(),
+                          "entropy and mismatch KL by trainer step"))
+    return "\n".join(parts)
+
+
+def render_html(results: list[Result], runs: list[TrainingRun], title: str,
+                recipes: list[tuple[Path, dict[str, Any]]] = ()) -> str:
+    """The whole page as one string (``recipes``: ``bench recipe`` JSONs and their directories)."""
     body = [f"<h1>{_esc(title)}</h1>",
             f"<p class='meta'>generated {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))} from "
             f"{_esc(', '.join(sorted({str(x.source) for x in [*results, *runs]})))}</p>"]
@@ -457,6 +492,7 @@ def render_html(results: list[Result], runs: list[TrainingRun], title: str) -> s
         body.append("<h2>Training runs</h2>")
         body += [_img(f"fig-training-{i}", fig_training(run), f"training curves of {run.label}")
                  for i, run in enumerate(runs)]
+    body += [recipe_section(source, data) for source, data in recipes]
     body += ["<h2>Configurations</h2>", _config_section(results, runs)]
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{_esc(title)}</title>"
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
@@ -483,12 +519,21 @@ def write_report(dirs: list[str | Path], out_path: str | Path, *, prices: str | 
         raise ReportError(str(e)) from None
     results: list[Result] = []
     runs: list[TrainingRun] = []
+    recipes: list[tuple[Path, dict[str, Any]]] = []
     for d in dirs:
-        rs, ts = load_dir(d, table)
+        recipe = load_recipe(d)
+        if recipe is not None:
+            recipes.append((Path(d), recipe))
+        try:
+            rs, ts = load_dir(d, table)
+        except ReportError:
+            if recipe is None:
+                raise
+            rs, ts = [], []  # a directory with only a bench recipe JSON
         results += rs
         runs += ts
     _unique_labels(results)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(results, runs, title), encoding="utf-8")
+    out.write_text(render_html(results, runs, title, recipes), encoding="utf-8")
     return out.resolve()

@@ -14,6 +14,7 @@ completion) counts as cached input, the rest (the instruction, then each observa
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import sys
 import threading
@@ -70,6 +71,13 @@ class EvalResult:
         return sum(sum(v) / len(v) for v in tasks.values()) / len(tasks)
 
     @property
+    def pass_at_1_se(self) -> float | None:
+        """Standard error of ``pass_at_1`` over tasks: the sample standard deviation of the per-task pass
+        rates / sqrt(number of tasks) (None with fewer than two tasks). It measures how much Pass@1 would
+        move on another draw of tasks of the same kind, which dominates with few tasks and few trials."""
+        return _task_se(list(self.per_task().values()))
+
+    @property
     def tokens_per_solve(self) -> float:
         """Mean generated tokens of the solved attempts (0 when none solved)."""
         solved = [t.completion_tokens for t in self.trajectories if t.success]
@@ -78,6 +86,33 @@ class EvalResult:
     @property
     def infra_errors(self) -> int:
         return self.counts["infra_error_attempts"]
+
+
+_BUILTIN_ID = re.compile(r"^(?:train|validation|heldout)-\d+-(?P<family>\w+)$")
+
+
+def task_family(task_id: str, families: dict[str, str] | None = None) -> str:
+    """A task's family: ``families[task_id]`` (e.g. from ``task.metadata["family"]``), else the family
+    named by a built-in task id (``heldout-0003-count_lines``), else ``uncategorized``."""
+    if families and task_id in families:
+        return families[task_id]
+    match = _BUILTIN_ID.match(task_id)
+    return match.group("family") if match else UNCATEGORIZED
+
+
+def pass_at_1_by_family(result: EvalResult, families: dict[str, str] | None = None) -> dict[str, float]:
+    """Pass@1 per task family (mean over the family's tasks of their pass rates), families sorted by name."""
+    rates: dict[str, list[float]] = {}
+    for task_id, outcomes in result.per_task().items():
+        rates.setdefault(task_family(task_id, families), []).append(sum(outcomes) / len(outcomes))
+    return {name: sum(v) / len(v) for name, v in sorted(rates.items())}
+
+
+def _task_se(outcomes: list[list[bool]]) -> float | None:
+    rates = [sum(v) / len(v) for v in outcomes if v]
+    if len(rates) < 2:
+        return None
+    return statistics.stdev(rates) / math.sqrt(len(rates))
 
 
 # ------------------------------------------------------------------------------------------- running

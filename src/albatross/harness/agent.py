@@ -7,7 +7,10 @@ ends the attempt with its own status (turns ``max_turns``, generated tokens ``ma
 context budget, the context is compressed (``context.py``); each compression starts a new sample.
 
 ``albatross train`` and ``albatross eval`` both run attempts through ``Agent.run`` with the same
-``[harness]`` config section (build it with ``build_agent``).
+``[harness]`` config section (build it with ``build_agent``). ``action_format = "auto"`` is resolved once, from the
+chat format (``chat.resolve_action_format``). With a history-rewriting chat template (``fmt.append_only`` False)
+or ``reasoning = "strip"``, the context after each observation is the conversation re-rendered
+(``fmt.conversation``), which is no longer a prefix of the old one: each turn starts a new sample.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 
 from albatross.config import HarnessConfig
 from albatross.engine.base import Completion, Engine, EngineError, SamplingParams
-from albatross.harness.chat import ChatFormat, make_chat_format
-from albatross.harness.context import SUMMARY_REQUEST, Context
+from albatross.harness.chat import ChatFormat, make_chat_format, resolve_action_format
+from albatross.harness.context import SUMMARY_HEADER, SUMMARY_REQUEST, Context
+from albatross.harness.hf_chat import strip_reasoning
 from albatross.harness.parsers import SUBMIT, BashBlockParser, FormatError, Parser, ToolCallParser
 from albatross.harness.tools import BASH_TOOLS_HINT, TOOL_SCHEMAS, TOOLS, Observation, Toolbox
 from albatross.records import (
@@ -37,13 +41,13 @@ from albatross.records import (
 )
 from albatross.sandbox.base import Attempt, Backend, Limits, SandboxError
 from albatross.tasks.format import Task
-from albatross.tasks.verify import VerifierError, verify
+from albatross.tasks.verify import VerifierError, verify_attempt
 
 # Knobs read with their defaults, so the harness also runs with a HarnessConfig that predates them.
 DEFAULTS: dict[str, Any] = {
     "redirect_output": True, "bash_tools_hint": False, "max_generated_tokens": 0,
     "compression": "mask_summary", "compress_at": 1.0, "compress_target": 0.5, "keep_observations": 3,
-    "summary_max_tokens": 256,
+    "summary_max_tokens": 256, "reasoning": "keep",
 }
 
 
@@ -73,7 +77,8 @@ class Agent:
         self.sampling = SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=cfg.max_tokens_per_turn, stop_token_ids=fmt.stop_ids, seed=sampling.seed)
-        self.tool_calls = cfg.action_format == "tool_calls"
+        self.tool_calls = resolve_action_format(cfg, fmt) == "tool_calls"
+        self.rerender = not getattr(fmt, "append_only", True) or knob(cfg, "reasoning") == "strip"
         self.parser: Parser = ToolCallParser(TOOL_SCHEMAS) if self.tool_calls else BashBlockParser()
 
     def run(self, spec: AttemptSpec, engine: Engine | None = None) -> Trajectory:
@@ -110,7 +115,7 @@ class Agent:
             traj.status, traj.error = STATUS_INFRA_ERROR, f"close failed: {e}"
 
     def _verify(self, task: Task, attempt: Attempt, traj: Trajectory) -> None:
-        result = verify(attempt, task)
+        result = verify_attempt(attempt, task, self.backend, self.limits)
         traj.reward = Reward(metrics=dict(result.metrics), success=result.success)
 
 
@@ -242,6 +247,22 @@ class Episode:
         turn.observation, turn.observation_tokens = obs.text, len(ids)
         if obs.exit_code is not None:
             turn.exit_code, turn.timed_out, turn.seconds = obs.exit_code, obs.timed_out, obs.seconds
+        if self.agent.rerender:
+            self._rerender()
+
+    def _rerender(self) -> None:
+        """Start the next turn's sample from the conversation re-rendered by the chat template (earlier
+        actions without their reasoning when ``reasoning = "strip"``), since the template rewrites history.
+        After a summary the conversation starts from the summarised instruction; masked observations are
+        not re-rendered masked."""
+        strip = knob(self.cfg, "reasoning") == "strip"
+        turns = [(strip_reasoning(t.action) if strip else t.action, t.observation)
+                 for t in self.traj.turns[self.ctx.base:]]
+        summary = self.ctx.summary_text.strip()
+        instruction = self.ctx.instruction.strip() + (SUMMARY_HEADER + summary if self.ctx.base and summary else "")
+        ids = self.fmt.conversation(instruction, self.ctx.tools, turns)
+        self.ctx.restart(ids)
+        self._new_sample(len(ids))
 
 
 def build_agent(cfg: Any, engine: Engine | None, backend: Backend, tokenizer: Any) -> Agent:
@@ -249,7 +270,7 @@ def build_agent(cfg: Any, engine: Engine | None, backend: Backend, tokenizer: An
     sc = cfg.sandbox
     limits = Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb,
                     command_timeout_s=sc.command_timeout_s,
-                    attempt_timeout_s=getattr(sc, "attempt_timeout_s", 0.0) or None)
+                    attempt_timeout_s=getattr(sc, "attempt_timeout_s", 0.0) or None, cpus=sc.cpus)
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k)
     return Agent(engine, backend, make_chat_format(tokenizer, cfg.harness), cfg.harness, sampling, limits)

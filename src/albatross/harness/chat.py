@@ -5,7 +5,13 @@ engine's exact completion ids and the tokenised *delta* of the next observation 
 
 ``TinyTokenizer`` is the demo's small-vocabulary tokenizer: whole words from the task corpus (with and
 without a leading space) as single tokens, every other character as UTF-8 byte tokens, so any text
-round-trips and copying a file name is a one-token copy for a tiny model.
+round-trips and copying a file name is a one-token copy for a tiny model. ``TinyTokenizer.save`` writes it as
+an ordinary transformers tokenizer (``engine.tokenizer.tiny_hf_tokenizer``: same ids, its layout as the chat
+template) next to the legacy word list, so ``HFChatFormat`` over the loaded tokenizer gives the same ids as
+``TinyChatFormat``.
+
+``make_chat_format`` resolves ``harness.action_format = "auto"`` once: JSON tool calls when the model's template
+has a tool-call format (``HFChatFormat.supports_tool_calls``), fenced bash blocks otherwise.
 """
 
 from __future__ import annotations
@@ -15,11 +21,11 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|obs|>", "<|end|>"]
-SYMBOLS = ["```bash\n", "\n```", " > ", " < ", ".txt", ".log", " -l", "\n"]
-_WORD_RE = re.compile(r" ?[A-Za-z_]+")
+from albatross.engine.tokenizer import LEGACY_TINY, SPECIALS, SYMBOLS, WORD_PATTERN, tiny_vocab
+
+_WORD_RE = re.compile(WORD_PATTERN)
 
 
 class Tokenizer(Protocol):
@@ -36,7 +42,7 @@ class TinyTokenizer:
 
     def __init__(self, words: list[str]) -> None:
         self.words = sorted(set(words))
-        self.vocab: list[str] = SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + SYMBOLS + self.words
+        self.vocab: list[str] = tiny_vocab(self.words)
         self._byte0 = len(SPECIALS)
         self._ids = {tok: i for i, tok in enumerate(self.vocab)}
         self._symbols = sorted(SYMBOLS, key=len, reverse=True)
@@ -98,12 +104,15 @@ class TinyTokenizer:
         return "".join(out)
 
     def save(self, directory: str | Path) -> None:
-        path = Path(directory) / "albatross_tokenizer.json"
-        path.write_text(json.dumps({"type": "tiny", "words": self.words}))
+        """Write the transformers tokenizer files (``tiny_hf_tokenizer``) and the legacy word list."""
+        from albatross.engine.tokenizer import tiny_hf_tokenizer
+
+        tiny_hf_tokenizer(self.words).save_pretrained(str(directory))
+        (Path(directory) / LEGACY_TINY).write_text(json.dumps({"type": "tiny", "words": self.words}))
 
     @classmethod
     def load(cls, directory: str | Path) -> TinyTokenizer:
-        data = json.loads((Path(directory) / "albatross_tokenizer.json").read_text())
+        data = json.loads((Path(directory) / LEGACY_TINY).read_text())
         return cls(data["words"])
 
 
@@ -142,10 +151,20 @@ class TinyChatFormat:
     """
 
     tokenizer: TinyTokenizer
+    append_only: ClassVar[bool] = True  # the layout never rewrites history
+    supports_tool_calls: ClassVar[bool] = False  # the demo model writes fenced bash blocks
 
     @property
     def stop_ids(self) -> list[int]:
         return [self.tokenizer.special("<|end|>"), self.tokenizer.eos_id]
+
+    def conversation(self, instruction: str, tools: list[dict[str, Any]] | None,
+                     turns: list[tuple[str, str]]) -> list[int]:
+        """The conversation so far (actions and observations as texts), ending where the next action starts."""
+        ids = self.initial_prompt(instruction, tools)
+        for action, obs in turns:
+            ids += self.action(action) + self.observation(obs)
+        return ids
 
     def initial_prompt(self, instruction: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
         from albatross.harness.tools import describe_tools
@@ -171,17 +190,22 @@ class TinyChatFormat:
 
 def make_chat_format(tokenizer: Any, harness_cfg: Any) -> ChatFormat:
     """The demo's ``TinyChatFormat`` for a ``TinyTokenizer``; otherwise the tokenizer's own chat template
-    (``hf_chat.HFChatFormat``), with observations as ``tool`` messages when actions are JSON tool calls."""
+    (``hf_chat.HFChatFormat``), with observations as ``tool`` messages when actions are JSON tool calls
+    (``resolve_action_format``) and as ``user`` messages otherwise."""
     if isinstance(tokenizer, TinyTokenizer):
         return TinyChatFormat(tokenizer)
     from albatross.harness.hf_chat import HFChatFormat
 
-    role = "tool" if getattr(harness_cfg, "action_format", "bash_block") == "tool_calls" else "user"
-    return HFChatFormat(tokenizer, observation_role=role)
+    fmt = HFChatFormat(tokenizer, observation_role="user")
+    if resolve_action_format(harness_cfg, fmt) == "tool_calls":
+        fmt.observation_role = "tool"
+    return fmt
 
 
-def load_tokenizer(model_dir: str | Path) -> TinyTokenizer:
-    path = Path(model_dir) / "albatross_tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no albatross tokenizer in the model directory")
-    return TinyTokenizer.load(model_dir)
+def resolve_action_format(harness_cfg: Any, fmt: ChatFormat) -> str:
+    """``harness.action_format``, with ``auto`` resolved: ``tool_calls`` when the chat template has a tool-call
+    format (``supports_tool_calls``), else ``bash_block``."""
+    choice = getattr(harness_cfg, "action_format", "auto")
+    if choice != "auto":
+        return str(choice)
+    return "tool_calls" if getattr(fmt, "supports_tool_calls", False) else "bash_block"

@@ -1,18 +1,33 @@
-"""Chat format of a transformers tokenizer, rendered from its own chat template, append-only.
+"""Chat format of a transformers tokenizer, rendered from its own chat template, token-in/token-out.
 
 The first prompt is the template's rendering of ``[system?, user]`` (with the tool list when JSON tool calls
 are on). After that the harness never renders the conversation again: an observation is the template's
-*delta* for one more message, found by rendering a fixed two-message probe with and without it, and
-appended to the exact ids the engine produced (DESIGN.md, token-in/token-out). A template that is not
-append-only for that message is refused at start-up.
+*delta* for one more message (found by rendering a fixed probe conversation with and without it) appended to
+the exact ids the engine produced (DESIGN.md, token-in/token-out).
 
-``CHATML_TOOLS_TEMPLATE`` is a Qwen2.5 / Hermes-style ChatML template (``<|im_start|>role ... <|im_end|>``,
-tools in the system message, tool results as ``<tool_response>`` in a user turn) for tokenizers that
-ship without one.
+Whether that concatenation is what the template itself renders for the whole conversation is checked once per
+format (``append_only``, ``template_drift``), on a probe conversation with ``<think>`` blocks:
+
+- **append-only** templates (ChatML, Llama-3 headers, Gemma turns, Qwen3 with tool results as ``tool``
+  messages) render the same text; the harness keeps one sample per attempt.
+- **history-rewriting** templates (Qwen3 with observations as ``user`` messages drops earlier ``<think>``
+  blocks) render earlier turns differently once a later message exists. The agent then re-renders the
+  conversation before every turn and starts a new sample (``conversation``), as context compression does.
+
+Documented exceptions that are not drift: the ids of the concatenation may differ from tokenising the whole
+rendering where a BPE merge would cross a message boundary (e.g. a prompt ending in ``\n\n``), and where a
+model's completion is not in the template's canonical form (trailing whitespace that a ``trim`` removes, a
+``<think>`` block without the newlines a template adds): the harness keeps the ids the engine saw, which is
+what the model was conditioned on.
+
+``check_chat_template`` is the start-up check of a model directory's template (one-line ``ValueError``).
+``CHATML_TOOLS_TEMPLATE`` is a Qwen2.5 / Hermes-style ChatML template for tokenizers that ship without one.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 CHATML_TOOLS_TEMPLATE = (
@@ -39,6 +54,15 @@ CHATML_TOOLS_TEMPLATE = (
 )
 
 _PROBE = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
+_THINK_RE = re.compile(r"^.*</think>\n*", re.DOTALL)
+# two turns with reasoning and observations: the append-only probe
+_DRIFT_PROBE = [("<think>\nplan one\n</think>\n\nCALL ONE", "out one\n"),
+                ("<think>\nplan two\n</think>\n\nCALL TWO", "out two\n")]
+
+
+def strip_reasoning(text: str) -> str:
+    """``text`` without its ``<think>...</think>`` block (and the newlines after it)."""
+    return _THINK_RE.sub("", text, count=1) if "</think>" in text else text
 
 
 class HFChatFormat:
@@ -46,19 +70,20 @@ class HFChatFormat:
 
     def __init__(self, tokenizer: Any, system: str = "", observation_role: str = "tool",
                  template: str | None = None) -> None:
+        from albatross.engine.tokenizer import stop_token_id, turn_end
+
         self.tokenizer, self.system, self.observation_role = tokenizer, system, observation_role
         self.template = template or getattr(tokenizer, "chat_template", None) or CHATML_TOOLS_TEMPLATE
-        closed_probe = self._render(_PROBE)
-        end = closed_probe.rindex("PONG") + len("PONG")
-        self._turn_end = closed_probe[end:]  # what follows an assistant message, e.g. "<|im_end|>\n"
-        first = self._encode(self._turn_end)[:1]
-        if not first or first[0] not in set(tokenizer.all_special_ids) | set(_added_ids(tokenizer)):
+        self._turn_end = turn_end(tokenizer, self.template)  # what follows an assistant message
+        stop = stop_token_id(tokenizer, self.template)
+        if stop is None:
             raise ValueError(f"chat template: an assistant turn ends with {self._turn_end!r}, which does not "
                              "start with a special token to stop on")
-        self._stop_id = first[0]
-        stop_text = tokenizer.decode([self._stop_id])
+        self._stop_id = stop
+        stop_text = tokenizer.decode([stop])
         self._after_stop = self._turn_end[len(stop_text):] if self._turn_end.startswith(stop_text) else ""
-        self._probe_text = closed_probe
+        self._drift: dict[str, str | None] = {}
+        self._renders_tools: bool | None = None
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                 generation: bool = False) -> str:
@@ -73,16 +98,80 @@ class HFChatFormat:
         eos = self.tokenizer.eos_token_id
         return [self._stop_id] + ([eos] if eos is not None and eos != self._stop_id else [])
 
-    def initial_prompt(self, instruction: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    @property
+    def supports_tool_calls(self) -> bool:
+        """The template has a ``<tool_call>`` format and the tokenizer a ``<tool_call>`` token (Qwen, Hermes)."""
+        return "<tool_call>" in self.template and len(self._encode("<tool_call>")) == 1
+
+    @property
+    def renders_tools(self) -> bool:
+        """The template writes a tool list when given ``tools``; if not, the first prompt lists them in the
+        user message (``describe_tools``)."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "PING"}]
+            tool = [{"type": "function", "function": {"name": "probe_tool", "description": "d", "parameters": {
+                "type": "object", "properties": {}, "required": []}}}]
+            self._renders_tools = "probe_tool" in self._render(probe, tool)
+        return self._renders_tools
+
+    @property
+    def append_only(self) -> bool:
+        """Rendering a whole conversation gives the text of the harness's concatenation (``template_drift``)."""
+        return self.template_drift() is None
+
+    def template_drift(self) -> str | None:
+        """None when the template renders the probe conversation (two turns with reasoning and observations) as
+        the concatenation of the first prompt, the actions and the observation deltas; else where and how the
+        two texts first differ. Cached per observation role."""
+        if self.observation_role not in self._drift:
+            self._drift[self.observation_role] = self._find_drift(_DRIFT_PROBE)
+        return self._drift[self.observation_role]
+
+    def _find_drift(self, turns: list[tuple[str, str]]) -> str | None:
+        pieces = [("the first prompt", self.initial_prompt("Count the lines"))]
+        for i, (action, obs) in enumerate(turns, 1):
+            pieces += [(f"action {i}", self.action(action)), (f"observation {i}", self.observation(obs))]
+        full = self._render(self._messages("Count the lines", None, turns), generation=True)
+        done = ""
+        for name, ids in pieces:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            if not full.startswith(done + text):
+                at = first_difference(done + text, full)
+                return (f"{name} differs from the template's rendering at character {at}: the concatenation has "
+                        f"{(done + text)[at:at + 40]!r}, the template {full[at:at + 40]!r}")
+            done += text
+        return None if done == full else f"the template renders more text: {full[len(done):][:40]!r}"
+
+    def _messages(self, instruction: str, tools: list[dict[str, Any]] | None,
+                  turns: list[tuple[str, str]]) -> list[dict[str, Any]]:
         messages = ([{"role": "system", "content": self.system}] if self.system else [])
-        messages.append({"role": "user", "content": instruction.strip()})
-        return self._encode(self._render(messages, tools, generation=True))
+        text = instruction.strip()
+        if tools and not self.renders_tools:
+            from albatross.harness.tools import describe_tools
+
+            text += "\n\n" + describe_tools(tools)
+        messages.append({"role": "user", "content": text})
+        for action, obs in turns:
+            messages += [{"role": "assistant", "content": action}, {"role": self.observation_role, "content": obs}]
+        return messages
+
+    def initial_prompt(self, instruction: str, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self._encode(self._render(self._messages(instruction, tools, []), tools, generation=True))
+
+    def conversation(self, instruction: str, tools: list[dict[str, Any]] | None,
+                     turns: list[tuple[str, str]]) -> list[int]:
+        """The template's rendering of the whole conversation so far (actions and observations as texts), ending
+        where the model writes its next action: the context of a new sample for history-rewriting templates."""
+        return self._encode(self._render(self._messages(instruction, tools, turns), tools, generation=True))
 
     def _delta(self, message: dict[str, Any], closed: bool) -> list[int]:
         text = self._render([*_PROBE, message], generation=True)
-        if not text.startswith(self._probe_text):
-            raise ValueError(f"chat template is not append-only for a {message['role']!r} message")
-        return self._encode((self._after_stop if closed else self._turn_end) + text[len(self._probe_text):])
+        end = text.find("PONG" + self._turn_end)
+        if end < 0:
+            raise ValueError(f"chat template: after a {message['role']!r} message, an earlier assistant message no "
+                             f"longer renders as its content followed by {self._turn_end!r}")
+        rest = text[end + len("PONG") + len(self._turn_end):]
+        return self._encode((self._after_stop if closed else self._turn_end) + rest)
 
     def observation(self, text: str, closed: bool = True) -> list[int]:
         return self._delta({"role": self.observation_role, "content": text}, closed)
@@ -100,11 +189,33 @@ class HFChatFormat:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def _added_ids(tokenizer: Any) -> list[int]:
+def check_chat_template(tokenizer: Any, model_dir: str | Path, observation_role: str | None = None) -> None:
+    """Raise ``ValueError`` with a one-line message naming ``model_dir`` when its tokenizer cannot drive the
+    harness: no chat template, no special token ending an assistant turn, a template whose deltas cannot be
+    taken, or a tokenizer that does not give back its own template's text. A history-rewriting template passes
+    (the harness starts a new sample per turn); ``observation_role`` defaults to what ``action_format = "auto"``
+    picks."""
+    where = str(model_dir)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json "
+                         "chat_template)")
     try:
-        return list(tokenizer.get_added_vocab().values())
-    except (AttributeError, NotImplementedError):
-        return []
+        fmt = HFChatFormat(tokenizer)
+        fmt.observation_role = observation_role or ("tool" if fmt.supports_tool_calls else "user")
+        fmt.template_drift()  # takes every kind of delta; drift itself is handled (a new sample per turn)
+        full = fmt._render(fmt._messages("Count the lines in a.txt", None, _DRIFT_PROBE), generation=True)
+    except Exception as e:  # a template error is the user's model directory, not a crash
+        raise ValueError(f"{where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    back = tokenizer.decode(fmt._encode(full), skip_special_tokens=False)
+    if back != full:
+        at = first_difference(back, full)
+        raise ValueError(f"{where}: the tokenizer does not round-trip its chat template's text (at character {at}: "
+                         f"{full[at:at + 30]!r} comes back as {back[at:at + 30]!r})")
+
+
+def first_difference(a: str, b: str) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter length when one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",

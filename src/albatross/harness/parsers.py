@@ -1,6 +1,7 @@
 """Action parsers: model text -> an ``Action``, or a ``FormatError`` whose message becomes the observation.
 
-Two formats, chosen by ``harness.action_format``:
+Two formats, chosen by ``harness.action_format`` (``auto``: tool calls when the model's chat template has a
+``<tool_call>`` format, see ``chat.resolve_action_format``):
 
 - ``bash_block``: exactly one fenced ```bash block; its content is run in the attempt's shell, and the
   block ``submit`` ends the attempt. For small models.

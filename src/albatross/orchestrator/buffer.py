@@ -1,7 +1,16 @@
-"""From finished attempts to trainer batches: scoring, advantages, zero-signal drop, staleness counts."""
+"""From finished attempts to trainer batches: scoring, advantages, zero-signal drop, the staleness bound.
+
+The staleness bound holds for every trained token: the trainer consumes batches in the order they are sent,
+one version per step, so the version a batch will be trained at is known when it is formed. A group whose
+oldest model token would be more than ``max_staleness`` versions old by then is dropped (``dropped_stale``)
+instead of trained. Admission control keeps that rare: it starts a group only while it could be trained
+in time if groups finished in the order they started; a slow attempt that is overtaken by later groups
+(a long-tailed command) is what the check at batch time catches.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,19 +56,54 @@ class GroupScorer:
         return group
 
 
+def admissible(untrained_batches: int, groups_in_flight: int, groups_per_step: int, max_staleness: int) -> bool:
+    """Whether a group started now is trained within ``max_staleness`` versions, if groups finish in the
+    order they started: the batches not yet trained plus the batches the groups ahead of it (pending and
+    in flight) and itself will fill. ``max_staleness`` 0 (sync) admits while nothing is untrained."""
+    steps = untrained_batches + math.ceil((groups_in_flight + 1) / groups_per_step)
+    return steps <= max(1, max_staleness)
+
+
+def oldest_version(group: Group) -> int | None:
+    """The oldest policy version of any model token of the group (None: no model token)."""
+    versions = [v for t in group.trajectories for s in t.samples for v in s.versions if v >= 0]
+    return min(versions) if versions else None
+
+
 @dataclass
 class BatchBuilder:
-    """Collects kept groups until ``groups_per_step`` are ready, then emits a Batch."""
+    """Collects kept groups until ``groups_per_step`` are ready, then emits a Batch.
+
+    ``add(group, train_version)`` is told the version the next batch will be trained at; with
+    ``max_staleness`` set, a group (new or pending) with a token older than that bound allows is dropped
+    as ``stale``, so no batch ever carries a token the loss would have to mask for staleness.
+    """
 
     groups_per_step: int
+    max_staleness: int | None = None
     pending: list[Group] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)  # over the whole run
     window: Counter = field(default_factory=Counter)  # since the last batch: sent with it, logged per step
 
-    def add(self, group: Group) -> Batch | None:
-        counts = ["groups"] + ([f"dropped_{group.dropped}"] if group.dropped else [])
+    def _count(self, group: Group, seen: bool = True) -> None:
+        counts = (["groups"] if seen else []) + ([f"dropped_{group.dropped}"] if group.dropped else [])
         self.counts.update(counts)
         self.window.update(counts)
+
+    def _too_stale(self, group: Group, train_version: int | None) -> bool:
+        if self.max_staleness is None or train_version is None:
+            return False
+        oldest = oldest_version(group)
+        return oldest is not None and train_version - oldest > self.max_staleness
+
+    def add(self, group: Group, train_version: int | None = None) -> Batch | None:
+        if not group.dropped and self._too_stale(group, train_version):
+            group.dropped = "stale"
+        self._count(group)
+        for old in [g for g in self.pending if self._too_stale(g, train_version)]:
+            old.dropped = "stale"
+            self.pending.remove(old)
+            self._count(old, seen=False)
         if group.dropped:
             return None
         self.pending.append(group)
@@ -69,6 +113,8 @@ class BatchBuilder:
         batch = make_batch(groups)
         batch.info = {"groups_seen": self.window["groups"], "groups_trained": len(groups),
                       **{k: v for k, v in self.window.items() if k.startswith("dropped_")}}
+        if train_version is not None:
+            batch.info["train_version"] = train_version
         self.window.clear()
         return batch
 

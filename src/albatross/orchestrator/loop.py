@@ -2,9 +2,11 @@
 
 Rollout threads run attempts (the engine batches their generate calls); finished groups are scored and
 packed into batches on a bounded queue; the trainer process steps and exports weights v+1; the engine
-loads them between decode steps, so every token carries the version that produced it. Tokens more than
-``max_staleness`` versions old get no gradient (masked in the loss and counted). A new group is admitted
-only while it can still be trained within ``max_staleness`` versions.
+loads them between decode steps, so every token carries the version that produced it. A new group is
+admitted only while it can still be trained within ``max_staleness`` versions; a finished group that was
+overtaken by later ones and would be trained with a token older than that is dropped (``dropped_stale``,
+see ``buffer.py``), so no trained token is ever older than the bound. The loss still masks such tokens
+(``stale_tokens_dropped``), as a second guard that stays at zero.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from albatross.config import RunConfig
 from albatross.eval.run import run_attempt
 from albatross.harness.agent import Agent, AttemptSpec
-from albatross.orchestrator.buffer import BatchBuilder, GroupScorer
+from albatross.orchestrator.buffer import BatchBuilder, GroupScorer, admissible
 from albatross.orchestrator.metrics import MetricsSink
 from albatross.orchestrator.state import RunState, TaskSampler, count_lines, prune_before, truncate_lines
 from albatross.orchestrator.trainer_worker import trainer_main
@@ -102,7 +104,7 @@ class AsyncLoop:
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
-        self.builder = BatchBuilder(cfg.orchestrator.groups_per_step)
+        self.builder = BatchBuilder(cfg.orchestrator.groups_per_step, max_staleness=cfg.rl.max_staleness)
         self.sampler = TaskSampler(len(tasks), cfg.seed)
         self.state = RunState(version=engine.version)
         self.counts: Counter = Counter()
@@ -226,11 +228,15 @@ class AsyncLoop:
         batches not yet trained and the groups ahead of it (pending and in flight)."""
         oc = self.cfg.orchestrator
         untrained = self._batches_sent + n_ready - self.state.step
-        groups_ahead = len(self.builder.pending) + len(inflight) + 1
-        steps_until_trained = untrained + math.ceil(groups_ahead / oc.groups_per_step)
-        if self._batches_sent + n_ready + math.ceil(groups_ahead / oc.groups_per_step) > oc.max_steps:
+        ahead = len(self.builder.pending) + len(inflight)
+        if self._batches_sent + n_ready + math.ceil((ahead + 1) / oc.groups_per_step) > oc.max_steps:
             return False
-        return steps_until_trained <= max(1, self.cfg.rl.max_staleness)
+        return admissible(untrained, ahead, oc.groups_per_step, self.cfg.rl.max_staleness)
+
+    def _train_version(self, n_ready: int) -> int:
+        """The version the next batch formed will be trained at: the trainer steps through the batches in
+        the order they are sent, one version each, from the version it started with."""
+        return self._start_version + self._batches_sent + n_ready
 
     def _start_group(self, pool) -> _PendingGroup:
         task = self.tasks[self.sampler.next()]
@@ -245,12 +251,12 @@ class AsyncLoop:
             if not all(f.done() for f in pg.futures):
                 still.append(pg)
                 continue
-            batch = self._finish_group(pg, [f.result() for f in pg.futures])
+            batch = self._finish_group(pg, [f.result() for f in pg.futures], self._train_version(len(ready)))
             if batch is not None and self._batches_sent + len(ready) < self.cfg.orchestrator.max_steps:
                 ready.append(batch)
         return still
 
-    def _finish_group(self, pg: _PendingGroup, trajs: list[Trajectory]):
+    def _finish_group(self, pg: _PendingGroup, trajs: list[Trajectory], train_version: int):
         ok = [t for t in trajs if t.status != STATUS_INFRA_ERROR]
         group = Group(pg.task.id, pg.group_id, ok)
         if len(ok) < len(trajs):
@@ -262,11 +268,12 @@ class AsyncLoop:
         self.counts["completion_tokens"] += sum(t.completion_tokens for t in ok)
         self._window.update(attempts=len(ok), solved=sum(t.success for t in ok))
         self._window["reward_x1000"] += int(1000 * sum(t.reward.score for t in ok))
+        batch = self.builder.add(group, train_version)
         advantages = group.advantages or [0.0] * len(ok)
         for t, adv in zip(group.trajectories, advantages, strict=True):
             append_jsonl(self.run_dir / "trajectories.jsonl",
                          {**t.to_dict(), "advantage": adv, "dropped": group.dropped})
-        return self.builder.add(group)
+        return batch
 
     # ---- trainer results ----------------------------------------------------------------------
     def _drain_results(self, result_q, proc, block: bool) -> None:
@@ -296,6 +303,11 @@ class AsyncLoop:
         self.state.step = self.state.version - self._start_version
         self.state.max_staleness_seen = max(self.state.max_staleness_seen, int(msg.get("staleness_max", 0)))
         self.counts["dropped_stale_tokens"] += int(msg.get("stale_tokens_dropped", 0))
+        planned = msg.get("batch/train_version")
+        if planned is not None and int(planned) != self.state.version - 1:  # the staleness check assumed it
+            self.counts["train_version_mismatches"] += 1
+            self.log(f"[train] step {self.state.step} trained at version {self.state.version - 1}, "
+                     f"not the planned {int(planned)}: the staleness bound may not hold")
         record = self._step_record(msg)
         self.sink.step(record)
         if msg.get("checkpoint"):
@@ -314,6 +326,7 @@ class AsyncLoop:
             "groups": bc["groups"], "zero_signal_groups": bc["dropped_zero_signal"],
             "zero_signal_share": bc["dropped_zero_signal"] / max(1, bc["groups"]),
             "infra_dropped_groups": bc["dropped_infra_error"],
+            "stale_dropped_groups": bc["dropped_stale"],
             "infra_error_attempts": c["infra_error_attempts"],
             "engine_restarts": getattr(self.engine, "restarts", 0),
             **({} if (idle := self._engine_idle_share()) is None else {"engine_idle_share": idle}),

@@ -111,13 +111,13 @@ class RolloutWorker:
 
     def __init__(self, cfg_json: str, tokenizer: Any, engines: list[Any], hide_paths: list[str]) -> None:
         from albatross.config import RunConfig
-        from albatross.demo import make_agent
+        from albatross.harness.agent import build_agent
         from albatross.sandbox import backend_from_config
 
         cfg = RunConfig.model_validate_json(cfg_json)
         self.backend = backend_from_config(cfg.sandbox, hide_paths=hide_paths)
         self.engine = engine_pool(engines, log=lambda _: None)
-        self.agent = make_agent(cfg, self.engine, self.backend, tokenizer)
+        self.agent = build_agent(cfg, self.engine, self.backend, tokenizer)
         self.retries = cfg.sandbox.max_infra_retries
 
     def pid(self) -> int:

@@ -1,10 +1,22 @@
-"""The trainer as its own process: batches in over a queue, versioned weights and checkpoints out on disk."""
+"""The trainer as its own process: batches in over a queue, versioned weights and checkpoints out on disk.
+
+With ``trainer.gpus = N > 1`` the trainer process is rank 0 of an FSDP2 group it starts itself: it launches ranks
+1..N-1 as ``python -m albatross.orchestrator.trainer_worker`` processes (one per GPU; gloo ranks on the CPU), hands
+every batch to them with a broadcast, and every rank steps, exports and checkpoints together (the collectives
+line up). The update equals a single-process step on the same batch (``trainer/distributed.py``).
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,33 +29,73 @@ def trainer_main(model_dir: str, run_dir: str, cfg_json: str, batch_q: Any, resu
     checkpoint stays whole.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ranks: list[subprocess.Popen] = []
     try:
-        _serve(model_dir, Path(run_dir), cfg_json, batch_q, result_q, start_version, resume_ckpt)
+        from albatross.config import RunConfig
+
+        cfg = RunConfig.model_validate_json(cfg_json)
+        if cfg.trainer.gpus > 1:
+            ranks = _start_ranks(model_dir, run_dir, cfg_json, start_version, resume_ckpt, cfg.trainer.gpus)
+        _serve(model_dir, Path(run_dir), cfg, _queue_source(batch_q), result_q, start_version, resume_ckpt,
+               rank=0, world=cfg.trainer.gpus)
     except Exception:  # the parent stops the run cleanly and reports this
         result_q.put({"error": traceback.format_exc()})
+    finally:
+        _stop_ranks(ranks)
 
 
-def _serve(model_dir: str, run_dir: Path, cfg_json: str, batch_q: Any, result_q: Any, version: int,
-           resume_ckpt: str) -> None:
+def _queue_source(batch_q: Any) -> Callable[[], Any]:
+    """Rank 0's batches: from the orchestrator's queue, shared with the other ranks by a broadcast."""
+
+    def get() -> Any:
+        from albatross.trainer import distributed as dist
+
+        return dist.broadcast_object(batch_q.get())
+
+    return get
+
+
+def _rank_source() -> Any:
+    from albatross.trainer import distributed as dist
+
+    return dist.broadcast_object(None)
+
+
+def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any], result_q: Any, version: int,
+           resume_ckpt: str, rank: int, world: int) -> None:
     import torch
 
-    from albatross.config import RunConfig
-    from albatross.trainer.checkpoint import export_weights
+    from albatross.devices import trainer_device
     from albatross.trainer.model import load_model
     from albatross.trainer.step import Trainer
 
-    cfg = RunConfig.model_validate_json(cfg_json)
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)
-    trainer = make_trainer(Trainer, load_model(model_dir), cfg)
+    device = trainer_device(cfg.trainer.device, rank)
+    if world > 1:
+        _join_group(device, rank, world)
+    try:
+        _steps(Trainer.from_config(load_model(model_dir).to(device), cfg, fsdp=world > 1), run_dir, cfg,
+               next_batch, result_q, version, resume_ckpt, f"{device}" + (f" x {world} ranks" if world > 1 else ""))
+    finally:
+        from albatross.trainer import distributed as dist
+
+        dist.leave()
+
+
+def _steps(trainer: Any, run_dir: Path, cfg: Any, next_batch: Callable[[], Any], result_q: Any, version: int,
+           resume_ckpt: str, where: str) -> None:
+    """Step on each batch until ``None``; export weights after every step, checkpoint every few."""
+    from albatross.trainer.checkpoint import export_weights
+
     trainer.version = version
     if resume_ckpt:
         trainer.load(resume_ckpt)
-    result_q.put({"ready": True, "version": trainer.version})
+    _put(result_q, {"ready": True, "version": trainer.version, "device": where})
     every = cfg.orchestrator.checkpoint_every
     while True:
         t_wait = time.monotonic()
-        batch = batch_q.get()
+        batch = next_batch()
         wait_s = time.monotonic() - t_wait
         if batch is None:
             return
@@ -53,8 +105,61 @@ def _serve(model_dir: str, run_dir: Path, cfg_json: str, batch_q: Any, result_q:
         ckpt = ""
         if trainer.version % every == 0:
             ckpt = str(save_checkpoint(trainer, run_dir / "checkpoints"))
-        result_q.put({**metrics, "version": trainer.version, "path": str(path), "checkpoint": ckpt,
-                      "trainer_wait_s": wait_s})
+        _put(result_q, {**metrics, "version": trainer.version, "path": str(path), "checkpoint": ckpt,
+                        "trainer_wait_s": wait_s})
+
+
+def _put(result_q: Any, item: dict[str, Any]) -> None:
+    if result_q is not None:  # ranks above 0 report nothing: rank 0 speaks for the group
+        result_q.put(item)
+
+
+def _join_group(device: Any, rank: int, world: int) -> None:
+    import datetime
+
+    import torch.distributed as tdist
+
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    tdist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(model_dir: str, run_dir: str, cfg_json: str, version: int, resume_ckpt: str,
+                 world: int) -> list[subprocess.Popen]:
+    """Launch ranks 1..world-1 (their logs in ``<run_dir>/logs``) and set this process up as rank 0."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cfg_path = logs / "trainer-config.json"
+    cfg_path.write_text(cfg_json)
+    procs = []
+    for r in range(1, world):
+        cmd = [sys.executable, "-m", "albatross.orchestrator.trainer_worker", "--rank", str(r), "--world",
+               str(world), "--model-dir", model_dir, "--run-dir", run_dir, "--config", str(cfg_path),
+               "--version", str(version), "--resume", resume_ckpt]
+        with open(logs / f"trainer-rank{r}.log", "ab") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                          start_new_session=True))
+    return procs
+
+
+def _stop_ranks(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """Wait for the other ranks to leave after the stop broadcast; kill (by pid) any that do not."""
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def save_checkpoint(trainer, directory: Path) -> Path:
@@ -65,14 +170,21 @@ def save_checkpoint(trainer, directory: Path) -> Path:
     return path
 
 
-def make_trainer(trainer_cls, model, cfg):
-    rl, tc = cfg.rl, cfg.trainer
-    return trainer_cls(
-        model, lr=tc.lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
-        micro_batch_tokens=tc.micro_batch_tokens, loss=rl.loss, seed=cfg.seed,
-        loss_kwargs={"cap": rl.is_cap, "max_staleness": rl.max_staleness, "p_floor": rl.p_floor,
-                     "n_floor": rl.n_floor},
-        kl_coef=rl.kl_coef, entropy_coef=rl.entropy_coef, logprob_chunk=tc.logprob_chunk or None,
-        attention=tc.attention, activation_checkpointing=tc.activation_checkpointing, freeze=tc.freeze,
-        offload_optimizer=tc.offload_optimizer, precision=tc.precision,
-    )
+def _rank_main(argv: list[str] | None = None) -> int:
+    """A trainer rank above 0, started by rank 0: joins the group and steps on the batches it broadcasts."""
+    from albatross.config import RunConfig
+
+    p = argparse.ArgumentParser(description=__doc__)
+    for name in ("--rank", "--world", "--version"):
+        p.add_argument(name, type=int, required=True)
+    for name in ("--model-dir", "--run-dir", "--config", "--resume"):
+        p.add_argument(name, required=True)
+    a = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg = RunConfig.model_validate_json(Path(a.config).read_text())
+    _serve(a.model_dir, Path(a.run_dir), cfg, _rank_source, None, a.version, a.resume, rank=a.rank, world=a.world)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())

@@ -7,9 +7,12 @@ All variants share one signature. Inputs are 1-D tensors over the tokens of a mi
 
 - ``max_staleness``: a token with current_version - version > max_staleness gives no gradient.
 - ``p_floor``: loss floor; a negative-advantage token whose current probability is below ``p_floor``
-  gives no gradient, so rare tokens are not pushed to zero (default 1e-4; 0 turns it off).
+  gives no gradient, so rare tokens are not pushed to zero (0 turns it off).
 - ``n_floor``: the loss is -sum(...) / max(num_batch_tokens, n_floor), so small batches do not take
-  larger steps (default 1, i.e. off; set it near the typical batch token count).
+  larger steps (1 turns it off; set it near the typical batch token count).
+
+Every knob's default is the ``[rl]`` config field's (``albatross config`` lists them); ``loss_knobs``
+maps a config section to the knobs of its chosen loss.
 
 ``num_batch_tokens`` is the number of loss-mask tokens in the *whole* batch (stale ones included), so
 summing the losses of the micro-batches gives the loss of the batch exactly. It defaults to the
@@ -31,6 +34,8 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from albatross.config import default
 
 LossOutput = tuple[Tensor, dict[str, float]]
 
@@ -127,10 +132,10 @@ def tis_loss(
     *,
     current_version: int,
     num_batch_tokens: int | None = None,
-    cap: float = 2.0,
-    max_staleness: int = 6,
-    p_floor: float = 1e-4,
-    n_floor: int = 1,
+    cap: float = default("rl", "is_cap"),
+    max_staleness: int = default("rl", "max_staleness"),
+    p_floor: float = default("rl", "p_floor"),
+    n_floor: int = default("rl", "n_floor"),
 ) -> LossOutput:
     """Truncated importance sampling: -sum_t m_t * sg(min(r_t, cap)) * A_t * logp_t / max(N, n_floor)."""
     active, metrics = _token_masks(
@@ -153,11 +158,11 @@ def ppo_clip_loss(
     *,
     current_version: int,
     num_batch_tokens: int | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    max_staleness: int = 6,
-    p_floor: float = 1e-4,
-    n_floor: int = 1,
+    eps_low: float = default("rl", "clip_low"),
+    eps_high: float = default("rl", "clip_high"),
+    max_staleness: int = default("rl", "max_staleness"),
+    p_floor: float = default("rl", "p_floor"),
+    n_floor: int = default("rl", "n_floor"),
 ) -> LossOutput:
     """PPO clip: surrogate min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A); clipped tokens give no gradient."""
     active, metrics = _token_masks(
@@ -181,11 +186,11 @@ def masked_is_loss(
     *,
     current_version: int,
     num_batch_tokens: int | None = None,
-    lo: float = 0.5,
-    hi: float = 2.0,
-    max_staleness: int = 6,
-    p_floor: float = 1e-4,
-    n_floor: int = 1,
+    lo: float = default("rl", "mask_low"),
+    hi: float = default("rl", "mask_high"),
+    max_staleness: int = default("rl", "max_staleness"),
+    p_floor: float = default("rl", "p_floor"),
+    n_floor: int = default("rl", "n_floor"),
 ) -> LossOutput:
     """Masked IS: weight sg(r) inside [lo, hi]; tokens whose ratio falls outside are dropped."""
     active, metrics = _token_masks(
@@ -207,11 +212,11 @@ def cispo_loss(
     *,
     current_version: int,
     num_batch_tokens: int | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    max_staleness: int = 6,
-    p_floor: float = 1e-4,
-    n_floor: int = 1,
+    eps_low: float = default("rl", "clip_low"),
+    eps_high: float = default("rl", "clip_high"),
+    max_staleness: int = default("rl", "max_staleness"),
+    p_floor: float = default("rl", "p_floor"),
+    n_floor: int = default("rl", "n_floor"),
 ) -> LossOutput:
     """CISPO: weight sg(clip(r, 1 - eps_low, 1 + eps_high)); unlike PPO, clipped tokens keep their gradient."""
     active, metrics = _token_masks(
@@ -279,3 +284,19 @@ def get_loss_fn(name: str, **knobs: object) -> LossFn:
     except TypeError as e:
         raise ValueError(f"loss {name!r}: {e}") from None
     return functools.partial(fn, **knobs)
+
+
+# The ``[rl]`` fields each variant takes, by its own parameter names.
+_SHARED_KNOBS = {"max_staleness": "max_staleness", "p_floor": "p_floor", "n_floor": "n_floor"}
+_VARIANT_KNOBS = {
+    "tis": {"cap": "is_cap"},
+    "ppo_clip": {"eps_low": "clip_low", "eps_high": "clip_high"},
+    "cispo": {"eps_low": "clip_low", "eps_high": "clip_high"},
+    "masked_is": {"lo": "mask_low", "hi": "mask_high"},
+}
+
+
+def loss_knobs(rl: object) -> dict[str, object]:
+    """The knobs of ``rl.loss`` read from an ``[rl]`` config section (``RLConfig``)."""
+    fields = {**_SHARED_KNOBS, **_VARIANT_KNOBS[rl.loss]}  # type: ignore[attr-defined]
+    return {param: getattr(rl, field) for param, field in fields.items()}

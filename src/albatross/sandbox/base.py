@@ -10,6 +10,7 @@ infrastructure failure raises ``SandboxError`` (``ForkError``, ``SandboxDied``);
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -48,12 +49,28 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class Limits:
+    """Per-attempt limits; invalid values (sizes under 1 MiB, times that are not finite and positive,
+    a negative CPU share) raise ``ValueError`` here, before any sandbox is made from them."""
+
     memory_mb: int = 512
     pids: int = 256
-    disk_mb: int = 256  # bytes the attempt may write (its upper layer, /tmp, /dev/shm together)
+    disk_mb: int = 256  # MiB the attempt may write (its upper layer, /tmp, /dev/shm together)
     command_timeout_s: float = 10.0
     max_output_bytes: int = 1 << 20
     attempt_timeout_s: float | None = None  # wall time from fork; None: no limit
+    cpus: float = 0.0  # CPU time per wall second (1.5 = one and a half CPUs); 0: no limit
+
+    def __post_init__(self) -> None:
+        for name in ("memory_mb", "disk_mb", "pids", "max_output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"sandbox limit {name} must be a whole number >= 1, got {value!r}")
+        for name in ("command_timeout_s", "attempt_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"sandbox limit {name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.cpus) and self.cpus >= 0):
+            raise ValueError(f"sandbox limit cpus must be a finite number >= 0, got {self.cpus!r}")
 
 
 def pick_limit(hit: dict[str, bool]) -> str:
@@ -87,7 +104,19 @@ class Attempt(Protocol):
         """Copy a host directory into the attempt (used to add tests/ before verification)."""
         ...
 
-    def read_file(self, sandbox_path: str) -> bytes | None: ...
+    def read_file(self, sandbox_path: str) -> bytes | None:
+        """A regular file's bytes, or None (missing, not a regular file, or a symbolic link)."""
+        ...
+
+    def kill_all(self) -> None:
+        """End the agent: kill every process the attempt's commands started (background jobs too).
+        Raises ``SandboxError`` if some survive."""
+        ...
+
+    def exec_clean(self, command: str, cwd: str, timeout_s: float | None = None) -> ExecResult:
+        """Run ``command`` with ``bash --noprofile --norc -c`` as a fresh process: the image's own
+        environment (Dockerfile ENV, a fixed PATH) and nothing of the persistent shell's state."""
+        ...
 
     def close(self) -> None: ...
 

@@ -1,4 +1,5 @@
-"""Per-attempt cgroups (v1): a memory cgroup and a pids cgroup, commands in pids sub-cgroups ``c<N>``.
+"""Per-attempt cgroups (v1): a memory cgroup and a pids cgroup, commands in pids sub-cgroups ``c<N>``,
+and a cpu cgroup (CFS quota) when the attempt has a CPU limit.
 
 Both live under ``<controller mount>/<our own cgroup>/albatross/<attempt id>``, so attempt limits nest
 under whatever limits this process already has. The kernel counts what we report as outcomes:
@@ -19,6 +20,7 @@ from pathlib import Path
 from albatross.sandbox.base import ForkError, Limits
 
 log = logging.getLogger(__name__)
+CPU_PERIOD_US = 100_000  # the CFS period; an attempt of ``cpus`` CPUs gets cpus x this much per period
 
 
 def cgroup_root(controller: str) -> Path:
@@ -52,10 +54,12 @@ class AttemptCgroups:
     def __init__(self, attempt_id: str, limits: Limits, owner: int = 0) -> None:
         self.memory = cgroup_root("memory") / attempt_id
         self.pids = cgroup_root("pids") / attempt_id
+        self.cpu: Path | None = cgroup_root("cpu") / attempt_id if limits.cpus > 0 else None
         self.holder = 0
         try:
-            for path in (self.memory, self.pids / "c0"):
-                path.mkdir(parents=True)
+            for path in (self.memory, self.pids / "c0", self.cpu):
+                if path is not None:
+                    path.mkdir(parents=True)
             self._set_limits(limits)
             if owner:
                 os.chown(self.pids, owner, owner)
@@ -70,6 +74,9 @@ class AttemptCgroups:
         if memsw.exists():
             memsw.write_text(limit)
         (self.pids / "pids.max").write_text(str(limits.pids))
+        if self.cpu is not None:
+            (self.cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (self.cpu / "cpu.cfs_quota_us").write_text(str(max(1000, round(limits.cpus * CPU_PERIOD_US))))
 
     def oom_kills(self) -> int:
         """Processes the memory limit has killed so far."""
@@ -118,8 +125,9 @@ class AttemptCgroups:
             return 0
 
     def remove(self) -> None:
-        for path in [*self.command_groups(), self.pids, self.memory]:
-            _rmdir_retrying(path)
+        for path in [*self.command_groups(), self.pids, self.memory, self.cpu]:
+            if path is not None:
+                _rmdir_retrying(path)
 
 
 def _rmdir_retrying(path: Path) -> None:
@@ -141,7 +149,7 @@ def _rmdir_retrying(path: Path) -> None:
 
 def remove_stale() -> None:
     """Remove empty attempt cgroups left by processes that died without closing (``<pid>-...``)."""
-    for controller in ("memory", "pids"):
+    for controller in ("memory", "pids", "cpu"):
         root = cgroup_root(controller)
         for path in root.glob("*-*") if root.is_dir() else ():
             owner = path.name.split("-", 1)[0]

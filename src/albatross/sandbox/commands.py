@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 import shlex
 import sys
@@ -62,6 +63,13 @@ def _user_error(message: str) -> Exception:
     return CommandError(message)
 
 
+class _OptionParser(argparse.ArgumentParser):
+    """Parses the options given after TASK_DIR; a bad one is a one-line ``CommandError``, not usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CommandError(f"sandbox run: {message}")
+
+
 def _split_command(args: argparse.Namespace) -> list[str]:
     """Options given after TASK_DIR land in the remainder: parse those before ``--``."""
     rest = list(args.cmd)
@@ -69,12 +77,9 @@ def _split_command(args: argparse.Namespace) -> list[str]:
         cut = rest.index("--")
         options, rest = rest[:cut], rest[cut + 1:]
         if options:
-            parser = argparse.ArgumentParser(prog="albatross sandbox run", add_help=False)
+            parser = _OptionParser(prog="albatross sandbox run", add_help=False)
             _options(parser)
-            try:
-                parser.parse_args(options, namespace=args)
-            except SystemExit:
-                raise _user_error(f"sandbox run: bad options {' '.join(options)!r}") from None
+            parser.parse_args(options, namespace=args)
     if not rest:
         raise _user_error("sandbox run: give the command after --, e.g. sandbox run TASK_DIR -- ls -la")
     return rest
@@ -87,13 +92,14 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from albatross.tasks.format import load_task
 
     task = load_task(args.task_dir)
+    _check(args, task)
     if args.backend == "local" and not local_available():
         raise _user_error(f"the local sandbox is unavailable here ({unavailable_reason()}); "
                           "use --backend process (no isolation)")
     options = {"warm": 0, "base": args.base} if args.backend == "local" else {}
     backend = make_backend(args.backend, **options)
     limits = Limits(memory_mb=task.memory_mb, disk_mb=task.storage_mb,
-                    command_timeout_s=args.timeout or task.agent_timeout_s)
+                    command_timeout_s=args.timeout if args.timeout is not None else task.agent_timeout_s)
     try:
         attempt = backend.fork(task.env_dir, task.workdir, limits)
         if args.tests:
@@ -104,16 +110,28 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return task, backend, attempt
 
 
+def _check(args: argparse.Namespace, task: Any) -> None:
+    """One-line errors for a bad ``--timeout`` and for a Dockerfile the sandbox cannot build (unsupported
+    instruction, an image it cannot stand in for, ...: the build gate's own check)."""
+    from albatross.tasks.offline import dockerfile_problem
+
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise _user_error(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    problem = dockerfile_problem(task)
+    if problem:
+        raise _user_error(problem)
+
+
 def _sandbox_errors(fn: Any) -> Any:
     """User errors (and a failed environment build: the task author's) are one line, exit code 2; an
     infrastructure failure is one line, exit code 1."""
     @functools.wraps(fn)
     def wrapped(args: argparse.Namespace, extra: list[str]) -> int:
-        from albatross.sandbox import EnvBuildError, SandboxError
+        from albatross.sandbox import DockerfileError, EnvBuildError, SandboxError
 
         try:
             return fn(args, extra)
-        except (CommandError, EnvBuildError) as err:
+        except (CommandError, EnvBuildError, DockerfileError) as err:
             print(f"albatross: error: {str(err).splitlines()[0]}", file=sys.stderr)
             return 2
         except SandboxError as err:

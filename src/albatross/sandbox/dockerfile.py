@@ -4,9 +4,11 @@ Supported: ``FROM`` (one stage; the image is recorded, the sandbox maps it to it
 ``WORKDIR``, ``COPY``/``ADD`` of local files (``--chown``/``--chmod``/``--link`` ignored), ``RUN``
 (shell form and JSON exec form), ``ENV`` (``K=V K2=V2`` and ``K V``), ``ARG`` with defaults, comments
 and backslash line continuations. ``CMD``, ``ENTRYPOINT``, ``LABEL``, ``EXPOSE``, ``USER``,
-``MAINTAINER`` and ``STOPSIGNAL`` are kept as :class:`Ignored` with a note. Everything else (``VOLUME``,
-``HEALTHCHECK``, ``SHELL``, ``ONBUILD``, multi-stage builds, ``COPY --from``, ``ADD`` of a URL,
-heredocs) raises :class:`DockerfileError` naming the file and line.
+``MAINTAINER``, ``STOPSIGNAL``, ``HEALTHCHECK`` and ``ONBUILD`` (neither changes the image being built) are
+kept as :class:`Ignored` with a note. Everything else (``VOLUME``, ``SHELL``, multi-stage builds,
+``COPY --from``, ``ADD`` of a URL, heredocs, a bare ``ARG``, no ``FROM``, an instruction other than ``ARG``
+before ``FROM``, a file that is not UTF-8 text) raises :class:`DockerfileError` naming the file and line.
+Which ``FROM`` images the sandbox can stand in for is decided by its callers (``tasks.offline``).
 
 ``$VAR``, ``${VAR}``, ``${VAR:-default}`` and ``${VAR:+alt}`` are substituted from ``ARG`` defaults
 and ``ENV`` values in ``FROM``, ``WORKDIR``, ``COPY``/``ADD``, ``ENV`` and ``ARG``, as Docker does;
@@ -83,6 +85,8 @@ _IGNORED_NOTES = {
     "USER": "commands run as root inside the sandbox",
     "MAINTAINER": "metadata only",
     "STOPSIGNAL": "attempts are stopped by killing their pid namespace",
+    "HEALTHCHECK": "attempts are not health-checked",
+    "ONBUILD": "its trigger runs only in images built FROM this one",
 }
 _VAR = re.compile(
     r"\$(?:\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<op>[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
@@ -99,6 +103,8 @@ def parse_dockerfile(path: Path | str) -> list[Instruction]:
     parser = _Parser(path)
     for line_no, keyword, rest in _logical_lines(text):
         parser.add(line_no, keyword, rest)
+    if not parser.seen_from:
+        raise parser.error(1, "no FROM instruction: a Dockerfile starts FROM a base image")
     return parser.instructions
 
 
@@ -163,6 +169,8 @@ class _Parser:
             "ENV": self.env,
             "ARG": self.arg,
         }.get(keyword)
+        if not self.seen_from and keyword not in ("ARG", "FROM"):
+            raise self.error(line, f"{keyword} before FROM: only ARG may come before the FROM instruction")
         if handler is not None:
             handler(line, keyword, rest)
         elif keyword in _IGNORED_NOTES:

@@ -3,8 +3,9 @@
 The zygote forks the holder into fresh mount/pid/net/ipc/uts namespaces. As host root it mounts the
 attempt's root (an overlay of the parent layers over the base root, its writable upper layer on a tmpfs
 of ``disk_mb``), the pseudo file systems and the devices, brings up loopback, pivots into the new root,
-and then (user-namespace mode) joins the sandbox user namespace as its uid 0, which is an unprivileged
-uid on the host. From then on it serves the host over a Unix socket: run a command (posix_spawn in its
+and then (user-namespace mode) joins the attempt's own user namespace as its uid 0, which is an
+unprivileged uid on the host. It joins a new session keyring, sets no_new_privs and loads the seccomp
+filter (``seccomp.py``), which every command inherits. From then on it serves the host over a Unix socket: run a command (posix_spawn in its
 own session and its own pids sub-cgroup), open an interactive terminal, write a tar, read a file.
 When the holder dies, the kernel kills every process of the pid namespace and frees every mount.
 """
@@ -12,6 +13,7 @@ When the holder dies, the kernel kills every process of the pid namespace and fr
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import select
@@ -24,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from albatross.sandbox import linux
+from albatross.sandbox import linux, seccomp
 from albatross.sandbox.build import DEFAULT_PATH
 from albatross.sandbox.wire import recv, send
 
@@ -47,12 +49,16 @@ _PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug")
 KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31}
 
 
-def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote_fd: int | None = None) -> None:
+def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote_fd: int | None = None,
+                seccomp_filter: Any = None) -> None:
     """Set up the attempt's root, tell the host, then serve it until it hangs up. Never returns.
 
-    ``zygote_fd``: a pidfd of the zygote; the holder dies with it (its layers and mounts are gone)."""
+    ``zygote_fd``: a pidfd of the zygote; the holder dies with it (its layers and mounts are gone).
+    ``seccomp_filter``: the filter to load last (None: the set-up fails with ``cfg["seccomp_error"]``)."""
     sock = socket.socket(fileno=sock_fd)
     try:
+        if seccomp_filter is None:
+            raise OSError(cfg.get("seccomp_error") or "no seccomp filter")
         fds = setup_root(cfg, userns_fd)
         # Changing credentials (joining the user namespace) cleared the parent-death signal: set it
         # again, then make sure the zygote did not die before it was set (the signal would be lost).
@@ -63,6 +69,7 @@ def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote
             if poller.poll(0):
                 os._exit(1)
             os.close(zygote_fd)
+        seccomp.load(seccomp_filter)  # last: set-up needed mount, setns and keyctl
     except BaseException as err:  # noqa: BLE001 - reported to the host, which raises SandboxError
         with contextlib.suppress(OSError):
             where = " > ".join(f"{f.name}:{f.lineno}" for f in traceback.extract_tb(err.__traceback__)[-3:])
@@ -80,7 +87,8 @@ def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote
 
 def setup_root(cfg: dict[str, Any], userns_fd: int | None) -> tuple[int, int | None]:
     """Build and enter the attempt's root; returns fds of its pids cgroup and of its scratch tmpfs."""
-    for path in (cfg["memory_cgroup"], f"{cfg['pids_cgroup']}/c0"):  # one grace period for both moves
+    cgroup_dirs = (cfg["memory_cgroup"], f"{cfg['pids_cgroup']}/c0", cfg.get("cpu_cgroup") or "")
+    for path in filter(None, cgroup_dirs):  # one grace period for all the moves
         linux.write_file(f"{path}/cgroup.procs", "0")
     merged = _mount_overlay(cfg)
     _mount_pseudo(merged, cfg)
@@ -94,6 +102,7 @@ def setup_root(cfg: dict[str, Any], userns_fd: int | None) -> tuple[int, int | N
     if userns_fd is not None:
         _enter_userns(userns_fd)
         linux.drop_bounding_caps(KEPT_CAPS)  # joining a user namespace gives a full bounding set
+    linux.join_new_session_keyring()  # keys the agent adds die with the attempt; keyctl is denied after
     linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
     os.makedirs(os.path.dirname(STATE_FILE), exist_ok=True)
     Path(STATE_FILE).write_text(cfg["state"])
@@ -300,7 +309,10 @@ class Holder:
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             send(self.sock, {"missing": True})
         except (OSError, tarfile.TarError, ValueError) as err:
-            send(self.sock, {"error": f"{op} failed: {err}"})
+            if isinstance(err, OSError) and err.errno == errno.ELOOP and op == "read":
+                send(self.sock, {"missing": True})  # a symbolic link where a file was asked for
+            else:
+                send(self.sock, {"error": f"{op} failed: {err}"})
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -361,8 +373,9 @@ def _extract(payload: bytes) -> None:
 
 
 def _read_regular(path: str) -> bytes:
-    """A regular file's bytes; never blocks on a FIFO or device the agent put in the way."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    """A regular file's bytes; never blocks on a FIFO or device the agent put in the way, never
+    follows a symbolic link (a link is reported as missing)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)  # a link is no file
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # a directory, FIFO or device is not a file to read

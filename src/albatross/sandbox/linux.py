@@ -17,6 +17,8 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 # New mount API; the numbers are the same on every architecture (unified syscall table).
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
 _OPEN_TREE_CLONE, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = 1, 0x1000, 4
@@ -74,6 +76,15 @@ def drop_bounding_caps(keep: set[int]) -> None:
     for cap in range(last + 1):
         if cap not in keep:
             prctl(PR_CAPBSET_DROP, cap)
+
+
+def join_new_session_keyring() -> None:
+    """Give the calling process (and its future children) a new anonymous session keyring."""
+    number = _SYS_KEYCTL.get(platform.machine())
+    if number is None:
+        raise OSError(errno.ENOSYS, f"keyctl: unknown syscall number on {platform.machine()}")
+    _check(_libc.syscall(ctypes.c_long(number), ctypes.c_int(_KEYCTL_JOIN_SESSION_KEYRING), None),
+           "keyctl join session keyring")
 
 
 def pivot_root_here() -> None:

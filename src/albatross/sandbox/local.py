@@ -12,9 +12,13 @@ Layout of one attempt::
 Processes: ``zygote.py`` forks each attempt's holder (``holder.py``) into new mount, pid, network
 (loopback only), ipc and uts namespaces; commands run under it via posix_spawn, each in its own session
 and pids sub-cgroup. In user-namespace mode (the default where the kernel allows it) the holder and every
-command run as uid 0 of a user namespace that maps to uid ``ID_BASE`` on the host and owns none of the
-attempt's other namespaces: root inside can own files and kill its own processes, but cannot mount,
-reconfigure the network, or touch anything on the host as root. Without user namespaces, commands run
+command run as uid 0 of the attempt's own user namespace, which maps to uid ``ID_BASE`` on the host,
+owns none of the attempt's other namespaces and is charged to a host uid of its own (per-user kernel
+counts such as inotify instances are per attempt): root inside can own files and kill its own
+processes, but cannot mount, reconfigure the network, or touch anything on the host as root. Every
+command runs under the seccomp filter of ``seccomp.py`` and in a session keyring of its attempt.
+Before verification ``kill_all`` ends every process of the attempt and ``exec_clean`` runs the
+verifier as a fresh process with the image's environment only. Without user namespaces, commands run
 as host root with a reduced capability bounding set and no_new_privs. Either way the capability
 bounding set is Docker's default minus MKNOD.
 
@@ -151,6 +155,7 @@ class LocalAttempt:
         self._cgroup = "c0"  # the pids cgroup the next command starts in (each reply names the next)
         self.deadline: float | None = None
         self.first_output_at: float | None = None  # perf_counter() when the last command first wrote
+        self.image_env: dict[str, str] = {"PATH": DEFAULT_PATH, "HOME": "/root"}  # for exec_clean
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def activate(self) -> None:
@@ -168,6 +173,21 @@ class LocalAttempt:
             if not _wait_readable(self._sock.fileno(), timeout_s):
                 raise ForkError(f"attempt {self.id}: sandbox did not start within {timeout_s:.0f} s")
             self._skip_ready()
+
+    def kill_all(self) -> None:
+        """End the agent: SIGKILL every process of every command's cgroup (the whole pid namespace but
+        its pid 1, the holder), wait until the holder has reaped them; ``SandboxError`` if any is left."""
+        with self._lock:
+            self._check_open()
+            self._cgroups.kill_all(settle_s=5.0)
+            left = self._cgroups.current() - 1
+        if left > 0:
+            raise SandboxError(f"attempt {self.id}: {left} processes survived the end of the attempt")
+
+    def exec_clean(self, command: str, cwd: str, timeout_s: float | None = None) -> ExecResult:
+        """Run ``command`` as a fresh ``bash --noprofile --norc -c`` with the image's environment only."""
+        return self.run_argv(["/bin/bash", "--noprofile", "--norc", "-c", command], dict(self.image_env), cwd,
+                             timeout_s)
 
     def kill(self) -> None:
         """Kill the sandbox now, as if it had crashed (fault injection; ``close`` still cleans up)."""
@@ -642,15 +662,18 @@ class LocalBackend:
             raise ZygoteDied(f"environment {spec.parent_key[:12]} is not built on the fresh sandbox zygote")
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **parent.env}
         lower = [parent.layer, self._base(zygote)]
-        return self._spawn(zygote, spec.limits, {"lower": lower, "upper": None, "work": None, "new_net": True,
-                                                 "workdir": spec.workdir,
-                                                 "state": state_script(env, spec.workdir)})
+        attempt = self._spawn(zygote, spec.limits, {"lower": lower, "upper": None, "work": None, "new_net": True,
+                                                    "workdir": spec.workdir,
+                                                    "state": state_script(env, spec.workdir)})
+        attempt.image_env = env
+        return attempt
 
     def _spawn(self, zygote: Zygote, limits: Limits, cfg: dict[str, Any]) -> LocalAttempt:
         attempt_id = f"{os.getpid()}-{self._token}-{next(self._ids)}"
         groups = cgroups.AttemptCgroups(attempt_id, limits, owner=self.id_base)
         cfg = {**cfg, "scratch": f"{zygote.root}/scratch", "disk_mb": limits.disk_mb,
-               "memory_cgroup": str(groups.memory), "pids_cgroup": str(groups.pids)}
+               "memory_cgroup": str(groups.memory), "pids_cgroup": str(groups.pids),
+               "cpu_cgroup": str(groups.cpu or "")}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             pid = zygote.request({"op": "spawn", "cfg": cfg}, fds=[theirs.fileno()])["pid"]

@@ -9,7 +9,8 @@ Path mapping (the main limitation): absolute sandbox paths given to ``put_dir``/
 destinations and the WORKDIR are rewritten to ``<attempt dir>/<path>``, but paths inside commands are
 not: ``cat /app/x`` reads the host's ``/app/x``; use relative paths, or ``$SANDBOX_ROOT/app/x``.
 Timeouts kill the command's process group; processes that start their own session escape that kill,
-and are only killed at ``close`` if they stayed in a process group this backend started.
+and are only killed at ``close`` (or ``kill_all``, before verification) if they stayed in a process
+group this backend started: the verifier here is out of reach of a well-behaved agent only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import select
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
@@ -47,6 +49,8 @@ from albatross.sandbox.dockerfile import Copy, Env, Run, Workdir, parse_dockerfi
 from albatross.sandbox.faults import FAULT_DIE, FAULT_FORK, FaultInjector
 
 log = logging.getLogger(__name__)
+_FIXED_PATH = os.pathsep.join(p for p in (str(Path(sys.executable).parent), "/usr/local/sbin", "/usr/local/bin",
+                                          "/usr/sbin", "/usr/bin", "/sbin", "/bin"))
 
 _NOT_ISOLATED = (
     "albatross: WARNING: sandbox backend 'process' gives NO isolation: attempt {id} runs as {user} "
@@ -91,6 +95,24 @@ class ProcessAttempt:
         return self.root / path.relative_to("/")
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+        return self._run(["bash", "-c", _prologue(self.root) + command], self.root, timeout_s,
+                         os.environ.get("PATH", "/usr/bin:/bin"))
+
+    def exec_clean(self, command: str, cwd: str, timeout_s: float | None = None) -> ExecResult:
+        """``bash --noprofile --norc -c command`` with a fixed environment, none of the shell's state."""
+        where = self.host_path(cwd)
+        return self._run(["bash", "--noprofile", "--norc", "-c", command], where if where.is_dir() else self.root,
+                         timeout_s, _FIXED_PATH)
+
+    def kill_all(self) -> None:
+        """Kill the process group of every command this attempt ran (best effort: no isolation)."""
+        with self._lock:
+            self._check_alive()
+            for group in self._groups:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
+
+    def _run(self, argv: list[str], cwd: Path, timeout_s: float | None, path: str) -> ExecResult:
         timeout = self.limits.command_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._closed:
@@ -98,16 +120,16 @@ class ProcessAttempt:
             if self.dead:
                 raise SandboxDied(f"attempt {self.id}: sandbox died")
             start = time.monotonic()
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SANDBOX_ROOT": str(self.root)}
+            env = {"PATH": path, "SANDBOX_ROOT": str(self.root)}
             try:
                 proc = subprocess.Popen(
-                    ["bash", "-c", _prologue(self.root) + command],
+                    argv,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     env=env,
-                    cwd=self.root,
+                    cwd=cwd,
                 )
             except OSError as err:
                 raise SandboxError(f"attempt {self.id}: cannot start bash: {err}") from err
@@ -160,11 +182,14 @@ class ProcessAttempt:
         shutil.copytree(host_dir, self.host_path(sandbox_path), symlinks=True, dirs_exist_ok=True)
 
     def read_file(self, sandbox_path: str) -> bytes | None:
+        """A regular file's bytes; None when missing, not a regular file, or a symbolic link."""
         self._check_alive()
         try:
-            return self.host_path(sandbox_path).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            fd = os.open(self.host_path(sandbox_path), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError:
             return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
     def close(self) -> None:
         with self._lock:

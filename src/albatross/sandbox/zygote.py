@@ -8,7 +8,13 @@ which every command of every attempt inherits. While idle it prepares network na
 up, so forking an attempt does not wait for the kernel to build one.
 
 Per attempt: unshare the mount/pid/ipc/uts namespaces (and take a prepared network namespace), fork the
-holder (pid 1 of the new pid namespace), and step back into its own namespaces with setns.
+holder (pid 1 of the new pid namespace), and step back into its own namespaces with setns. In
+user-namespace mode each attempt also gets a user namespace of its own (same mapping as the shared one,
+so the idmapped layers look the same), created by a host uid no other live attempt uses
+(``creator_uid``): the kernel charges per-user counts (inotify instances and watches, user namespaces,
+keyrings, ...) to that uid, so one attempt cannot exhaust them for another or for host root, and each
+attempt's user keyring is its own. The seccomp filter (``seccomp.py``) is built here once; each holder
+loads it.
 
 Holders die with the zygote (parent-death signal SIGKILL): the parent layers and base mounts they were
 built on live in the zygote's mount namespace, which goes away with it. The host side (``Zygote``) then
@@ -18,6 +24,7 @@ raises ``ZygoteDied`` and the backend starts a fresh zygote (``LocalBackend`` re
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -41,6 +48,8 @@ from albatross.sandbox.wire import recv, send
 
 ID_COUNT = 65536
 NETNS_POOL = 4
+CREATOR_BASE = 2_000_000_000  # host uids that create the attempts' user namespaces (see creator_uid)
+CREATOR_COUNT = 100_000_000
 
 
 class _State:
@@ -52,6 +61,46 @@ class _State:
         self.netns_target = int(opts.get("netns_pool", NETNS_POOL))
         self.bases: dict[str, str] = {}
         self.pidfd = os.pidfd_open(os.getpid())  # holders check it: did we die before they set PDEATHSIG?
+        self.spawned = 0
+        self.userns: list[int] = []  # attempts' user namespaces made while idle (fds)
+        self.own_userns = bool(self.id_base)  # False once making one failed: attempts share userns_fd
+        self.seccomp, self.seccomp_error = _build_seccomp()
+
+    def wants_work(self) -> bool:
+        """Idle work left: network or user namespaces to prepare."""
+        return len(self.netns) < self.netns_target or (self.own_userns and len(self.userns) < self.netns_target)
+
+    def fill(self) -> None:
+        """Prepare one namespace of each kind that is short (forking waits for neither then)."""
+        if len(self.netns) < self.netns_target:
+            self.fill_netns()
+        if self.own_userns and len(self.userns) < self.netns_target:
+            self.userns.append(self._new_userns())
+
+    def _new_userns(self) -> int:
+        try:
+            return _make_userns(self.id_base, self.creator_uid())
+        except OSError:  # e.g. unprivileged user namespaces forbidden: fall back to the shared one
+            self.own_userns = False
+            raise
+
+    def take_userns(self) -> int | None:
+        """A user namespace fd for one attempt, its own (prepared, or made now) where possible, else a
+        copy of the shared one's; None without user namespaces."""
+        if self.userns_fd is None:
+            return None
+        if self.userns:
+            return self.userns.pop(0)
+        if self.own_userns:
+            with contextlib.suppress(OSError):
+                return self._new_userns()
+        return os.dup(self.userns_fd)
+
+    def creator_uid(self) -> int:
+        """A host uid for the next attempt's user namespace: per zygote and attempt, so live attempts
+        (of this and of other zygotes) practically never share one."""
+        self.spawned += 1
+        return CREATOR_BASE + ((os.getpid() << 16) + self.spawned) % CREATOR_COUNT
 
     def fill_netns(self) -> None:
         """Prepare one network namespace with loopback up (and, with a user namespace, low ports open)."""
@@ -66,28 +115,45 @@ class _State:
             linux.setns(self.own_ns[2], linux.CLONE_NEWNET)
 
 
-def _make_userns(id_base: int) -> int:
-    """Create the sandbox user namespace (uid/gid 0..65535 inside = id_base.. on the host)."""
+def _build_seccomp() -> tuple[Any, str]:
+    """The attempts' seccomp filter, or None and why it cannot be built (forks then fail, saying so)."""
+    try:
+        from albatross.sandbox import seccomp
+
+        return seccomp.build(), ""
+    except (ImportError, OSError, ValueError) as err:
+        return None, f"cannot build the seccomp filter (pip install pyseccomp; needs libseccomp.so.2): {err}"
+
+
+def _make_userns(id_base: int, creator: int = 0) -> int:
+    """Create a sandbox user namespace (uid/gid 0..65535 inside = id_base.. on the host), created by
+    host uid ``creator`` (its owner, charged for what the namespace's users count against per-user
+    limits)."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(go_w)  # so the read below ends if the zygote dies first
+            if creator:
+                os.setresuid(0, creator, 0)  # the owner is the effective uid; keep the way back
             linux.unshare(linux.CLONE_NEWUSER)
             os.write(ready_w, b"x")
             os.read(go_r, 1)
         finally:
             os._exit(0)
     try:
-        os.read(ready_r, 1)
+        os.close(ready_w)
+        if os.read(ready_r, 1) != b"x":  # the child failed to make it (and exited)
+            raise OSError(errno.EPERM, "cannot create a user namespace")
         for name in ("uid_map", "gid_map"):
             linux.write_file(f"/proc/{pid}/{name}", f"0 {id_base} {ID_COUNT}\n")
         return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
     finally:
         os.write(go_w, b"x")
-        os.waitpid(pid, 0)
-        for fd in (ready_r, ready_w, go_r, go_w):
+        with contextlib.suppress(ChildProcessError):  # SIGCHLD ignored while serving: the kernel reaps it
+            os.waitpid(pid, 0)
+        for fd in (ready_r, go_r, go_w):
             os.close(fd)
 
 
@@ -111,10 +177,9 @@ def _serve(ctrl: socket.socket, state: _State) -> None:
     poller = select.poll()
     poller.register(ctrl, select.POLLIN)
     while True:
-        idle = len(state.netns) < state.netns_target
-        if not poller.poll(0 if idle else None):
+        if not poller.poll(0 if state.wants_work() else None):
             with contextlib.suppress(OSError):
-                state.fill_netns()
+                state.fill()
             continue
         try:
             msg, _payload, fds = recv(ctrl)
@@ -201,23 +266,26 @@ def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> int:
     flags = linux.CLONE_NEWNS | linux.CLONE_NEWPID | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
     if cfg["new_net"] and netns is None:
         flags |= linux.CLONE_NEWNET
-    cfg = {**cfg, "net_ready": netns is not None, "id_base": state.id_base}
+    cfg = {**cfg, "net_ready": netns is not None, "id_base": state.id_base,
+           "seccomp_error": state.seccomp_error}
+    userns_fd = state.take_userns()
     try:
         linux.unshare(flags)
         if netns is not None:
             linux.setns(netns, linux.CLONE_NEWNET)
         pid = os.fork()
         if pid == 0:
-            _become_holder(state, cfg, sock_fd)
+            _become_holder(state, cfg, sock_fd, userns_fd)
     finally:
         for fd in state.own_ns:
             linux.setns(fd)
-        if netns is not None:
-            os.close(netns)
+        for fd in (netns, userns_fd):
+            if fd is not None:
+                os.close(fd)
     return pid
 
 
-def _become_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> None:
+def _become_holder(state: _State, cfg: dict[str, Any], sock_fd: int, userns_fd: int | None) -> None:
     try:
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the zygote (set again in holder_main)
         gc.disable()  # a holder allocates little and lives for one attempt
@@ -225,13 +293,21 @@ def _become_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> None:
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        keep = {0, 1, 2, sock_fd, state.pidfd} | ({state.userns_fd} if state.userns_fd is not None else set())
+        keep = {0, 1, 2, sock_fd, state.pidfd} | ({userns_fd} if userns_fd is not None else set())
         linux.close_fds_except(keep)
     finally:
-        holder_main(cfg, sock_fd, state.userns_fd, state.pidfd)
+        holder_main(cfg, sock_fd, userns_fd, state.pidfd, state.seccomp)
 
 
 # ---- host side: the zygote client ----------------------------------------------------------------------
+
+
+def _module_dirs(name: str) -> list[str]:
+    """The directory a module is imported from here (the zygote runs without site-packages)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    return [str(Path(spec.origin).parent)] if spec is not None and spec.origin else []
 
 
 class ZygoteDied(ForkError):
@@ -253,7 +329,9 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         src = str(Path(albatross.__file__).resolve().parents[1])
         # -S: no site-packages (a smaller process forks faster); the zygote needs only the stdlib
-        code = f"import sys; sys.path.insert(0, {src!r}); from albatross.sandbox.zygote import zygote_main; zygote_main()"
+        late = _module_dirs("pyseccomp")  # after the stdlib: nothing else of site-packages shadows it
+        code = (f"import sys; sys.path.insert(0, {src!r}); sys.path += {late!r}; "
+                "from albatross.sandbox.zygote import zygote_main; zygote_main()")
         opts = json.dumps({"id_base": id_base})
         self.proc = subprocess.Popen(
             [sys.executable, "-S", "-c", code, self.root, str(theirs.fileno()), opts],

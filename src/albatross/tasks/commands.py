@@ -151,16 +151,16 @@ def _model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path) -
     """The training harness around the model in ``model_dir`` (built-in engine), and the engine."""
     import torch
 
-    from albatross.demo import make_agent
     from albatross.engine.builtin import BuiltinEngine
-    from albatross.harness.chat import load_tokenizer
+    from albatross.engine.tokenizer import load_tokenizer
+    from albatross.harness.agent import build_agent
 
     tokenizer = load_tokenizer(tokenizer_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir / 'config.json'}: missing (--model must be a model directory)")
     torch.set_num_threads(cfg.engine.threads)
     engine = BuiltinEngine(str(model_dir), max_batch_size=cfg.engine.max_batch_size)
-    return make_agent(cfg, engine, backend, tokenizer), engine
+    return build_agent(cfg, engine, backend, tokenizer), engine
 
 
 def _backend(kind: str, hide: list[str]) -> Any:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from albatross.errors import UserError
+
 if TYPE_CHECKING:
     from albatross.tasks.offline import OfflineEnv
 
@@ -49,7 +51,7 @@ _UNITS_MB = {"": 1.0, "K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0 * 1024.0
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 
-class TaskFormatError(ValueError):
+class TaskFormatError(UserError, ValueError):
     """A task directory is malformed. The message is one line: ``<file>: <field> <problem>``."""
 
 
@@ -252,16 +254,23 @@ def _timeout(cfg: dict[str, Any], section: str, path: Path) -> float:
 def _size_mb(env: dict[str, Any], name: str, path: Path, default: int) -> int:
     """``<name>_mb`` (a number of MiB) or the older ``<name> = "2G"`` / ``"512M"``."""
     if f"{name}_mb" in env:
-        return int(_positive(env, f"{name}_mb", "[environment]", path, default))
+        return _whole_mb(env, f"{name}_mb", path, default)
     if name not in env:
         return default
     value = env[name]
     if _is_number(value):
-        return int(_positive(env, name, "[environment]", path, default))
+        return _whole_mb(env, name, path, default)
     match = _SIZE_RE.match(value) if isinstance(value, str) else None
     if match is None or float(match.group(1)) <= 0:
         raise TaskFormatError(f'{path}: [environment] {name} must be a size like "512M" or "2G"')
     return max(1, int(float(match.group(1)) * _UNITS_MB[match.group(2).upper()]))
+
+
+def _whole_mb(env: dict[str, Any], key: str, path: Path, default: int) -> int:
+    """A positive number of MiB, at least 1 (``int()`` of less would be 0: no limit at all)."""
+    if _positive(env, key, "[environment]", path, default) < 1:
+        raise TaskFormatError(f"{path}: [environment] {key} must be at least 1 (MiB)")
+    return int(env[key])
 
 
 def _bool(env: dict[str, Any], key: str, path: Path) -> bool:

@@ -33,6 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from albatross.cache import cache_root
 from albatross.sandbox.build import SOURCE_MARKER
 from albatross.tasks import shims
 from albatross.tasks.shims import NEEDS_NETWORK, TOOLKIT_PATH
@@ -67,10 +68,6 @@ _BASE_IMAGES = re.compile(
 )
 _lock = threading.Lock()
 _toolkits: dict[Path, Path] = {}  # cache root -> built toolkit
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross"))
 
 
 # ------------------------------------------------------------------------------------------- evidence

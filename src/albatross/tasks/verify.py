@@ -11,8 +11,20 @@ or ``/logs/verifier/reward.txt`` (one number in [0, 1]). When both exist, reward
   ``{"reward": r}``. Per-test results that contradict r (a pass with a failed test, a fail with none)
   are noted in ``problem`` (the well-formed-reward gate fails on it).
 
-A missing or malformed reward file, a non-finite value or one outside [0, 1] raises ``VerifierError``:
-it is an infrastructure or task error and is never scored as zero.
+Out of the agent's reach: before anything of the verifier is copied in, every process of the attempt
+is killed (``Attempt.kill_all``); ``/tests`` and the reward directory are removed (whatever the agent
+left there: files, directories, links) and the reward directory is made afresh; test.sh then runs as a
+fresh ``bash --noprofile --norc`` with the image's environment only (``Attempt.exec_clean``), not in
+the agent's persistent shell; reward files are read without following links. A task whose tests check
+processes the agent left running (a server it was asked to start) says so in task.toml with
+``[verifier] keep_agent_processes = true``: its agent's processes live on while test.sh runs, so for
+that task a hostile agent can still reach the reward (everything else above still holds).
+
+No usable reward (no reward file, a malformed one, a non-finite value or one outside [0, 1]) is a
+``VerifierError`` for ``verify`` and the gates. For an agent's attempt (``verify_attempt``) it is the
+attempt's own failure, scored 0, when the same verifier writes a usable reward on an untouched fork of
+the task (checked once per task and backend); otherwise it is an infrastructure or task error
+(``VerifierError``), never scored.
 
 Scripts that call apt-get, pip, uv/uvx, curl, wget or pytest run with a fresh copy of the offline
 toolkit first on ``PATH`` (``offline.py``), so Terminal-Bench verifiers run without the internet.
@@ -24,12 +36,21 @@ import json
 import math
 import secrets
 import shlex
+import sys
+import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from albatross.sandbox.base import Attempt, ExecResult
+from albatross.sandbox.base import Attempt, ExecResult, Limits
 from albatross.tasks import offline
 from albatross.tasks.format import Task, TaskFormatError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 REWARD_DIR = "/logs/verifier"
 REWARD_JSON = f"{REWARD_DIR}/reward.json"
@@ -39,6 +60,11 @@ TEST_RESULTS = offline.TEST_RESULTS
 TESTS_PATH = "/tests"
 SOLUTION_PATH = "/solution"
 _OUTPUT_TAIL = 400
+# Whatever the agent left at /tests, /logs/verifier (or /logs itself, if not a plain directory) goes.
+# Paths relative to the root, run from "/" (the process backend maps that to the attempt's directory).
+_DIRS = ("logs", REWARD_DIR.lstrip("/"), TESTS_PATH.lstrip("/"))
+_RESET = (f"for p in {' '.join(_DIRS)}; do if [ -L $p ] || {{ [ -e $p ] && [ ! -d $p ]; }}; then rm -f $p; fi; "
+          f"done; rm -rf {' '.join(_DIRS[1:])} && mkdir -p {_DIRS[1]}")
 
 
 class VerifierError(RuntimeError):
@@ -65,6 +91,49 @@ class VerifierRun:
     error: str = ""
 
 
+def verify_attempt(attempt: Attempt, task: Task, backend: Any, limits: Limits | None = None) -> VerifyResult:
+    """Verify an agent's attempt. No usable reward is the attempt's failure (reward 0, ``error`` says
+    why) if the verifier writes one on an untouched fork of the task; else ``VerifierError``."""
+    outcome = run_verifier(attempt, task)
+    if outcome.result is not None:
+        return outcome.result
+    if not _untouched.works(backend, task, limits):
+        raise VerifierError(f"{task.id}: {outcome.error} (on an untouched fork of the task too)")
+    return VerifyResult({"reward": 0.0}, 0.0, False, source="none", output=outcome.run.output,
+                        error=f"no reward after the attempt, scored 0: {outcome.error}")
+
+
+class _UntouchedCheck:
+    """Whether a task's verifier writes a reward on an untouched fork, found once per task and backend
+    (concurrent askers wait for the first)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], bool]] = weakref.WeakKeyDictionary()
+        self._locks: dict[tuple[int, str, str], threading.Lock] = {}
+
+    def works(self, backend: Any, task: Task, limits: Limits | None) -> bool:
+        key = (str(task.tests_dir.resolve()), str(task.env_dir))
+        with self._lock:
+            known = self._known.setdefault(backend, {})
+            once = self._locks.setdefault((id(backend), *key), threading.Lock())
+        with once:
+            if key not in known:
+                known[key] = self._check(backend, task, limits)
+            return known[key]
+
+    @staticmethod
+    def _check(backend: Any, task: Task, limits: Limits | None) -> bool:
+        attempt = backend.fork(task.env_dir, task.workdir, limits)
+        try:
+            return run_verifier(attempt, task).result is not None
+        finally:
+            attempt.close()
+
+
+_untouched = _UntouchedCheck()
+
+
 def verify(attempt: Attempt, task: Task) -> VerifyResult:
     """Copy tests/ to /tests, run test.sh from the task's workdir, and read the reward it wrote."""
     outcome = run_verifier(attempt, task)
@@ -75,13 +144,16 @@ def verify(attempt: Attempt, task: Task) -> VerifyResult:
 
 def run_verifier(attempt: Attempt, task: Task) -> VerifierRun:
     """Like ``verify`` but returns the run and the error instead of raising (for the gates)."""
-    # Remove any reward file the agent may have left, so only test.sh can produce one.
-    attempt.exec(f"rm -f {REWARD_JSON} {REWARD_TXT} {CTRF_JSON} {TEST_RESULTS}", timeout_s=30)
+    if not keeps_agent_processes(task):
+        attempt.kill_all()  # the agent's background jobs die before anything of the verifier appears
+    reset = attempt.exec_clean(_RESET, "/", timeout_s=60)
+    if reset.exit_code != 0:
+        return VerifierRun(reset, None, f"cannot clear {REWARD_DIR} and {TESTS_PATH}: {reset.output[-200:]}")
     attempt.put_dir(task.tests_dir, TESTS_PATH)
     prefix = _toolkit_prefix(attempt, task.tests_dir)
-    command = (f"mkdir -p {REWARD_DIR} && {prefix}export ALBATROSS_TEST_RESULTS={TEST_RESULTS} && "
-               f"cd {shlex.quote(task.workdir)} && bash {TESTS_PATH}/test.sh")
-    run = attempt.exec(f"( {command} )", timeout_s=task.verifier_timeout_s)
+    command = (f"{prefix}export ALBATROSS_TEST_RESULTS={TEST_RESULTS} && "
+               f'bash --noprofile --norc "${{SANDBOX_ROOT:-}}{TESTS_PATH}/test.sh"')
+    run = attempt.exec_clean(command, task.workdir, timeout_s=task.verifier_timeout_s)
     tests = attempt.read_file(TEST_RESULTS) or attempt.read_file(CTRF_JSON)
     try:
         result = parse_reward(attempt.read_file(REWARD_JSON), attempt.read_file(REWARD_TXT), tests)
@@ -90,6 +162,16 @@ def run_verifier(attempt: Attempt, task: Task) -> VerifierRun:
     result.error = _describe(run).removeprefix("; ")
     result.output = run.output
     return VerifierRun(run, result)
+
+
+def keeps_agent_processes(task: Task) -> bool:
+    """True when the task's task.toml says ``[verifier] keep_agent_processes = true``."""
+    try:
+        with open(task.path / "task.toml", "rb") as f:
+            verifier = tomllib.load(f).get("verifier", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    return isinstance(verifier, dict) and verifier.get("keep_agent_processes") is True
 
 
 def run_oracle(attempt: Attempt, task: Task) -> ExecResult:

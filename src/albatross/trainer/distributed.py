@@ -97,6 +97,21 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``obj`` itself in a single process)."""
+    if not is_distributed():
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def leave() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -193,7 +193,9 @@ class TokenLogprobs(nn.Module):
 
     Model-agnostic over transformers causal LMs: hidden states come from ``model.get_decoder()`` and the
     head from ``model.get_output_embeddings()``. ``chunk_size=None`` computes the full logits at once
-    (the reference path the benchmark compares against).
+    (the reference path the benchmark compares against). ``exact_packing`` (default) first applies
+    ``albatross.models.prepare_for_packing``, so the hybrid families' linear attention, convs, n-gram
+    embeddings and indexers never cross a packed document boundary; False keeps the modules as shipped.
     """
 
     def __init__(
@@ -204,8 +206,13 @@ class TokenLogprobs(nn.Module):
         temperature: float = 1.0,
         entropy_grad: bool = False,
         recompute: bool | None = None,
+        exact_packing: bool = True,
     ) -> None:
         super().__init__()
+        if exact_packing:
+            from albatross.models import prepare_for_packing
+
+            prepare_for_packing(model)
         self.model = model
         self.chunk_size = chunk_size
         self.temperature = temperature

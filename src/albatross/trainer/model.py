@@ -1,36 +1,8 @@
-"""Model building and loading: the tiny demo model from a config, or a local transformers checkpoint."""
+"""Model loading (a local transformers checkpoint, never a hub), freezing and activation checkpointing."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from albatross.config import ModelConfig
-from albatross.harness.chat import TinyTokenizer
-
-
-def build_tiny(cfg: ModelConfig, tokenizer: TinyTokenizer, seed: int = 0):
-    """A Qwen2-architecture causal LM with random weights, sized by ``cfg`` (nothing downloaded)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
-        bos_token_id=tokenizer.special("<|user|>"), eos_token_id=tokenizer.eos_id,
-        pad_token_id=tokenizer.pad_id,
-    )
-    return Qwen2ForCausalLM(config)
-
-
-def save_model(model, tokenizer: TinyTokenizer, directory: str | Path) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save(directory)
-    return directory
 
 
 def load_model(directory: str | Path, dtype=None):
@@ -50,21 +22,16 @@ def num_parameters(model) -> int:
 
 
 def freeze(model, patterns) -> list[str]:
-    """Freeze every parameter whose name matches one of the glob ``patterns``; return the frozen names.
+    """Freeze the parameters that ``patterns`` select; return the frozen names.
 
-    Names are those of ``model.named_parameters()`` (e.g. ``model.layers.0.*``, ``*.mlp.*``). Frozen
-    parameters get no gradient and the trainer leaves them out of the optimizer. A pattern that matches
-    nothing is an error, so a typo cannot silently train everything.
+    Each entry is a part name (``first_layers:N``, ``ngram``, ``indexer``, ``mtp``, ``vision``, ``router``;
+    ``albatross.models.parts``) or a glob over ``model.named_parameters()`` names (``model.layers.0.*``).
+    Frozen parameters get no gradient and the trainer leaves them out of the optimizer. An entry that
+    matches nothing is an error, so a typo cannot silently train everything.
     """
-    import fnmatch
+    from albatross.models.parts import resolve_freeze
 
-    names = [name for name, _ in model.named_parameters()]
-    frozen: list[str] = []
-    for pattern in patterns:
-        hits = fnmatch.filter(names, pattern)
-        if not hits:
-            raise ValueError(f"freeze pattern {pattern!r} matches no parameter (e.g. {names[:3]})")
-        frozen += [n for n in hits if n not in frozen]
+    frozen = resolve_freeze(model, patterns)
     params = dict(model.named_parameters())
     for name in frozen:
         params[name].requires_grad_(False)

@@ -167,13 +167,21 @@ def varlen_attention(
     With ``cu_seq_lens_q`` (a packed row, batch 1) each sample's queries attend only to its own keys;
     without it this is transformers' ``sdpa`` (so generation with the same model keeps working).
     """
+    indices = kwargs.pop("indices", None)
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if indices is not None:  # a sparse-attention top-k selection (DSA), as eager / sdpa apply it
+            from albatross.models.masks import select_keys
+
+            attention_mask = select_keys(attention_mask, indices, key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"varlen attention takes one packed row, got batch {query.shape[0]}")
+    if indices is not None:
+        raise NotImplementedError("sparse-attention indices on a packed row: call "
+                                  "albatross.models.prepare_for_packing(model) first")
     extras = sorted(k for k in ("softcap", "s_aux", "position_bias") if kwargs.get(k) is not None)
     if extras:  # attention features plain sdpa cannot express
         raise NotImplementedError(f"varlen attention does not support {extras}; use attention='dense' "

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from albatross.config import RunConfig, default
 from albatross.records import Batch, Sample, TrainSample
-from albatross.rl.losses import LossFn, entropy_bonus, get_loss_fn, kl_penalty, sft_loss
+from albatross.rl.losses import LossFn, entropy_bonus, get_loss_fn, kl_penalty, loss_knobs, sft_loss
 from albatross.trainer import distributed as dist
 from albatross.trainer.checkpoint import load_state, save_state
 from albatross.trainer.logprobs import TokenLogprobs
@@ -82,6 +83,12 @@ def _optimizer(params: list[nn.Parameter], offload: bool, **adamw: Any) -> Any:
     return HostOffloadAdamW(params, **adamw) if offload else torch.optim.AdamW(params, **adamw)
 
 
+def sampling_temperature(temperature: float) -> float:
+    """The temperature the trainer scores tokens at: the sampler's, except greedy (0), whose log-probs the
+    engines report at temperature 1."""
+    return temperature if temperature > 0 else 1.0
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -113,23 +120,23 @@ class Trainer:
         self,
         model: nn.Module,
         *,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
+        lr: float = default("trainer", "lr"),
+        weight_decay: float = default("trainer", "weight_decay"),
         betas: tuple[float, float] = (0.9, 0.95),
-        grad_clip: float | None = 1.0,
-        micro_batch_tokens: int = 4096,
-        loss: str = "tis",
+        grad_clip: float | None = default("trainer", "grad_clip"),
+        micro_batch_tokens: int = default("trainer", "micro_batch_tokens"),
+        loss: str = default("rl", "loss"),
         loss_kwargs: dict[str, Any] | None = None,
-        kl_coef: float = 0.0,
-        entropy_coef: float = 0.0,
-        logprob_chunk: int | None = 1024,
+        kl_coef: float = default("rl", "kl_coef"),
+        entropy_coef: float = default("rl", "entropy_coef"),
+        logprob_chunk: int | None = default("trainer", "logprob_chunk"),
         logprob_recompute: bool | None = None,
-        temperature: float = 1.0,
-        attention: str = "auto",
-        activation_checkpointing: bool = False,
+        temperature: float = default("sampling", "temperature"),
+        attention: str = default("trainer", "attention"),
+        activation_checkpointing: bool = default("trainer", "activation_checkpointing"),
         freeze: Sequence[str] = (),
-        offload_optimizer: bool = False,
-        precision: str = "auto",
+        offload_optimizer: bool = default("trainer", "offload_optimizer"),
+        precision: str = default("trainer", "precision"),
         fsdp: bool = False,
         seed: int = 0,
     ) -> None:
@@ -158,6 +165,21 @@ class Trainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.version = 0
         self.steps = 0
+
+    @classmethod
+    def from_config(cls, model: nn.Module, cfg: RunConfig, *, fsdp: bool = False, lr: float | None = None) -> Trainer:
+        """The trainer of a run config: ``[trainer]`` and ``[rl]`` knobs, the loss of ``rl.loss`` with its own
+        knobs, log-probs at the sampling temperature (so importance ratios compare like with like); ``lr``
+        overrides ``trainer.lr`` (the warm start's own rate)."""
+        rl, tc = cfg.rl, cfg.trainer
+        return cls(
+            model, lr=tc.lr if lr is None else lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
+            micro_batch_tokens=tc.micro_batch_tokens, loss=rl.loss, loss_kwargs=loss_knobs(rl),
+            kl_coef=rl.kl_coef, entropy_coef=rl.entropy_coef, logprob_chunk=tc.logprob_chunk or None,
+            temperature=sampling_temperature(cfg.sampling.temperature), attention=tc.attention,
+            activation_checkpointing=tc.activation_checkpointing, freeze=tc.freeze,
+            offload_optimizer=tc.offload_optimizer, precision=tc.precision, fsdp=fsdp, seed=cfg.seed,
+        )
 
     def _prepare_model(self, patterns: Sequence[str], checkpointing: bool) -> list[str]:
         frozen = freeze(self.model, patterns) if patterns else []

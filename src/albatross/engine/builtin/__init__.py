@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, EngineError, SamplingParams
 from albatross.engine.builtin.runner import (
     Decode,
     ModelRunner,
@@ -94,8 +94,16 @@ class BuiltinEngine:
         return self.scheduler.submit(prompt_ids, params)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One completion per prompt; blocks until all are done. Thread-safe."""
-        return [f.result() for f in self.scheduler.submit_many(prompts, params)]
+        """One completion per prompt; blocks until all are done. Thread-safe.
+
+        A failure of the engine itself (closed, or a forward pass that raised) is an ``EngineError``: the
+        harness counts it as an infrastructure error and re-runs the attempt, never scores it."""
+        try:
+            return [f.result() for f in self.scheduler.submit_many(prompts, params)]
+        except (EngineError, ValueError):  # ValueError: a request the engine refuses (the caller's error)
+            raise
+        except Exception as e:  # a failed forward pass: IndexError, RuntimeError, out of memory ...
+            raise EngineError(f"built-in engine: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
 
     @property
     def busy_seconds(self) -> float:

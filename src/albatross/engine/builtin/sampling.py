@@ -8,7 +8,9 @@
 - every request owns two streams of uniforms drawn once from its own ``torch.Generator`` (seeded with
   ``SamplingParams.seed`` when given): ``sample`` for the inverse-CDF draw of its n-th token and ``accept`` for
   the accept/reject test of a drafted n-th token (speculative decoding). A seeded request therefore gives the
-  same ids whatever else is in the batch, and whenever it joined.
+  same ids whatever else is in the batch, and whenever it joined. The streams hold ``max_tokens`` values each,
+  so ``max_tokens`` must be bounded before a request gets here: the scheduler clamps it to the positions its
+  prompt leaves in the model (a request of ``max_tokens = 10**9`` would otherwise allocate 8 GB up front).
 """
 
 from __future__ import annotations

@@ -14,14 +14,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, EngineError, SamplingParams
 from albatross.engine.builtin.runner import Done, ModelRunner, Request
 
 
-class EngineClosed(RuntimeError):
+class EngineClosed(EngineError):
     """The engine was closed before the request or weight swap could finish."""
 
 
@@ -50,6 +51,8 @@ class Scheduler:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.runner = runner
+        self.positions: int | None = getattr(getattr(runner.model, "config", None), "max_position_embeddings", None)
+        """The model's positions: a request's ``max_tokens`` is clamped to the room its prompt leaves."""
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.step_hook: Callable[[], None] | None = None
@@ -68,7 +71,7 @@ class Scheduler:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Future[Completion]]:
         """Queue several requests at once (they join the running batch together when there is room)."""
-        requests = [Request(list(p), params) for p in prompts]
+        requests = [Request(list(p), self._clamped(len(p), params)) for p in prompts]
         for r in requests:
             self.runner.validate(r.prompt_ids, params)
         futures: list[Future[Completion]] = [Future() for _ in requests]
@@ -78,6 +81,13 @@ class Scheduler:
             self._pending.extend(zip(requests, futures, strict=True))
             self._cond.notify()
         return futures
+
+    def _clamped(self, n_prompt: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``max_tokens`` at most the positions left after the prompt (at least 1), so per-token
+        buffers (sampling uniforms, KV) never grow past the model's positions; the request ends with "length"."""
+        if not isinstance(self.positions, int) or params.max_tokens <= self.positions - n_prompt:
+            return params
+        return replace(params, max_tokens=max(1, self.positions - n_prompt))
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Completion]:
         return self.submit_many([prompt_ids], params)[0]

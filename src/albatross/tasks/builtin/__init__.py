@@ -1,9 +1,17 @@
 """Built-in generated task families and the generator that writes them.
 
-``generate_tasks(out_dir, n_train=..., n_heldout=..., seed=...)`` writes ``out_dir/train/<id>`` and
-``out_dir/heldout/<id>`` in the Harbor layout. Held-out tasks are drawn first from their own stream,
-so the held-out set for a seed does not change with ``n_train``; no instance (family + key
-parameters) is in both splits. Families alternate evenly within each split.
+``generate_tasks(out_dir, n_train=..., n_heldout=..., seed=...)`` writes ``out_dir/train/<id>``,
+``out_dir/heldout/<id>`` and (``n_validation``) ``out_dir/validation/<id>`` in the Harbor layout. Held-out
+tasks are drawn first from their own stream, then validation tasks, so neither changes with ``n_train``;
+no instance (family + key parameters) is in two splits. Families alternate evenly within each split.
+
+Held-out tasks are unseen, not just new instances: an instruction may only name words of its split's list
+(``SPLIT_WORDS``: 16 training words, 3 validation, 5 held-out), so no held-out or validation instruction,
+nor an oracle command built from its words, equals or is contained in a training one. A family whose
+instruction names no word (fs_surgery, log_errors, find_key) uses a paraphrased instruction per split
+(``Family.split_templates``); its oracle stays the same, so for a strict test hold such a family out
+whole. ``heldout_families`` does that for any family: it appears only in the held-out split (validation
+and training use the other families).
 
 ``DEMO_FAMILIES`` (count_lines, grep_word, follow_pointer) are the CPU demo's families, sized for a tiny
 model, and what ``generate_tasks`` writes when no family is named; ``FAMILIES`` holds every family,
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +32,7 @@ from albatross.tasks.builtin.code import GitRepair, PyFix
 from albatross.tasks.builtin.data import CsvToJson, LogErrors
 from albatross.tasks.builtin.families import (
     DIFFICULTIES,
+    SPLIT_WORDS,
     WORDS,
     CountLines,
     Family,
@@ -40,6 +50,7 @@ __all__ = [
     "DIFFICULTIES",
     "FAMILIES",
     "SPLITS",
+    "SPLIT_WORDS",
     "WORDS",
     "CountLines",
     "Family",
@@ -49,11 +60,12 @@ __all__ = [
     "corpus_strings",
     "generate_tasks",
     "instance_seed",
+    "instruction_words",
     "list_families",
     "write_instance",
 ]
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "validation", "heldout")
 DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\n"
 SETUP = "COPY setup.sh /albatross-setup.sh\nRUN bash /albatross-setup.sh && rm -f /albatross-setup.sh\n"
 DEMO_FAMILIES: tuple[str, ...] = tuple(_DEMO)
@@ -62,7 +74,7 @@ FAMILIES: dict[str, Family] = {
     **{f.name: f for f in (SortUnique(), FsSurgery(), LogErrors(), CsvToJson(), PyFix(), GitRepair(),
                            JobControl(), FindKey())},
 }
-_MAX_TRIES_PER_TASK = 1000
+_MAX_TRIES_PER_TASK = 5000  # a split's words are a few of WORDS: most draws are rejected
 
 
 def list_families() -> list[str]:
@@ -83,9 +95,15 @@ def corpus_strings(families: Iterable[str] | None = None) -> list[str]:
     out.extend(WORDS)
     for family in [FAMILIES[n] for n in names if n not in DEMO_FAMILIES]:
         out.append(family.instruction_template)
+        out.extend(family.split_templates.values())
         out.extend(family.demo_templates)
         out.extend(family.vocabulary)
     return list(dict.fromkeys(out))
+
+
+def instruction_words(instruction: str) -> set[str]:
+    """The words of ``WORDS`` an instruction names (as whole words: ``test_kiwi.py`` names kiwi)."""
+    return set(re.findall(r"[a-z]+", instruction)) & set(WORDS)
 
 
 def instance_seed(seed: int, split: str, index: int, retry: int) -> int:
@@ -109,7 +127,7 @@ def write_instance(instance: Instance, task_dir: Path, *, split: str, seed: int)
             "tags": ["albatross-builtin", instance.family],
         },
         "agent": {"timeout_sec": 60.0},
-        "verifier": {"timeout_sec": 30.0},
+        "verifier": {"timeout_sec": 30.0, "keep_agent_processes": getattr(family, "keep_agent_processes", False)},
         "environment": {"cpus": 1, "memory_mb": 512, "storage_mb": 256, "allow_internet": False},
     }
     env_files = {f"app/{name}": content for name, content in instance.files.items()}
@@ -141,26 +159,35 @@ def generate_tasks(
     seed: int,
     difficulty: str = "easy",
     overwrite: bool = False,
+    n_validation: int = 0,
+    heldout_families: list[str] | None = None,
 ) -> dict[str, list[Path]]:
-    """Write ``n_train`` + ``n_heldout`` tasks under ``out_dir``; returns {split: [task dirs]}.
+    """Write ``n_train`` + ``n_validation`` + ``n_heldout`` tasks under ``out_dir``; returns {split: [task dirs]}
+    for ``SPLITS`` (validation empty unless asked for).
 
-    ``families``: names (``"all"`` for every family); None or empty: ``DEMO_FAMILIES``. Deterministic for
-    a seed. Refuses to write into a non-empty split directory unless ``overwrite`` (which deletes
-    ``out_dir/train`` and ``out_dir/heldout`` only).
+    ``families``: names (``"all"`` for every family); None or empty: ``DEMO_FAMILIES``. ``heldout_families``:
+    families (of ``families`` or more) that appear only in the held-out split. Deterministic for a seed.
+    Refuses to write into a non-empty split directory unless ``overwrite`` (which deletes the split
+    directories only).
     """
     names = list(families or DEMO_FAMILIES)
     if "all" in names:
         names = list_families()
-    chosen = [_family(name) for name in names]
+    unseen = [_family(n).name for n in heldout_families or []]
+    seen_by_training = [_family(n) for n in names if n not in unseen]
+    if not seen_by_training and (n_train or n_validation):
+        raise ValueError("heldout_families leaves no family to train on")
+    by_split = {"heldout": [_family(n) for n in dict.fromkeys(names + unseen)], "validation": seen_by_training,
+                "train": seen_by_training}
     out_dir = Path(out_dir)
     _prepare(out_dir, overwrite)
-    seen: set[tuple[object, ...]] = set()
+    taken: set[tuple[object, ...]] = set()
     written: dict[str, list[Path]] = {}
-    for split, n in (("heldout", n_heldout), ("train", n_train)):
+    for split, n in (("heldout", n_heldout), ("validation", n_validation), ("train", n_train)):
         written[split] = []
         for index in range(n):
-            family = chosen[index % len(chosen)]
-            instance, inst_seed = _draw(family, difficulty, seed, split, index, seen)
+            family = by_split[split][index % len(by_split[split])]
+            instance, inst_seed = _draw(family, difficulty, seed, split, index, taken)
             task_dir = out_dir / split / f"{split}-{index:04d}-{family.name}"
             written[split].append(write_instance(instance, task_dir, split=split, seed=inst_seed))
     return {split: written[split] for split in SPLITS}
@@ -186,11 +213,14 @@ def _prepare(out_dir: Path, overwrite: bool) -> None:
 def _draw(
     family: Family, difficulty: str, seed: int, split: str, index: int, seen: set[tuple[object, ...]]
 ) -> tuple[Instance, int]:
-    """Draw an instance whose key is not in ``seen`` (and add it)."""
+    """Draw an instance whose key is not in ``seen`` (and add it) and whose instruction names only words of
+    the split's list (with the split's paraphrased instruction where the family has one)."""
+    allowed = set(SPLIT_WORDS[split])
     for retry in range(_MAX_TRIES_PER_TASK):
         inst_seed = instance_seed(seed, split, index, retry)
         instance = family.generate(random.Random(inst_seed), difficulty)
-        if instance.key not in seen:
+        instance.instruction = family.split_templates.get(split, instance.instruction)
+        if instance.key not in seen and instruction_words(instance.instruction) <= allowed:
             seen.add(instance.key)
             return instance, inst_seed
     raise ValueError(f"{family.name}: could not draw a new distinct instance for {split} task {index}")

@@ -25,6 +25,12 @@ class LogErrors(Family):
     category = "log-analysis"
     instruction_template = ("Count the ERROR lines of each service in app.log and write one line per "
                             "service, the service name and the count, most errors first, to errors.txt.")
+    split_templates = {
+        "heldout": ("For every service with ERROR entries in app.log, write its name and how many ERROR lines "
+                    "it has to errors.txt, one service per line, the largest count on top."),
+        "validation": ("errors.txt should list each service of app.log that logged ERROR lines, with the "
+                       "number of them, sorted from most to fewest, one per line."),
+    }
     demo_templates = (
         "awk '$3 == \"ERROR\" {{sub(\":\", \"\", $4); n[$4]++}} END {{for (s in n) print s, n[s]}}' app.log "
         "| sort -k2,2nr > errors.txt",

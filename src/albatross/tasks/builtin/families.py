@@ -23,6 +23,15 @@ WORDS: tuple[str, ...] = (
 DIFFICULTIES: tuple[str, ...] = ("easy", "medium", "hard")
 APP = "/app"
 
+# The words an instruction may name, by split: held-out and validation instructions never name a word a
+# training instruction names, so no held-out instruction (or oracle command built from it) is ever seen in
+# training. Every word still appears in every split as a distractor file name or as file content.
+SPLIT_WORDS: dict[str, tuple[str, ...]] = {
+    "heldout": ("kiwi", "plum", "olive", "bread", "tea"),
+    "validation": ("lime", "corn", "salt"),
+}
+SPLIT_WORDS["train"] = tuple(w for w in WORDS if not any(w in ws for ws in SPLIT_WORDS.values()))
+
 
 @dataclass
 class Instance:
@@ -48,6 +57,9 @@ class Family:
     instruction_template: str = ""
     demo_templates: tuple[str, ...] = ()
     vocabulary: tuple[str, ...] = ()  # words beyond WORDS that its tasks use (for the tokenizer corpus)
+    # instructions of the validation and held-out splits, for a family whose instruction names no word
+    # (so that no split repeats another's instruction); its tasks and oracle stay those of the family
+    split_templates: dict[str, str] = {}
 
     def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
         raise NotImplementedError

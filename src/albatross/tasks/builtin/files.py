@@ -68,6 +68,12 @@ class FsSurgery(Family):
     category = "file-operations"
     instruction_template = ("Move every .log file under data/ into archive/ (keep the file names), "
                             "delete every .tmp file under data/, and leave all other files where they are.")
+    split_templates = {
+        "heldout": ("Under data/ there are .log, .tmp and other files. Put the .log files in archive/ under "
+                    "their own names, remove the .tmp files, and do not touch anything else."),
+        "validation": ("Clean up data/: each .log file goes to archive/ with the same name, each .tmp file is "
+                       "removed, every other file stays as it is."),
+    }
     demo_templates = (
         "mkdir -p archive",
         "find data -name '*.log' -exec mv {{}} archive/ ';'",

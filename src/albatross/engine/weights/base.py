@@ -1,0 +1,38 @@
+"""The weight transport seam: a ``WeightSender`` on the trainer side, ``engine.update_weights`` on the other.
+
+Every trainer rank calls ``send(model, version)`` after each optimizer step (gathering sharded weights is a
+collective); rank 0 writes or broadcasts. It returns the *locator* the orchestrator hands to
+``engine.update_weights(locator, version)``: a checkpoint directory (``filesystem``), or ``""`` when the weights
+are already in the servers (``nccl``) and only the engine's version label moves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from albatross.config import RunConfig
+
+
+class WeightSender(Protocol):
+    name: str
+
+    def send(self, model: Any, version: int) -> str:
+        """Publish ``model``'s weights as ``version``; return the locator for ``engine.update_weights``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def make_weight_sender(cfg: RunConfig, run_dir: str | Path, rank: int = 0) -> WeightSender:
+    """The sender of ``cfg.engine.weight_sync`` for trainer rank ``rank`` (``run_dir``: the run directory that
+    holds ``weights/`` and the engines' ``engines.json``)."""
+    if cfg.engine.weight_sync == "nccl":
+        from albatross.engine.launch import check_engine_config
+        from albatross.engine.weights.nccl import NCCLSender
+
+        check_engine_config(cfg.engine)
+        return NCCLSender(cfg.engine.type, Path(run_dir), rank)
+    from albatross.engine.weights.filesystem import FilesystemSender
+
+    return FilesystemSender(Path(run_dir) / "weights", keep=0, rank=rank)

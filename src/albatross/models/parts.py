@@ -1,0 +1,97 @@
+"""Freezing by part name: ``trainer.freeze`` entries that name a part of a model family, or glob patterns.
+
+Parts (what the seeds freeze): ``first_layers:N`` (decoder layers 0..N-1), ``ngram`` (the n-gram / PLE
+embedding tables), ``indexer`` (sparse-attention indexers: QSA, DSA), ``mtp`` (multi-token-prediction
+layers), ``vision`` (the vision tower), ``router`` (the MoE routers' gates). Any other entry is a glob
+over ``model.named_parameters()`` names (``model.layers.0.*``). A part the model does not have, or a
+pattern that matches nothing, is an error, so a typo never silently trains everything.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from torch import nn
+
+FIRST_LAYERS = "first_layers:"
+
+
+def _by_class(*fragments: str) -> Callable[[str, nn.Module], bool]:
+    return lambda name, module: any(f in type(module).__name__ for f in fragments)
+
+
+def _is_mtp(name: str, module: nn.Module) -> bool:
+    return "mtp" in name.split(".") or "Mtp" in type(module).__name__ or "MTP" in type(module).__name__
+
+
+def _is_vision(name: str, module: nn.Module) -> bool:
+    return name.split(".")[-1] in ("visual", "vision_tower", "vision_model") or type(module).__name__.endswith(
+        "VisionModel")
+
+
+PARTS: dict[str, Callable[[str, nn.Module], bool]] = {
+    "ngram": _by_class("NGramEmbedding"),
+    "indexer": _by_class("Indexer"),
+    "mtp": _is_mtp,
+    "vision": _is_vision,
+    "router": lambda name, module: "router" in type(module).__name__.lower(),
+}
+PART_NAMES = (*PARTS, f"{FIRST_LAYERS}N")
+
+
+def _params_of(model: nn.Module, wanted: Callable[[str, nn.Module], bool]) -> list[str]:
+    """Names of every parameter inside a module for which ``wanted(name, module)`` holds."""
+    out: list[str] = []
+    for prefix, module in model.named_modules():
+        if prefix and wanted(prefix, module):
+            out += [f"{prefix}.{n}" for n, _ in module.named_parameters()]
+    return out
+
+
+def _first_layers(model: nn.Module, spec: str) -> list[str]:
+    count = spec.removeprefix(FIRST_LAYERS)
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"freeze part {spec!r}: expected {FIRST_LAYERS}N with N >= 1")
+    layers = list(getattr(model.get_decoder(), "layers", []))
+    if int(count) > len(layers):
+        raise ValueError(f"freeze part {spec!r}: the model has only {len(layers)} decoder layers")
+    chosen = {id(layer) for layer in layers[: int(count)]}
+    return _params_of(model, lambda name, module: id(module) in chosen)
+
+
+def _one(model: nn.Module, spec: str, names: list[str]) -> list[str]:
+    """Parameter names of one freeze entry (a part name or a glob); an error when it matches nothing."""
+    if spec.startswith(FIRST_LAYERS):
+        hits = _first_layers(model, spec)
+    elif spec in PARTS:
+        hits = _params_of(model, PARTS[spec])
+        if not hits:
+            raise ValueError(f"freeze part {spec!r}: this {type(model).__name__} has no {spec} parameters")
+    else:
+        hits = fnmatch.filter(names, spec)
+        if not hits:
+            raise ValueError(f"freeze pattern {spec!r} matches no parameter and is not a part "
+                             f"({', '.join(PART_NAMES)}); e.g. {names[:3]}")
+    return hits
+
+
+def resolve_freeze(model: nn.Module, specs: Sequence[str] | Iterable[str]) -> list[str]:
+    """Parameter names (in ``named_parameters`` order, no repeats) that the freeze entries ``specs`` select."""
+    names = [name for name, _ in model.named_parameters()]
+    selected: set[str] = set()
+    for spec in specs:
+        selected.update(_one(model, spec, names))
+    return [n for n in names if n in selected]
+
+
+def part_sizes(model: Any) -> dict[str, int]:
+    """Parameters in each named part this model has (for reports and docs)."""
+    sizes = {}
+    params = dict(model.named_parameters())
+    for part, wanted in PARTS.items():
+        count = sum(params[n].numel() for n in _params_of(model, wanted) if n in params)
+        if count:
+            sizes[part] = count
+    return sizes

@@ -1,0 +1,72 @@
+"""The demo recipe: built-in tasks, a tiny Qwen2-architecture model with a word-level tokenizer, built as an
+ordinary transformers model directory, warm-started by SFT on oracle demonstrations. ``albatross demo`` is
+``albatross train`` with this recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from albatross.config import ModelConfig, RunConfig, load_config
+
+QUICK_OVERRIDES = [
+    "tasks.n_train=240", "tasks.n_heldout=8", "warmstart.steps=300", "warmstart.check_every=25",
+    "orchestrator.max_steps=8", "orchestrator.max_minutes=1.0", "orchestrator.groups_per_step=2",
+    "eval.trials=3",
+]
+
+
+def demo_config(config_path: str | None, quick: bool, out: str | None, overrides: list[str]) -> RunConfig:
+    """configs/demo.toml (when run from a checkout, else the defaults), the quick overrides, then the user's."""
+    path = config_path
+    if path is None:
+        repo_cfg = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
+        path = str(repo_cfg) if repo_cfg.is_file() else None
+    extra = (QUICK_OVERRIDES if quick else []) + list(overrides)
+    if out:
+        extra.append(f"out={json.dumps(out)}")
+    return load_config(path, extra)
+
+
+def demo_tokenizer(families: list[str] | None = None):
+    """The tiny model's tokenizer, a transformers tokenizer with its own chat template (``tiny_hf_tokenizer``):
+    whole words of the corpus of the built-in families it trains on (the demo's three by default, so that adding
+    families elsewhere never changes the demo model's vocabulary), bytes for everything else."""
+    from albatross.engine.tokenizer import tiny_hf_tokenizer
+    from albatross.harness.chat import TinyTokenizer
+    from albatross.tasks.builtin import DEMO_FAMILIES, corpus_strings
+
+    return tiny_hf_tokenizer(TinyTokenizer.from_corpus(corpus_strings(families or DEMO_FAMILIES)).words)
+
+
+def build_tiny(cfg: ModelConfig, tokenizer: Any, seed: int = 0):
+    """A Qwen2-architecture causal LM with random weights, sized by ``cfg`` (nothing downloaded)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if hasattr(tokenizer, "special"):  # the legacy TinyTokenizer
+        ids = {"vocab_size": tokenizer.vocab_size, "bos_token_id": tokenizer.special("<|user|>"),
+               "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    else:
+        ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.convert_tokens_to_ids("<|user|>"),
+               "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    config = Qwen2Config(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_positions, tie_word_embeddings=True, **ids,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def save_model(model: Any, tokenizer: Any, directory: str | Path) -> Path:
+    """``save_pretrained`` of the model and of its tokenizer (a transformers one, or the demo's)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    else:
+        tokenizer.save(directory)
+    return directory

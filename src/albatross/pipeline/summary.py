@@ -1,0 +1,56 @@
+"""What a run reports: ``summary.json`` (its keys are a contract that outside checks read) and the printed table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SUMMARY_KEYS = (
+    "base_pass_at_1", "trained_pass_at_1", "heldout_tasks", "train_steps", "wall_seconds",
+    "tokens_per_solve_base", "tokens_per_solve_trained", "zero_signal_group_fraction",
+    "dropped_stale_tokens", "max_staleness_seen", "infra_error_attempts", "model", "engine",
+    "weight_version_final",
+)
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def eval_fields(prefix: str, result: Any) -> dict[str, Any]:
+    """``<prefix>_pass_at_1`` and its standard error over tasks (None when nothing was evaluated)."""
+    if result is None:
+        return {f"{prefix}_pass_at_1": None, f"{prefix}_pass_at_1_se": None}
+    return {f"{prefix}_pass_at_1": _round(result.pass_at_1), f"{prefix}_pass_at_1_se": _round(result.pass_at_1_se)}
+
+
+def by_family(**results: Any) -> dict[str, dict[str, float | None]]:
+    """``heldout_pass_at_1_by_family``: {"base": {family: pass@1}, "trained": {...}}."""
+    from albatross.eval.run import pass_at_1_by_family
+
+    return {name: {k: _round(v) for k, v in pass_at_1_by_family(r).items()} if r is not None else {}
+            for name, r in results.items()}
+
+
+def difference(summary: dict[str, Any]) -> tuple[float, float] | None:
+    """Trained minus base pass@1 and its standard error (the two evaluations are independent samples)."""
+    b, t = summary.get("base_pass_at_1"), summary.get("trained_pass_at_1")
+    if b is None or t is None:
+        return None
+    se = ((summary.get("base_pass_at_1_se") or 0.0) ** 2 + (summary.get("trained_pass_at_1_se") or 0.0) ** 2) ** 0.5
+    return t - b, se
+
+
+def write_summary(out: Path, summary: dict[str, Any]) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def format_table(summary: dict[str, Any], title: str = "albatross train: results") -> str:
+    width = max(len(k) for k in summary)
+    lines = ["", title, "-" * (width + 14)]
+    lines += [f"{k:<{width}}  {json.dumps(v) if isinstance(v, dict) else v}" for k, v in summary.items()]
+    diff = difference(summary)
+    if diff is not None:
+        lines.append(f"{'trained - base':<{width}}  {diff[0]:+.3f} +/- {diff[1]:.3f} (s.e.)")
+    return "\n".join(lines)

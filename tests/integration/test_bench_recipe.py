@@ -1,0 +1,53 @@
+"""`albatross bench recipe --quick`: every claim of the recipe measured by real runs, at the smallest size."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from albatross.bench.loop import QUICK_OVERRIDES
+from albatross.bench.recipe import REQUIRED_KEYS
+from albatross.sandbox import local_available
+
+pytestmark = pytest.mark.skipif(not local_available(), reason="needs the local sandbox (namespaces)")
+
+
+def _share(x):
+    return x is None or (isinstance(x, float | int) and 0.0 <= x <= 1.0)
+
+
+def test_bench_recipe_quick_writes_every_key_in_range(tmp_path):
+    path = tmp_path / "bench_recipe.json"
+    tiny = [arg for kv in QUICK_OVERRIDES + ["eval.trials=2"] for arg in ("--set", kv)]  # bench loop's warm start
+    cmd = [sys.executable, "-m", "albatross.cli", "bench", "recipe", "--quick", "--minutes", "0.2",
+           "--loop-minutes", "0.1", "--probe-tasks", "8", *tiny, "--json", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert [k for k in REQUIRED_KEYS if k not in data] == []
+    assert data["quick"] is True and data["seeds"] == 1
+    for key in ("zero_signal_unfiltered", "zero_signal_filtered", "infra_group_loss_without_retries",
+                "infra_group_loss_with_retries", "tis_truncated_token_share", "rl_pass_at_1",
+                "sft_control_pass_at_1"):
+        assert _share(data[key]), (key, data[key])
+    assert data["zero_signal_unfiltered"] is not None and data["rl_pass_at_1"] is not None
+    assert data["infra_group_loss_with_retries"] <= 0.005  # 10% of forks fail; 3 retries recover them
+    assert data["infra_group_loss_without_retries"] >= data["infra_group_loss_with_retries"]
+    assert sum(data["infra"]["without"]["faults"].get(k, 0) for k in ("fork_failed", "sandbox_died")) > 0
+    assert len(data["rl_pass_at_1_by_seed"]) == 1 and len(data["sft_control_pass_at_1_by_seed"]) == 1
+    assert data["runs"]["sft_control"][0]["sft_steps"] > 0
+    gaps = data["logprob_gap_by_staleness"]
+    assert sorted(gaps, key=int) == [str(s) for s in range(7)]
+    assert gaps["0"] is not None and all(v is None or 0.0 <= v < 5.0 for v in gaps.values())
+    assert data["entropy_by_step"] and len(data["entropy_by_step"]) == len(data["mismatch_kl_by_step"])
+    assert all(math.isfinite(x) and x >= 0 for x in data["entropy_by_step"] + data["mismatch_kl_by_step"])
+    assert data["harness_cost_reduction"] is None or -1.0 < data["harness_cost_reduction"] < 1.0
+    assert data["harness"]["unfair"] == []  # equal display limits, one model, cached tokens priced as cached
+    assert data["tokens_per_solve_ratio"] is None or data["tokens_per_solve_ratio"] > 0
+    assert data["async_vs_sync_steps_per_hour"] is None or data["async_vs_sync_steps_per_hour"] > 0
+    assert (tmp_path / data["stability_plot"]).is_file()
+    assert len(data["table"]) == 9 and all(len(row) == 3 for row in data["table"])
+    assert "quick: a smoke test" in " ".join(data["notes"])
+    assert "albatross bench recipe --quick" in proc.stdout

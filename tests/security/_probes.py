@@ -1,0 +1,54 @@
+"""Shared pieces of the security probes: a task whose answer the "agent" never gives, and helpers that
+run probes inside an attempt (the oracle of a hostile agent: plain commands through the attempt)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from albatross.sandbox import local_available
+from albatross.sandbox.base import Attempt, ExecResult
+from albatross.tasks import load_task, write_task
+from albatross.tasks.format import Task
+
+needs_local = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroup v1 "
+                                 "memory/pids controllers, namespaces and overlayfs")
+
+ANSWER = "forty-two"
+DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\n"
+# Passes (reward 1) only when /app/answer.txt holds the answer; the hostile agent never writes it.
+TEST_SH = f"""#!/bin/bash
+cd /app || exit 1
+mkdir -p /logs/verifier
+if [ "$(cat /app/answer.txt 2>/dev/null)" = "{ANSWER}" ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+"""
+PYTHON = "/usr/bin/python3"
+
+
+def make_task(root: Path, name: str = "probe", test_sh: str = TEST_SH, test_files: dict[str, str] | None = None
+              ) -> Task:
+    toml = {"agent": {"timeout_sec": 30}, "verifier": {"timeout_sec": 30},
+            "environment": {"memory_mb": 512, "storage_mb": 256, "allow_internet": False}}
+    task_dir = write_task(root / name, instruction=f"Write {ANSWER} to /app/answer.txt.\n", task_toml=toml,
+                          env_files={"app/readme.txt": "hello\n"}, dockerfile=DOCKERFILE,
+                          solve_sh=f"#!/bin/bash\necho {ANSWER} > /app/answer.txt\n", test_sh=test_sh,
+                          test_files=test_files)
+    return load_task(task_dir)
+
+
+def py(attempt: Attempt, code: str, timeout_s: float = 20) -> ExecResult:
+    """Run Python code in the attempt (the system python of the base root)."""
+    return attempt.exec(f"{PYTHON} -c {shlex.quote(code)}", timeout_s=timeout_s)
+
+
+# ctypes prologue for syscall probes: ``sc(nr, *args)`` returns (result, errno)
+SYSCALL = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def sc(nr, *args):
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) if isinstance(a, int) else a for a in args])
+    return r, ctypes.get_errno()
+"""
