@@ -254,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_overrides", fn in (cmd_demo, cmd_train, cmd_config)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return fn(args, extra)
+        code = fn(args, extra)
+        sys.stdout.flush()  # a full disk behind stdout fails here, not in the interpreter's exit
+        return code
     except _user_errors() as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"albatross: error: {msg}", file=sys.stderr)

@@ -187,6 +187,10 @@ class RLConfig(_Section):
                               "(tests that pass untouched weigh 0). Empty: every test weighs 1.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the behaviour policy (k3 estimator); 0 = off.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus; 0 = off.")
+    routing_replay: bool = Field(False, description="MoE models: the built-in engine records each generated "
+                                 "token's experts per MoE layer, and the trainer routes those tokens through "
+                                 "the recorded experts (router math in fp32; gradients reach the router through "
+                                 "the replayed experts' scores). See docs/models.md.")
 
 
 class TrainerConfig(_Section):

@@ -54,12 +54,15 @@ class Sample:
     ``loss_mask[t]`` is 1 for tokens the model generated and 0 for prompt and observation tokens.
     ``logprobs[t]`` is the rollout (behaviour-policy) log-prob of a model token, 0.0 elsewhere.
     ``versions[t]`` is the policy version that generated a model token, -1 elsewhere.
+    ``routing[t]`` (routing replay, optional): the experts the engine chose per MoE layer at the position whose
+    logits sampled model token t (``[]`` elsewhere); None when not recorded (and then not serialised).
     """
 
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int]
+    routing: list[list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -68,14 +71,22 @@ class Sample:
                 f"Sample fields differ in length: ids={n} mask={len(self.loss_mask)} "
                 f"logprobs={len(self.logprobs)} versions={len(self.versions)}"
             )
+        if self.routing is not None and len(self.routing) != n:
+            raise ValueError(f"Sample.routing has {len(self.routing)} entries for {n} tokens")
 
     @property
     def num_model_tokens(self) -> int:
         return sum(self.loss_mask)
 
     def extend(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None,
-               versions: list[int] | None = None) -> None:
-        """Append tokens: model tokens carry log-probs and versions, others get 0.0 / -1."""
+               versions: list[int] | None = None, routing: list[list[list[int]]] | None = None) -> None:
+        """Append tokens: model tokens carry log-probs and versions (and their routing when recorded), others
+        get 0.0 / -1 (and ``[]``)."""
+        if routing is not None and self.routing is None:
+            self.routing = [[] for _ in self.token_ids]
+        if self.routing is not None:
+            known = model and routing is not None and len(routing) == len(ids)
+            self.routing.extend(routing if known else [[] for _ in ids])  # type: ignore[arg-type]
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if model else 0] * len(ids))
         if model:
@@ -124,7 +135,11 @@ class Trajectory:
         return self.reward.success
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for s in d["samples"]:
+            if s.get("routing") is None:  # routing is serialised only when recorded
+                s.pop("routing", None)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from albatross.engine import BuiltinEngine, Completion, SamplingParams
-from albatross.engine.base import EngineError
+from albatross.engine.base import EngineError, SingleEngine
 from albatross.engine.pool import EnginePool, LocalReplica
 
 transformers = pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 
-class Recorder:
+class Recorder(SingleEngine):
     """A deterministic engine that records which prompts it served."""
 
     def __init__(self, name: str) -> None:

@@ -33,6 +33,7 @@ path = "{model}"
 train = ["{tasks / 'train'}"]
 heldout = ["{tasks / 'heldout'}"]
 [harness]
+action_format = "bash_block"
 max_turns = 3
 max_tokens_per_turn = 40
 max_context_tokens = 1024
@@ -99,7 +100,8 @@ def test_an_unusable_model_directory_is_one_line_naming_it(tmp_path, tasks, prob
 @pytest.mark.parametrize("arch,marker,cls,gpus", [("llama", "<|start_header_id|>", "LlamaForCausalLM", 1),
                                                   ("qwen3", "<|im_start|>", "Qwen3ForCausalLM", 2)])
 def test_train_runs_a_users_model_in_its_own_template(tmp_path, tasks, arch, marker, cls, gpus):
-    """The Qwen3 run also shards its trainer with FSDP2 over 2 gloo ranks (`trainer.gpus = 2`)."""
+    """The Qwen3 run also shards its trainer with FSDP2 over 2 gloo ranks (`trainer.gpus = 2`). Both write fenced
+    bash actions, which keep the prompts short (tool calls in the template are covered in test_chat_templates)."""
     d = model_dir(tmp_path, arch)
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "run.toml", d, tasks, out, f"[trainer]\ngpus = {gpus}\nlr = 1e-4")

@@ -38,7 +38,7 @@ def score_after(backend: LocalBackend, task, *agent_commands: str) -> float:
 
 def test_background_job_rewriting_reward_txt_after_test_sh(backend, task) -> None:
     loop = f"while :; do [ -d /logs/verifier ] && echo 1 > {REWARD_TXT}; done 2>/dev/null"
-    forge = f"for i in 1 2; do nohup bash -c '{loop}' >/dev/null 2>&1 & done; sleep 0.3"
+    forge = f"for i in 1 2 3 4 5 6; do nohup bash -c '{loop}' >/dev/null 2>&1 & done; sleep 0.3"
     assert score_after(backend, task, forge) == 0.0
 
 
@@ -58,7 +58,7 @@ def test_setsid_daemon_is_dead_before_the_verifier_runs(backend, task) -> None:
 
 def test_daemon_killing_the_verifier(backend, task) -> None:
     """A daemon that kills test.sh would turn a failure into an infrastructure error (no reward)."""
-    killer = "nohup bash -c 'while :; do pkill -9 -f test.sh; sleep 0.005; done' >/dev/null 2>&1 &"
+    killer = "nohup bash -c 'while :; do pkill -9 -f tests/[t]est.sh; sleep 0.005; done' >/dev/null 2>&1 &"
     with backend.fork(task.env_dir, task.workdir) as attempt:
         attempt.exec(killer, timeout_s=10)
         result = verify_attempt(attempt, task, backend)
@@ -78,6 +78,7 @@ def test_exported_path_with_fake_tools_is_not_inherited(backend, task) -> None:
 
 
 def test_exported_shell_function_is_not_inherited(backend, task) -> None:
+    """(Contained before too: the persistent shell saves variables, not functions; kept as a guard.)"""
     plant = "cat() { echo forty-two; }; export -f cat"
     assert score_after(backend, task, plant) == 0.0
 

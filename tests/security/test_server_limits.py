@@ -209,6 +209,15 @@ def test_50_concurrent_connections_are_all_answered(serve) -> None:
     assert replies == [b"HTTP/1.1 200"] * 50
 
 
+def test_serve_on_a_port_in_use_is_one_line(serve, tiny_model_dir) -> None:
+    port = serve[0].rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "-m", "albatross.cli", "serve", str(tiny_model_dir), "--port", port],
+                       capture_output=True, text=True, timeout=180)
+    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("Loading")]
+    assert "Traceback" not in r.stderr and r.returncode == 2, r.stderr[-2000:]
+    assert lines[-1].startswith("albatross: error: serve: cannot listen") and len(lines) == 1, lines
+
+
 @pytest.fixture
 def gated(tiny_model_dir: Path):
     """An in-process server with max_concurrency=2 whose engine blocks before every forward pass until the
@@ -253,3 +262,27 @@ def test_above_the_concurrency_bound_requests_get_429_with_retry_after(gated) ->
         t.join(timeout=60)
     assert results == [200, 200]
     assert call(server.url, "/v1/completions", body)[0] == 200  # slots are given back
+
+
+def test_the_remote_client_retries_a_429_until_the_server_has_room(gated) -> None:
+    from albatross.engine.base import SamplingParams
+    from albatross.engine.remote import AlbatrossEngine
+
+    server, gate = gated
+    body = {"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True}
+    blockers = [threading.Thread(target=call, args=(server.url, "/v1/completions", body)) for _ in range(2)]
+    for t in blockers:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.in_flight < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client = AlbatrossEngine(server.url, connect_timeout=10)
+    try:
+        threading.Timer(0.3, gate.set).start()  # room appears while the client backs off
+        out = client.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))[0]
+    finally:
+        client.close()
+        for t in blockers:
+            t.join(timeout=60)
+    assert len(out.token_ids) == 2
+    assert server.http_requests[("/v1/completions", 429)] >= 1  # it was refused first, then served

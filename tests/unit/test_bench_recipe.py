@@ -15,6 +15,7 @@ from albatross.bench.recipe import (
     mean_se,
     missing_keys,
     notes,
+    outcome_zero_signal,
     ratio,
     rl_figures,
     table_rows,
@@ -42,6 +43,15 @@ def test_group_loss_share_counts_groups_lacking_an_attempt():
     assert group_loss_share([8] * 10, 8) == 0.0
     assert group_loss_share([], 8) == 0.0
     assert ratio(84.0, 100.0) == 0.84 and ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
+
+
+def test_outcome_zero_signal_counts_all_pass_or_all_fail_groups():
+    from albatross.tasks.probe import ProbeRow
+
+    rows = [ProbeRow("a", "a", 4, 0, 0.2, False), ProbeRow("b", "b", 4, 4, 1.0, True),
+            ProbeRow("c", "c", 4, 2, 0.6, False), ProbeRow("d", "d", 0, 0, 0.0, True)]
+    assert outcome_zero_signal(rows) == pytest.approx(2 / 3, abs=1e-4)  # d has no scored attempt: not counted
+    assert outcome_zero_signal([]) is None
 
 
 def test_gap_accumulator_means_by_staleness():
@@ -110,13 +120,15 @@ def _data():
                 sft_control_pass_at_1=0.6, seeds=1, quick=True, tokens_per_solve_equal_pass_at_1=False,
                 logprob_gap_by_staleness={"0": 0.01, "1": 0.02, **{str(s): None for s in range(2, 7)}},
                 entropy_by_step=[1.0, 1.2], mismatch_kl_by_step=[0.001, 0.002], harness_cost_reduction=0.25,
-                config={"heldout_tasks": 4, "eval_trials": 2})
+                config={"heldout_tasks": 4, "eval_trials": 2},
+                zero_signal={"outcome_unfiltered": 0.6, "outcome_filtered": 0.2})
     return data
 
 
 def test_table_rows_show_the_seed_beside_ours():
     rows = {claim: (seed, ours) for claim, seed, ours in table_rows(_data())}
-    assert rows["zero-signal groups, unfiltered -> filtered"] == ("48% -> 10.2%", "50.0% -> 12.5%")
+    assert rows["zero-signal groups, unfiltered -> filtered"] == (
+        "48% -> 10.2%", "50.0% -> 12.5% (outcomes only: 60.0% -> 20.0%)")
     assert rows["harness cost, features on vs off"] == ("about -33%", "-25.0%")
     assert rows["log-prob gap at staleness 1 / 4-6"][1] == "0.0200 / n/a, n/a, n/a"
     assert rows["entropy / mismatch KL over the run (max)"][1] == "1.200 / 0.0020"
@@ -168,3 +180,16 @@ def test_the_html_report_renders_a_bench_recipe_json(tmp_path):
     (tmp_path / "bench_recipe.json").write_text(json.dumps({"quick": True}))
     with pytest.raises(ReportError, match="bench_recipe.json: no 'table' field"):
         write_report([tmp_path], tmp_path / "report.html")
+
+
+def test_harness_notes_say_when_the_cost_difference_is_noise():
+    from albatross.bench.recipe import _harness_notes
+
+    def configs(on_cost, se):
+        return {"configs": {"on": {"cost_per_attempt": on_cost, "cost_per_attempt_se": se,
+                                   "compressions_per_attempt": 0.0},
+                            "off": {"cost_per_attempt": 560.0, "cost_per_attempt_se": se}}}
+
+    noisy = "\n".join(_harness_notes(configs(550.0, 30.0)))
+    assert "within noise" in noisy and "compression never triggers" in noisy
+    assert "within noise" not in "\n".join(_harness_notes(configs(300.0, 30.0)))

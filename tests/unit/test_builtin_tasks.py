@@ -23,12 +23,12 @@ from albatross.tasks.builtin import (
     DEMO_FAMILIES,
     DIFFICULTIES,
     FAMILIES,
-    SPLIT_WORDS,
     WORDS,
     corpus_strings,
     generate_tasks,
     instruction_words,
     list_families,
+    split_words_of,
 )
 
 _SANDBOX_PATH = re.compile(r"(?<![\w.$/-])/(app|logs|tests|solution)\b")
@@ -488,10 +488,21 @@ def _oracle_lines(task: Task) -> set[str]:
     return {line for line in (task.solution_dir / "solve.sh").read_text().splitlines()[3:] if line.strip()}
 
 
-def test_split_word_lists_partition_the_vocabulary() -> None:
-    lists = [set(SPLIT_WORDS[s]) for s in ("train", "validation", "heldout")]
-    assert sum(map(len, lists)) == len(WORDS) and set().union(*lists) == set(WORDS)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_family_sets_aside_its_own_words(name: str) -> None:
+    lists = [set(split_words_of(name, s)) for s in ("train", "validation", "heldout")]
+    assert [len(x) for x in lists] == [len(WORDS) - 8, 3, 5] and set().union(*lists) == set(WORDS)
     assert instruction_words("Fix test_kiwi.py and kiwi.txt; leave teapot.txt") == {"kiwi"}
+
+
+def test_a_word_held_out_by_one_demo_family_is_a_training_word_of_the_others() -> None:
+    held = {name: set(split_words_of(name, "heldout")) | set(split_words_of(name, "validation"))
+            for name in DEMO_FAMILIES}
+    assert set().union(*held.values()) == set(WORDS)  # the three blocks cover the vocabulary once
+    for name, words in held.items():
+        for other in DEMO_FAMILIES:
+            if other != name:
+                assert words <= set(split_words_of(other, "train"))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7, 23])
@@ -512,8 +523,9 @@ def test_heldout_and_validation_instructions_never_appear_in_training(tmp_path: 
 def test_an_instruction_names_only_its_splits_words(tmp_path: Path) -> None:
     tasks = _by_split(generate_tasks(tmp_path, n_train=60, n_heldout=12, n_validation=9, seed=3))
     for split, split_tasks in tasks.items():
-        named = set().union(*(instruction_words(t.instruction) for t in split_tasks))
-        assert named and named <= set(SPLIT_WORDS[split]), split
+        for task in split_tasks:
+            named = instruction_words(task.instruction)
+            assert named and named <= set(split_words_of(task.metadata["family"], split)), (split, task.id)
 
 
 def test_demo_oracles_differ_between_splits(tmp_path: Path) -> None:
@@ -530,8 +542,8 @@ def test_validation_is_a_third_split_that_does_not_move_the_heldout_set(tmp_path
     assert plain["validation"] == [] and len(more["validation"]) == 6
     assert [_files(d) for d in plain["heldout"]] == [_files(d) for d in more["heldout"]]
     assert {load_task(d).metadata["split"] for d in more["validation"]} == {"validation"}
-    keys = {s: {_files(d)["tests/test.sh"] for d in dirs} for s, dirs in more.items()}
-    assert keys["validation"].isdisjoint(keys["train"]) and keys["validation"].isdisjoint(keys["heldout"])
+    said = {s: {load_task(d).instruction for d in dirs} for s, dirs in more.items()}
+    assert said["validation"].isdisjoint(said["train"]) and said["validation"].isdisjoint(said["heldout"])
 
 
 def test_a_heldout_family_appears_only_in_heldout(tmp_path: Path) -> None:

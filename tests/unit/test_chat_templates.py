@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from albatross.config import HarnessConfig
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, SamplingParams, SingleEngine
 from albatross.engine.tokenizer import LEGACY_TINY, TINY_CHAT_TEMPLATE, load_tokenizer, tiny_hf_tokenizer
 from albatross.harness.agent import Agent, AttemptSpec
 from albatross.harness.chat import TinyChatFormat, TinyTokenizer, make_chat_format, resolve_action_format
@@ -213,7 +213,7 @@ def test_strip_reasoning():
 # ---- the agent: one sample per turn for history-rewriting templates, exact ids always ---------------------
 
 
-class Scripted:
+class Scripted(SingleEngine):
     """A fake engine: the i-th call answers ``ids[i]`` (exact token ids), and records each prompt."""
 
     def __init__(self, ids: list[list[int]]) -> None:

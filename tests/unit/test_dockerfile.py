@@ -101,6 +101,11 @@ def test_add_is_copy(tmp_path: Path) -> None:
     [
         ("FROM x\nRUN true\nVOLUME /data\n", "Dockerfile:3: unsupported instruction VOLUME"),
         ("FROM x\nHEALTHCHECK CMD true\n", "Dockerfile:2: unsupported instruction HEALTHCHECK"),
+        ("FROM x\nONBUILD RUN make\n", "Dockerfile:2: unsupported instruction ONBUILD"),
+        ("FROM x\nARG\n", "Dockerfile:2: ARG needs a name"),
+        ("WORKDIR /app\nFROM x\n", "Dockerfile:1: WORKDIR before FROM"),
+        ("# only a comment\nARG V=1\n", "Dockerfile:1: no FROM instruction"),
+        ("", "Dockerfile:1: no FROM instruction"),
         ('FROM x\nSHELL ["/bin/sh"]\n', "Dockerfile:2: unsupported instruction SHELL"),
         ("FROM x AS a\nFROM y\n", "Dockerfile:2: unsupported instruction FROM (multi-stage builds)"),
         ("FROM x\n\nCOPY --from=a /x /y\n", "Dockerfile:3: unsupported instruction COPY --from"),
@@ -122,3 +127,15 @@ def test_errors_name_file_and_line(tmp_path: Path, text: str, message: str) -> N
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(DockerfileError, match="cannot read"):
         parse_dockerfile(tmp_path / "Dockerfile")
+
+
+def test_binary_dockerfile_is_a_named_error(tmp_path: Path) -> None:
+    path = tmp_path / "Dockerfile"
+    path.write_bytes(b"FROM x\n\xff\xfe\x00")
+    with pytest.raises(DockerfileError, match=f"^{path}: cannot read"):
+        parse_dockerfile(path)
+
+
+def test_arg_before_from_is_allowed(tmp_path: Path) -> None:
+    path = write(tmp_path, "ARG BASE=debian\nFROM ${BASE}:12\n")
+    assert parse_dockerfile(path)[1] == From(2, "debian:12")

@@ -108,3 +108,31 @@ def test_unknown_family_with_linear_attention_is_refused():
                                   linear_num_value_heads=1, linear_key_head_dim=8, linear_value_head_dim=8)
     with pytest.raises(NotImplementedError, match="cannot pack exactly"):
         prepare_for_packing(AutoModelForCausalLM.from_config(config))
+
+
+def test_modules_swapped_before_prepare_share_the_decoders_layout():
+    """A part segmented by hand (say, to compare implementations) and the rest prepared later stay exact."""
+    from albatross.models.segments import segmented, track_layout
+
+    model = tiny_model("qwen4_exp")
+    segmented(model.model.layers[0].linear_attn, track_layout(model.get_decoder()))
+    prepare_for_packing(model)
+    assert packed_vs_single(model, documents(DOCS, TEXT_VOCAB)) <= TOL
+
+
+def test_bench_packing_on_a_model_directory_writes_its_figures(tmp_path, capsys):
+    import argparse
+    import json
+
+    from albatross.bench.packing import run
+    from albatross.errors import UserError
+
+    tiny_model("qwen3_next").save_pretrained(tmp_path / "m")
+    out = tmp_path / "packing.json"
+    run(argparse.Namespace(model=str(tmp_path / "m"), lengths="19,30,12", json=str(out)))
+    data = json.loads(out.read_text())
+    assert data["family"] == "qwen3_next" and data["doc_lengths"] == [19, 30, 12]
+    assert data["max_abs_logprob_diff"] <= TOL < data["as_shipped_max_abs_logprob_diff"]
+    assert "qwen3_next albatross" in capsys.readouterr().out
+    with pytest.raises(UserError, match="no config.json"):
+        run(argparse.Namespace(model=str(tmp_path / "missing"), lengths="19", json=None))

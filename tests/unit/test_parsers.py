@@ -76,3 +76,15 @@ def test_sandbox_limit_is_named_to_the_agent():
     obs = format_observation(ExecResult("partial\n", 137, limit="oom"), 400)
     assert "out of memory" in obs and "137" in obs
     assert format_observation(ExecResult("ok\n", 0), 400) == "ok\n"
+
+
+@pytest.mark.parametrize("tool_calls", [False, True])
+@pytest.mark.parametrize("command", ["wc -l < a.txt > answer.txt", "echo '{\"k\": 1}' | jq .k", "submit"])
+def test_a_written_command_parses_back_in_either_format(command, tool_calls):
+    from albatross.harness.parsers import BashBlockParser, ToolCallParser, write_command
+    from albatross.harness.tools import TOOL_SCHEMAS
+
+    parser = ToolCallParser(TOOL_SCHEMAS) if tool_calls else BashBlockParser()
+    action = parser.parse(write_command(command, tool_calls))
+    assert action.tool == ("submit" if command == "submit" else "bash")
+    assert command == "submit" or action.command == command

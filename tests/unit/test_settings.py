@@ -1,5 +1,6 @@
 """One source of truth for settings: the run config reaches every part, and the parts agree with it."""
 
+import json
 import random
 
 import pytest
@@ -80,7 +81,7 @@ def test_evaluation_samples_at_eval_temperature(tmp_path):
     from albatross.pipeline.driver import Pipeline
     from albatross.sandbox.process import ProcessBackend
 
-    cfg = load_config(None, ["sampling.temperature=1.0", "eval.temperature=0.3", f"out={str(tmp_path)!r}"])
+    cfg = load_config(None, ["sampling.temperature=1.0", "eval.temperature=0.3", f"out={json.dumps(str(tmp_path))}"])
     pipeline = Pipeline(cfg)
     backend = ProcessBackend()
     try:

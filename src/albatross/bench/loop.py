@@ -262,8 +262,8 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
     import torch
 
     from albatross.engine.builtin import BuiltinEngine
-    from albatross.harness.agent import build_agent as make_agent
     from albatross.eval.run import evaluate
+    from albatross.harness.agent import build_agent as make_agent
     from albatross.trainer.model import load_model
 
     torch.manual_seed(cfg.seed)

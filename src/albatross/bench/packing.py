@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import random
+from pathlib import Path
 from typing import Any
 
 from albatross.bench.common import print_table, write_json
+from albatross.errors import UserError
 
 DOC_LENGTHS = (37, 64, 23, 50)  # tokens of each packed document; not multiples of any chunk size
 TARGET = 1e-5
@@ -125,6 +127,13 @@ def _rows(results: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:
     return rows
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) >= 2 for p in parts):
+        raise UserError(f"bench packing: --lengths {text!r}: expected comma-separated integers >= 2")
+    return tuple(int(p) for p in parts)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -132,11 +141,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # tiny models: thread overhead dominates
 
-    lengths = tuple(int(x) for x in str(getattr(args, "lengths", None) or "37,64,23,50").split(","))
+    lengths = _lengths(str(getattr(args, "lengths", None) or ",".join(map(str, DOC_LENGTHS))))
     model_dir = getattr(args, "model", None)
     if model_dir:
         from albatross.models.tiny import load_any
 
+        if not (Path(model_dir) / "config.json").is_file():
+            raise UserError(f"bench packing: --model {model_dir}: no config.json (not a model directory)")
         model = load_any(model_dir, dtype=torch.float32).eval()
         vocab = min(model.config.get_text_config().vocab_size, TEXT_VOCAB)
         r = measure(model, documents(lengths, vocab))

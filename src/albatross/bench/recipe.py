@@ -20,7 +20,7 @@ settings, sharing its cached warm start), one sandbox backend, the demo's train 
   ``entropy_by_step`` and ``mismatch_kl_by_step`` (and a plot), and ``logprob_gap_by_staleness``: the run keeps
   its weight versions v0..v6; tokens sampled by version v are scored by the trainer's forward at version v+s;
   mean |trainer log-prob - sampler log-prob| per s;
-- ``harness_cost_reduction``: the trained model of the first run evaluates the held-out tasks with the
+- ``harness_cost_reduction``: the trained model of the first run evaluates the held-out tasks (greedy) with the
   harness's output redirection and context compression on, and with both off, at the same display limit
   (``harness.max_observation_chars``), cost priced as ``bench harness`` prices it (cached input tokens cheap);
 - ``async_vs_sync_steps_per_hour``: ``bench loop`` (its own runs).
@@ -103,6 +103,12 @@ def group_loss_share(attempts_per_group: list[int], group_size: int) -> float:
     return sum(n < group_size for n in attempts_per_group) / len(attempts_per_group)
 
 
+def outcome_zero_signal(rows: list[Any]) -> float | None:
+    """Share of probe groups whose attempts all succeeded or all failed (outcomes only, partial credit aside)."""
+    rows = [r for r in rows if r.attempts]
+    return round(sum(r.successes in (0, r.attempts) for r in rows) / len(rows), 4) if rows else None
+
+
 def ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 4) if num is not None and den else None
 
@@ -153,19 +159,24 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _times(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else f"{format(x, fmt)}x"
+
+
 def table_rows(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(claim, the seed's figure, ours) rows of the table: printed, in the JSON (``table``, which the HTML
     report renders) and in docs/recipe.md."""
-    gap = data.get("logprob_gap_by_staleness") or {}
+    gap, zero = data.get("logprob_gap_by_staleness") or {}, data.get("zero_signal") or {}
     rl, sft = data.get("rl_pass_at_1"), data.get("sft_control_pass_at_1")
     rows = [
         ("zero-signal groups, unfiltered -> filtered", SEED_FIGURES["zero_signal"],
-         f"{_pct(data.get('zero_signal_unfiltered'))} -> {_pct(data.get('zero_signal_filtered'))}"),
+         f"{_pct(data.get('zero_signal_unfiltered'))} -> {_pct(data.get('zero_signal_filtered'))} (outcomes "
+         f"only: {_pct(zero.get('outcome_unfiltered'))} -> {_pct(zero.get('outcome_filtered'))})"),
         ("tokens per solve, efficiency reward on / off", SEED_FIGURES["tokens_per_solve_ratio"],
-         f"{_num(data.get('tokens_per_solve_ratio'))}x (equal Pass@1 within 1 s.e.: "
+         f"{_times(data.get('tokens_per_solve_ratio'), '.3f')} (equal Pass@1 within 1 s.e.: "
          f"{data.get('tokens_per_solve_equal_pass_at_1')})"),
         ("harness cost, features on vs off", SEED_FIGURES["harness_cost_reduction"],
-         _pct(None if data.get("harness_cost_reduction") is None else -data["harness_cost_reduction"])),
+         "n/a" if data.get("harness_cost_reduction") is None else f"{-data['harness_cost_reduction']:+.1%}"),
         ("log-prob gap at staleness 1 / 4-6", SEED_FIGURES["logprob_gap_by_staleness"],
          f"{_num(gap.get('1'), '.4f')} / " + ", ".join(_num(gap.get(str(s)), ".4f") for s in (4, 5, 6))),
         ("groups lost to infra faults, no retries -> retries", SEED_FIGURES["infra_group_loss"],
@@ -174,10 +185,11 @@ def table_rows(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("tokens truncated by the IS cap", SEED_FIGURES["tis_truncated_token_share"],
          _pct(data.get("tis_truncated_token_share"))),
         ("async vs sync steps per hour", SEED_FIGURES["async_vs_sync_steps_per_hour"],
-         f"{_num(data.get('async_vs_sync_steps_per_hour'), '.2f')}x"),
+         _times(data.get("async_vs_sync_steps_per_hour"), ".2f")),
         ("held-out Pass@1, RL vs equal-time SFT", SEED_FIGURES["rl_vs_sft"],
          f"{_num(rl)} +/- {_num(data.get('rl_pass_at_1_se'))} vs {_num(sft)} +/- "
-         f"{_num(data.get('sft_control_pass_at_1_se'))} ({data.get('seeds')} seed(s))"),
+         f"{_num(data.get('sft_control_pass_at_1_se'))} ({data.get('seeds')} seed(s); warm start "
+         f"{_num((data.get('base') or {}).get('pass_at_1'))})"),
         ("entropy / mismatch KL over the run (max)", SEED_FIGURES["stability"],
          f"{_num(max(data.get('entropy_by_step') or [math.nan]))} / "
          f"{_num(max(data.get('mismatch_kl_by_step') or [math.nan]), '.4f')}"),
@@ -206,9 +218,13 @@ class Workload:
     root: Path
     demos: list = field(default_factory=list)
 
-    def eval_cfg(self, harness: dict[str, Any] | None = None) -> Any:
+    def eval_cfg(self, harness: dict[str, Any] | None = None, temperature: float | None = None) -> Any:
+        """The evaluation config (``eval.temperature``), with harness knobs or another temperature."""
         cfg = self.pipe._eval_config()
-        return cfg.model_copy(update={"harness": cfg.harness.model_copy(update=harness)}) if harness else cfg
+        update: dict[str, Any] = {"harness": cfg.harness.model_copy(update=harness or {})}
+        if temperature is not None:
+            update["sampling"] = cfg.sampling.model_copy(update={"temperature": temperature})
+        return cfg.model_copy(update=update)
 
     def engine(self, model_dir: Path) -> Any:
         from albatross.engine.builtin import BuiltinEngine
@@ -216,11 +232,11 @@ class Workload:
 
         return BuiltinEngine(load_model(model_dir), max_batch_size=self.cfg.engine.max_batch_size)
 
-    def evaluate(self, engine: Any, harness: dict[str, Any] | None = None) -> Any:
+    def evaluate(self, engine: Any, harness: dict[str, Any] | None = None, temperature: float | None = None) -> Any:
         from albatross.eval.run import evaluate
         from albatross.harness.agent import build_agent
 
-        agent = build_agent(self.eval_cfg(harness), engine, self.backend, self.tokenizer)
+        agent = build_agent(self.eval_cfg(harness, temperature), engine, self.backend, self.tokenizer)
         return evaluate(agent, self.heldout, self.cfg.eval.trials)
 
 
@@ -301,6 +317,9 @@ def measure_zero_signal(w: Workload, engine: Any, n_tasks: int) -> dict[str, Any
            "zero_signal_filtered": round(observed_zero_signal(fresh), 4) if fresh else None,
            "zero_signal": {"group_size": g, "tasks_probed": len(rows), "tasks_kept": len(kept),
                            "band": [result.low, result.high],
+                           "rule": "all scores of the group equal (the training scorer's, partial credit included)",
+                           "outcome_unfiltered": outcome_zero_signal(rows),
+                           "outcome_filtered": outcome_zero_signal(fresh),
                            "expected_unfiltered": round(result.expected_before, 4),
                            "expected_filtered": round(result.expected_after, 4)}}
     _log(f"[recipe] zero-signal groups {out['zero_signal_unfiltered']:.1%} unfiltered, "
@@ -541,7 +560,8 @@ def run_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
     """The trained model on the held-out tasks with redirection + compression off and on, equal display limit;
-    cost per attempt with cached input tokens priced as cached (``bench harness``'s prices)."""
+    cost per attempt with cached input tokens priced as cached (``bench harness``'s prices). Decoding is greedy,
+    so where the harness shows the model the same observations both configurations run the same attempts."""
     from albatross.bench.harness import attempt_cost, prices
 
     price = prices(argparse.Namespace(price_cached=0.1, price_output=5.0))
@@ -549,7 +569,7 @@ def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
     results, settings = {}, {}
     try:
         for name, knobs in HARNESS_CONFIGS.items():
-            result = w.evaluate(engine, knobs)
+            result = w.evaluate(engine, knobs, temperature=0.0)  # greedy: only the harness differs
             costs = [attempt_cost(t, price)[1] for t in result.trajectories]
             cost, cost_se = mean_se(costs)
             results[name] = {**_eval_fields(result), "cost_per_attempt": round(cost, 2),
@@ -557,7 +577,7 @@ def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
                              "compressions_per_attempt": statistics.fmean(len(t.compressions)
                                                                           for t in result.trajectories), **knobs}
             settings[name] = {"max_observation_chars": w.cfg.harness.max_observation_chars, "prices": price,
-                              "policy": f"trained demo model {model_dir.name}", "tasks": len(w.heldout),
+                              "policy": f"trained demo model {model_dir.name}, greedy", "tasks": len(w.heldout),
                               "trials": w.cfg.eval.trials}
     finally:
         engine.close()
@@ -640,6 +660,8 @@ def measure(args: argparse.Namespace, root: Path, minutes: float, seeds: int) ->
         try:
             data.update(measure_zero_signal(w, engine, args.probe_tasks))
             data.update(measure_infra(w, engine, args.probe_tasks, args.fault_rate))
+            data["base"] = _eval_fields(w.evaluate(engine))  # the warm start every run begins from
+            _log(f"[recipe] base held-out pass@1 {data['base']['pass_at_1']:.3f}")
         finally:
             engine.close()
         runs = seed_runs(w, seeds, minutes)
@@ -694,7 +716,10 @@ def notes(data: dict[str, Any]) -> list[str]:
         out.append(f"RL is NOT ahead of the equal-wall-time SFT control ({rl:.3f} vs {sft:.3f})")
     out.append("SFT control: the same wall time as its RL run, which includes the trainer process's start-up "
                "and the training of batches queued when the budget ran out")
-    if data.get("tokens_per_solve_equal_pass_at_1") is not True:
+    if data.get("tokens_per_solve_ratio") is None:
+        out.append("tokens_per_solve_ratio: n/a, the runs with or without the efficiency reward solved no held-out "
+                   "task")
+    elif data.get("tokens_per_solve_equal_pass_at_1") is not True:
         out.append("tokens_per_solve_ratio: Pass@1 with and without the efficiency reward is not equal within one "
                    "standard error (or has no standard error), so the ratio is not at equal accuracy")
     out += _harness_notes(data.get("harness", {}))
@@ -711,17 +736,16 @@ def notes(data: dict[str, Any]) -> list[str]:
 
 def _harness_notes(h: dict[str, Any]) -> list[str]:
     out = [f"harness comparison not fair: {p}" for p in h.get("unfair", [])]
-    on = h.get("configs", {}).get("on", {})
+    off, on = h.get("configs", {}).get("off", {}), h.get("configs", {}).get("on", {})
     if on and not on.get("compressions_per_attempt"):
         out.append("harness: the demo's short attempts never reach the context budget, so compression never "
                    "triggers; the cost difference comes from output redirection only")
-    out.append("harness: the demo model never starts background jobs, so their effect is not in this figure "
-               "(bench harness measures it with a scripted policy)")
-    off, on = h.get("configs", {}).get("off", {}), on
-    if off.get("cost_per_attempt_se") is not None and on.get("cost_per_attempt_se") is not None and equal_within_se(
-            on["cost_per_attempt"], on["cost_per_attempt_se"], off["cost_per_attempt"], off["cost_per_attempt_se"]):
+    out.append("harness: the demo's commands finish in well under a second, so background jobs have nothing to "
+               "overlap and are not in this figure (bench harness measures them with a scripted policy)")
+    costs = [c.get(k) for c in (on, off) for k in ("cost_per_attempt", "cost_per_attempt_se")]
+    if None not in costs and equal_within_se(*costs):
         out.append("harness: the cost with and without the features differs by less than one standard error "
-                   "(attempts are sampled: the difference is within noise)")
+                   "(within noise)")
     if h.get("equal_success_within_se") is False:
         out.append("harness: Pass@1 with and without the features differs by more than one standard error")
     return out

@@ -7,7 +7,7 @@ Siblings: ``builtin/`` (PyTorch, in-process) and ``remote.py`` (vLLM / SGLang / 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Completion:
     finish_reason: str  # "stop" (stop token or stop string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled again)
+    routing: list[list[list[int]]] | None = None  # per generated token, per MoE layer: the chosen experts (routing replay)
 
 
 class EngineError(RuntimeError):
@@ -37,7 +38,10 @@ class EngineError(RuntimeError):
 
 
 class Engine(Protocol):
+    """Every member a caller of an engine uses; ``SingleEngine`` gives the defaults of a one-replica engine."""
+
     version: int
+    restarts: int  # replica processes started again after dying
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Generate one completion per prompt (batched). Thread-safe."""
@@ -48,4 +52,61 @@ class Engine(Protocol):
         keep running. (An ``EnginePool`` also takes ``""``: the weights were pushed into its servers over NCCL.)"""
         ...
 
+    def session(self) -> Engine:
+        """An engine for one attempt, bound to the replica that holds its KV cache; ``close()`` releases it (and
+        never closes the engine itself)."""
+        ...
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds spent generating so far, summed over replicas (the rest of the wall time they were idle)."""
+        ...
+
+    @property
+    def num_replicas(self) -> int: ...
+
+    def pids(self) -> dict[str, int]:
+        """Processes this engine started (``run/pids.json``), by name."""
+        ...
+
     def close(self) -> None: ...
+
+
+class SingleEngine:
+    """Defaults for an engine that is one replica: its sessions are itself, nothing restarts, no processes."""
+
+    restarts = 0
+
+    def session(self) -> Engine:
+        return _Borrowed(self)
+
+    @property
+    def busy_seconds(self) -> float:
+        return 0.0
+
+    @property
+    def num_replicas(self) -> int:
+        return 1
+
+    def pids(self) -> dict[str, int]:
+        return {}
+
+
+class _Borrowed(SingleEngine):
+    """A one-replica engine lent to one attempt: everything but ``close`` goes to the engine."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, path: str, version: int) -> None:
+        self.engine.update_weights(path, version)
+
+    def close(self) -> None:
+        pass

@@ -35,13 +35,38 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _check_serve_args(args: argparse.Namespace) -> None:
+    """One-line errors for out-of-range `serve` options (before the model is loaded)."""
+    from albatross.errors import UserError
+
+    for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-concurrency",
+                             args.max_concurrency, 1), ("--threads", args.threads, 1),
+                             ("--speculative", args.speculative, 0), ("--version", args.version, 0)):
+        if value < low:
+            raise UserError(f"serve: {flag} must be at least {low}, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"serve: --port must be between 0 and 65535, got {args.port}")
+
+
+def _listen(engine: Any, tok: Any, name: str, args: argparse.Namespace) -> Any:
+    """The HTTP server on ``--host``/``--port``; a port in use or a bad host is a one-line error."""
+    from albatross.engine.server import EngineServer
+    from albatross.errors import UserError
+
+    try:
+        return EngineServer(engine, tok, name, args.host, args.port, args.max_concurrency)
+    except OSError as e:
+        engine.close()
+        raise UserError(f"serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
     from albatross.engine.builtin import BuiltinEngine
-    from albatross.engine.server import EngineServer
     from albatross.engine.tokenizer import load_text_tokenizer
 
+    _check_serve_args(args)
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}/config.json: not a model directory")
@@ -49,8 +74,7 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     tok = load_text_tokenizer(model_dir)
     engine = BuiltinEngine(str(model_dir), max_batch_size=args.max_batch_size, version=args.version,
                            speculative=args.speculative, decode=tok.decode)
-    server = EngineServer(engine, tok, args.served_model_name or model_dir.resolve().name, args.host, args.port,
-                          args.max_concurrency)
+    server = _listen(engine, tok, args.served_model_name or model_dir.resolve().name, args)
     signal.signal(signal.SIGTERM, _interrupt)
     print(f"albatross serve: {server.model_name} on {server.url}", flush=True)
     try:

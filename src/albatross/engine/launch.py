@@ -11,7 +11,7 @@ its own:
   died, stopped by process group on ``close``), or clients of the servers at ``engine.urls``.
 
 The servers' URLs are written to ``<run_dir>/engines.json`` (rewritten after a restart) for the weight
-transport (``engine/weights``), whose ``nccl`` sibling talks to the servers directly.
+transport (``trainer/weights``), whose ``nccl`` sibling talks to the servers directly.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Ca
                                        max_batch_size=ec.max_batch_size, log=log)
     device = str(engine_device(ec.device, cfg.trainer.gpus))
     log(f"[engine] built-in on {device}, {ec.replicas} replica(s)")
-    engines = [BuiltinEngine(str(model_dir), device=device, max_batch_size=ec.max_batch_size)
-               for _ in range(ec.replicas)]
+    engines = [BuiltinEngine(str(model_dir), device=device, max_batch_size=ec.max_batch_size,
+                             record_routing=cfg.rl.routing_replay) for _ in range(ec.replicas)]
     return engines[0] if ec.replicas == 1 else EnginePool([LocalReplica(e) for e in engines], log=log)
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from albatross.engine.base import Completion, Engine, EngineError, SamplingParams
+from albatross.engine.base import Completion, Engine, EngineError, SamplingParams, SingleEngine
 
 URL_PREFIX = "albatross serve: "
 
@@ -204,7 +204,7 @@ class ServerReplica:
                 self.proc.wait()
 
 
-class _Session:
+class _Session(SingleEngine):
     """One attempt's handle: every call goes to the replica chosen when the session opened."""
 
     def __init__(self, pool: EnginePool, index: int) -> None:
@@ -389,6 +389,10 @@ class EnginePool:
     def urls(self) -> list[str]:
         """Base URLs of the replicas that are servers (empty strings for in-process ones)."""
         return [r.url for r in self.replicas]
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
 
     def pids(self) -> dict[str, int]:
         return {f"engine{i}": r.pid for i, r in enumerate(self.replicas) if r.pid is not None}

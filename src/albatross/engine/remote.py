@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from albatross.engine.base import Completion, EngineError, SamplingParams
+from albatross.engine.base import Completion, EngineError, SamplingParams, SingleEngine
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 
@@ -106,7 +106,7 @@ def _version(value: Any, default: int) -> int:
         return default
 
 
-class RemoteEngine:
+class RemoteEngine(SingleEngine):
     """Common part of the vLLM and SGLang engines: connection check, parallel requests, version bookkeeping."""
 
     kind = "remote"
@@ -177,7 +177,8 @@ class RemoteEngine:
 def vllm_sampling(params: SamplingParams) -> dict[str, Any]:
     out: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
                            "top_k": params.top_k if params.top_k > 0 else -1, "max_tokens": params.max_tokens,
-                           "stop_token_ids": list(params.stop_token_ids), "logprobs": 0}
+                           "stop_token_ids": list(params.stop_token_ids), "logprobs": 0,
+                           "ignore_eos": True}  # like the built-in engine: stop at stop_token_ids only
     if params.seed is not None:
         out["seed"] = params.seed
     if params.stop:
@@ -334,7 +335,8 @@ def add_lm_head(path: str | Path) -> None:
 def sglang_sampling(params: SamplingParams) -> dict[str, Any]:
     out: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
                            "top_k": params.top_k if params.top_k > 0 else -1,
-                           "max_new_tokens": params.max_tokens, "stop_token_ids": list(params.stop_token_ids)}
+                           "max_new_tokens": params.max_tokens, "stop_token_ids": list(params.stop_token_ids),
+                           "ignore_eos": True}  # like the built-in engine: stop at stop_token_ids only
     if params.seed is not None:
         out["sampling_seed"] = params.seed
     if params.stop:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, SamplingParams, SingleEngine
 
 
-class ScriptedEngine:
+class ScriptedEngine(SingleEngine):
     """Answers the i-th call with the i-th scripted action (as token ids), then repeats the last one.
 
     ``encode`` turns an action text into ids (for example ``TinyChatFormat.action``). Log-probs are 0.0

@@ -470,5 +470,9 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
         path = write_report(args.dirs, args.out, prices=args.prices, title=args.title)
     except ReportError as e:
         raise EvalError(str(e)) from None
+    except UnicodeDecodeError as e:  # a binary attempts / summary file among the inputs
+        raise EvalError(f"{' '.join(args.dirs)}: a results file is not UTF-8 text ({e.reason})") from None
+    except IsADirectoryError as e:
+        raise EvalError(f"--out {args.out}: is a directory ({e.strerror})") from None
     print(f"written: {path}")
     return 0

@@ -90,9 +90,9 @@ class Agent:
         session = None
         try:
             # an engine pool keeps the attempt on one replica (the one holding its KV cache)
-            session = engine.session() if hasattr(engine, "session") else None
+            session = engine.session()
             attempt = self.backend.fork(spec.task.env_dir, spec.task.workdir, self.limits)
-            episode = Episode(self, spec.task, attempt, traj, session or engine, start)
+            episode = Episode(self, spec.task, attempt, traj, session, start)
             traj.status = episode.run()
             self._verify(spec.task, attempt, traj)
         except (SandboxError, VerifierError, EngineError, OSError) as e:
@@ -200,7 +200,7 @@ class Episode:
             return 0
         completion = self._complete(room)
         self.ctx.sample.extend(completion.token_ids, model=True, logprobs=completion.logprobs,
-                               versions=completion.versions)
+                               versions=completion.versions, routing=completion.routing)
         self.ctx.summary_text = self.fmt.decode(completion.token_ids)
         return len(completion.token_ids)
 
@@ -219,7 +219,7 @@ class Episode:
     def _generate(self) -> str:
         context = len(self.ctx)
         completion = self._complete(min(self.cfg.max_tokens_per_turn, self._generation_left()))
-        self.ctx.add_action(completion.token_ids, completion.logprobs, completion.versions)
+        self.ctx.add_action(completion.token_ids, completion.logprobs, completion.versions, completion.routing)
         text = self.fmt.decode(completion.token_ids)
         self.traj.turns.append(Turn(text, None, "", len(completion.token_ids), 0, context_tokens=context))
         return text

@@ -63,8 +63,9 @@ class Context:
     def __len__(self) -> int:
         return len(self.sample.token_ids)
 
-    def add_action(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        self.sample.extend(ids, model=True, logprobs=logprobs, versions=versions)
+    def add_action(self, ids: list[int], logprobs: list[float], versions: list[int],
+                   routing: list[list[list[int]]] | None = None) -> None:
+        self.sample.extend(ids, model=True, logprobs=logprobs, versions=versions, routing=routing)
         self.pending = TurnIds(list(ids), [], bool(ids) and ids[-1] in self.fmt.stop_ids)
 
     def add_observation(self, text: str) -> list[int]:

@@ -51,6 +51,16 @@ class Parser(Protocol):
     def parse(self, text: str) -> Action: ...
 
 
+def write_command(command: str, tool_calls: bool) -> str:
+    """A shell command written as a model action in either format (demonstrations, scripted policies); the
+    command ``submit`` becomes the submit action. ``parse`` of the result gives the command back."""
+    if not tool_calls:
+        return f"```bash\n{command}\n```"
+    call = {"name": SUBMIT, "arguments": {}} if command.strip() == SUBMIT else \
+        {"name": "bash", "arguments": {"command": command}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
 def parse_bash_block(text: str) -> str:
     """Return the command of exactly one fenced bash block."""
     blocks = _BLOCK_RE.findall(text)

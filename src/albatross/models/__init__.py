@@ -1,11 +1,13 @@
 """The seeds' model families as albatross trains them: exact packing and freezing by part.
 
-``family(model)`` names a transformers causal LM's family; ``prepare_for_packing(model)`` makes every
-part that would carry information across packed documents run each document alone (``segments``):
-linear attention and its causal conv (``qwen3_next``, ``qwen4_exp``, ``glm5_next``), the n-gram (PLE)
-embeddings and their dilated conv (``qwen4_exp``), the sparse-attention indexers' top-k (``qwen4_exp``
-QSA, ``glm_moe_dsa`` / ``glm5_next`` DSA). Dense attention stays on the trainer's document masking.
-Parameters keep their names, so ``save_pretrained`` / ``from_pretrained`` are unchanged.
+``family(model)`` names a transformers causal LM's family; ``prepare_for_packing(model)`` swaps in
+albatross' forward for every part that would carry information across packed documents: linear
+attention with its causal conv (``linear_attention``, ``conv``: gated delta-net of ``qwen3_next`` /
+``qwen4_exp``, KDA of ``glm5_next``) and the n-gram PLE with its dilated conv (``ngram``) run the whole
+row at once and reset at each document; the sparse-attention layers (``qwen4_exp`` QSA, ``glm_moe_dsa``
+/ ``glm5_next`` DSA) run each document alone (``segments``), so their indexers' top-k never ranks
+another document's keys. Dense attention stays on the trainer's document masking. Parameters keep
+their names, so ``save_pretrained`` / ``from_pretrained`` are unchanged.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ def _check_supported(model: Any, name: str) -> None:
                                   f"({', '.join(leaky[:4])}); supported: {sorted(PACKED_PARTS)}")
 
 
+def packed_forwards() -> dict[str, Any]:
+    """transformers module classes -> albatross' whole-row packed forward for them (same weights)."""
+    from albatross.models.linear_attention import gated_delta_net_forward, kda_forward
+    from albatross.models.ngram import ple_forward
+
+    return {"Qwen3NextGatedDeltaNet": gated_delta_net_forward, "Qwen4ExpTextGatedDeltaNet": gated_delta_net_forward,
+            "Glm5NextTextLinearAttention": kda_forward, "Qwen4ExpTextPLELayer": ple_forward}
+
+
 def prepare_for_packing(model: Any) -> Any:
     """Make ``model`` exact on packed rows: documents never see each other.
 
@@ -59,18 +70,22 @@ def prepare_for_packing(model: Any) -> Any:
     alone (a saved checkpoint keeps ``use_cache`` for generation): the trainer's forward passes
     ``use_cache=False``, and a packed row given a cache is an error.
     """
-    from albatross.models.segments import Layout, segmented, track_layout
+    from albatross.models.segments import replaced, segmented, track_layout
 
     name = family(model)
     _check_supported(model, name)
     parts = PACKED_PARTS.get(name, ())
     if not parts:
         return model
-    layout = Layout()
-    track_layout(model.get_decoder(), layout)
+    layout = track_layout(model.get_decoder())
     for layer in decoder_layers(model):
         for attr in parts:
             module = getattr(layer, attr, None)
-            if module is not None:
+            if module is None:
+                continue
+            packed = packed_forwards().get(type(module).__name__)
+            if packed is not None:  # one whole-row pass that resets at each document
+                replaced(module, layout, packed)
+            else:
                 segmented(module, layout)
     return model

@@ -15,7 +15,13 @@ from typing import Any
 
 from torch import nn
 
+from albatross.errors import UserError
+
 FIRST_LAYERS = "first_layers:"
+
+
+class FreezeError(UserError, ValueError):
+    """A ``trainer.freeze`` entry that selects nothing (a user error: one line, exit code 2)."""
 
 
 def _by_class(*fragments: str) -> Callable[[str, nn.Module], bool]:
@@ -53,10 +59,10 @@ def _params_of(model: nn.Module, wanted: Callable[[str, nn.Module], bool]) -> li
 def _first_layers(model: nn.Module, spec: str) -> list[str]:
     count = spec.removeprefix(FIRST_LAYERS)
     if not count.isdigit() or int(count) < 1:
-        raise ValueError(f"freeze part {spec!r}: expected {FIRST_LAYERS}N with N >= 1")
+        raise FreezeError(f"trainer.freeze: {spec!r}: expected {FIRST_LAYERS}N with N >= 1")
     layers = list(getattr(model.get_decoder(), "layers", []))
     if int(count) > len(layers):
-        raise ValueError(f"freeze part {spec!r}: the model has only {len(layers)} decoder layers")
+        raise FreezeError(f"trainer.freeze: {spec!r}: the model has only {len(layers)} decoder layers")
     chosen = {id(layer) for layer in layers[: int(count)]}
     return _params_of(model, lambda name, module: id(module) in chosen)
 
@@ -68,11 +74,11 @@ def _one(model: nn.Module, spec: str, names: list[str]) -> list[str]:
     elif spec in PARTS:
         hits = _params_of(model, PARTS[spec])
         if not hits:
-            raise ValueError(f"freeze part {spec!r}: this {type(model).__name__} has no {spec} parameters")
+            raise FreezeError(f"trainer.freeze: {spec!r}: this {type(model).__name__} has no {spec} parameters")
     else:
         hits = fnmatch.filter(names, spec)
         if not hits:
-            raise ValueError(f"freeze pattern {spec!r} matches no parameter and is not a part "
+            raise FreezeError(f"trainer.freeze: {spec!r} matches no parameter and is not a part "
                              f"({', '.join(PART_NAMES)}); e.g. {names[:3]}")
     return hits
 

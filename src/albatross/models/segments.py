@@ -9,9 +9,10 @@ forward (its own weights, names and math) on each document with ``cache=None``, 
 outputs. A document alone through the swapped module is exactly the module as transformers ships it; a
 packed row is exactly its documents one by one.
 
-The boundaries come from a ``Layout`` shared by the swapped modules of one model, set at the start of each
-forward of the decoder (``track_layout``) from ``cu_seq_lens_q`` or, failing that, from ``position_ids``
-restarting at 0. It stays set until the next forward, so activation checkpointing recomputes a layer with
+``replaced`` swaps a module's forward for a whole-row implementation that takes the document lengths
+(``linear_attention``, ``ngram``). The boundaries come from a ``Layout`` shared by the swapped modules of
+one model, set at the start of each forward of the decoder (``track_layout``) from ``cu_seq_lens_q`` or,
+failing that, from ``position_ids`` restarting at 0. It stays set until the next forward, so activation checkpointing recomputes a layer with
 the same boundaries in the backward.
 """
 
@@ -126,9 +127,40 @@ def _tracking_forward(original: Callable[..., Any], layout: Layout, *args: Any, 
     return original(*args, **kwargs)
 
 
-def track_layout(decoder: nn.Module, layout: Layout) -> None:
-    """Have each forward of ``decoder`` record its packed row's document lengths in ``layout``."""
-    if getattr(decoder, "_albatross_layout", None) is not None:
-        return
+def track_layout(decoder: nn.Module, layout: Layout | None = None) -> Layout:
+    """Have each forward of ``decoder`` record its packed row's document lengths in a ``Layout``.
+
+    Returns the decoder's layout: the one it already tracks (so modules swapped earlier and later share
+    it), else ``layout`` (or a new one).
+    """
+    current = getattr(decoder, "_albatross_layout", None)
+    if current is not None:
+        return current
+    layout = layout if layout is not None else Layout()
     decoder.forward = functools.partial(_tracking_forward, decoder.forward, layout)
     decoder._albatross_layout = layout
+    return layout
+
+
+def _has_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    values = [*args, kwargs.get("cache"), kwargs.get("past_key_values")]
+    return any(v is not None and hasattr(v, "get_seq_length") for v in values)
+
+
+def _replaced_forward(original: Callable[..., Any], packed: Callable[..., Any], layout: Layout,
+                      module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not layout.lengths or _has_cache(args, kwargs):
+        return original(*args, **kwargs)
+    for key in DROPPED_KWARGS:
+        kwargs.pop(key, None)
+    return packed(module, layout.lengths, *args, **kwargs)
+
+
+def replaced(module: nn.Module, layout: Layout, packed: Callable[..., Any]) -> nn.Module:
+    """On rows of documents, run ``packed(module, lengths, *args, **kwargs)`` (the module's own arguments)
+    instead of its forward, which still serves generation with a cache and inputs that are not rows."""
+    if getattr(module, "_albatross_segmented", False):
+        return module
+    module.forward = functools.partial(_replaced_forward, module.forward, packed, layout, module)
+    module._albatross_segmented = True
+    return module

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from albatross.engine.base import Completion, EngineError, SamplingParams
+from albatross.engine.base import Completion, EngineError, SamplingParams, SingleEngine
 from albatross.engine.pool import EnginePool, LocalReplica
 from albatross.records import STATUS_INFRA_ERROR, Trajectory
 
@@ -71,7 +71,7 @@ class EngineActor:
         return self.engine.busy_seconds
 
 
-class RayEngineClient:
+class RayEngineClient(SingleEngine):
     """``Engine`` over one engine actor; a dead or restarting actor is an ``EngineError``."""
 
     def __init__(self, handle: Any, version: int = 0) -> None:

@@ -74,20 +74,23 @@ def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any
     device = trainer_device(cfg.trainer.device, rank)
     if world > 1:
         _join_group(device, rank, world)
+    from albatross.trainer.weights import make_weight_sender
+
+    sender = make_weight_sender(cfg, run_dir / "weights", run_dir, rank)
     try:
-        _steps(Trainer.from_config(load_model(model_dir).to(device), cfg, fsdp=world > 1), run_dir, cfg,
+        _steps(Trainer.from_config(load_model(model_dir).to(device), cfg, fsdp=world > 1), sender, run_dir, cfg,
                next_batch, result_q, version, resume_ckpt, f"{device}" + (f" x {world} ranks" if world > 1 else ""))
     finally:
         from albatross.trainer import distributed as dist
 
+        sender.close()
         dist.leave()
 
 
-def _steps(trainer: Any, run_dir: Path, cfg: Any, next_batch: Callable[[], Any], result_q: Any, version: int,
-           resume_ckpt: str, where: str) -> None:
-    """Step on each batch until ``None``; export weights after every step, checkpoint every few."""
-    from albatross.trainer.checkpoint import export_weights
-
+def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Callable[[], Any], result_q: Any,
+           version: int, resume_ckpt: str, where: str) -> None:
+    """Step on each batch until ``None``; publish the weights after every step (``engine.weight_sync``: the
+    locator goes to ``engine.update_weights``), checkpoint every few."""
     trainer.version = version
     if resume_ckpt:
         trainer.load(resume_ckpt)
@@ -101,7 +104,7 @@ def _steps(trainer: Any, run_dir: Path, cfg: Any, next_batch: Callable[[], Any],
             return
         metrics = trainer.step(batch, current_version=trainer.version, batch_info=batch.info)
         # no pruning here: the orchestrator prunes once its state.json no longer needs a version
-        path = export_weights(trainer.model, run_dir / "weights", trainer.version, keep=1 << 30)
+        path = sender.send(trainer.model, trainer.version)
         ckpt = ""
         if trainer.version % every == 0:
             ckpt = str(save_checkpoint(trainer, run_dir / "checkpoints"))

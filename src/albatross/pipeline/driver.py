@@ -221,9 +221,10 @@ class Pipeline:
         from albatross.pipeline.model import copy_tokenizer_files
         from albatross.trainer.checkpoint import version_dir
 
-        src = version_dir(self.out / "run" / "weights", version)
-        if not src.is_dir():
-            src = base_dir
+        src = version_dir(self.out / "run" / "weights", version) if version else base_dir
+        if not src.is_dir():  # engine.weight_sync = "nccl" writes no weights: the checkpoints hold them
+            self.log(f"[model] no exported weights of version {version} ({src}); see run/checkpoints")
+            return
         final = self.out / "final"
         shutil.rmtree(final, ignore_errors=True)
         shutil.copytree(src, final)

@@ -40,20 +40,34 @@ def warm_start_source(cfg: RunConfig) -> str:
 
 
 def collect_demonstrations(agent: Any, tasks: list[Task], workers: int = 8) -> list[Sample]:
-    """One demonstration per task with oracle steps; a demonstration that fails verification is skipped."""
+    """One demonstration per task with oracle steps; a demonstration that fails verification is skipped. None
+    succeeding is a ``UserError`` naming the first task and how its demonstration ended."""
     from albatross.engine.scripted import ScriptedEngine
     from albatross.harness.agent import AttemptSpec
+    from albatross.harness.parsers import write_command
+
+    ended: dict[str, str] = {}
 
     def one(task: Task) -> Sample | None:
         if not task.demo_steps:
+            ended.setdefault(task.id, "no oracle steps (solution/demo.json)")
             return None
-        actions = [f"```bash\n{step}\n```" for step in task.demo_steps]
+        actions = [write_command(step, agent.tool_calls) for step in task.demo_steps]
         engine = ScriptedEngine(actions, agent.fmt.action)
         traj = agent.run(AttemptSpec(task, "demo", 0), engine=engine)
-        return traj.samples[0] if traj.success and traj.samples else None
+        if traj.success and traj.samples:
+            return traj.samples[0]
+        ended.setdefault(task.id, f"status {traj.status}, score {traj.reward.score:.2f}")
+        return None
 
     with ThreadPoolExecutor(workers) as pool:
-        return [s for s in pool.map(one, tasks) if s is not None]
+        samples = [s for s in pool.map(one, tasks) if s is not None]
+    if not samples and tasks:
+        first = sorted(ended)[0] if ended else tasks[0].id
+        raise UserError(f"warm start: no oracle demonstration of the {len(tasks)} training tasks succeeded "
+                        f"({first}: {ended.get(first, '?')}; a prompt over harness.max_context_tokens ends as "
+                        "max_context)")
+    return samples
 
 
 def chat_samples(path: str | Path, tokenizer: Any) -> list[Sample]:
@@ -139,8 +153,6 @@ def warm_start(cfg: RunConfig, tokenizer: Any, agent: Any, tasks: list[Task], mo
         log(f"[warm-start] {len(demos)} chats from {cfg.warmstart.chats}")
     else:
         demos = collect_demonstrations(agent, tasks)
-        if not demos:
-            raise RuntimeError("no oracle demonstration succeeded: check the tasks and the sandbox")
         log(f"[warm-start] {len(demos)} oracle demonstrations collected in {time.monotonic() - t0:.0f}s")
     model, history = _train(cfg, tokenizer, demos, model_dir, pass_rate, log, t0)
     _save(model, tokenizer, model_dir, out, {"history": history, "demos": len(demos), "source": source,

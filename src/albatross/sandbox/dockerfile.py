@@ -4,10 +4,10 @@ Supported: ``FROM`` (one stage; the image is recorded, the sandbox maps it to it
 ``WORKDIR``, ``COPY``/``ADD`` of local files (``--chown``/``--chmod``/``--link`` ignored), ``RUN``
 (shell form and JSON exec form), ``ENV`` (``K=V K2=V2`` and ``K V``), ``ARG`` with defaults, comments
 and backslash line continuations. ``CMD``, ``ENTRYPOINT``, ``LABEL``, ``EXPOSE``, ``USER``,
-``MAINTAINER``, ``STOPSIGNAL``, ``HEALTHCHECK`` and ``ONBUILD`` (neither changes the image being built) are
-kept as :class:`Ignored` with a note. Everything else (``VOLUME``, ``SHELL``, multi-stage builds,
-``COPY --from``, ``ADD`` of a URL, heredocs, a bare ``ARG``, no ``FROM``, an instruction other than ``ARG``
-before ``FROM``, a file that is not UTF-8 text) raises :class:`DockerfileError` naming the file and line.
+``MAINTAINER`` and ``STOPSIGNAL`` are kept as :class:`Ignored` with a note. Everything else (``VOLUME``,
+``HEALTHCHECK``, ``SHELL``, ``ONBUILD``, multi-stage builds, ``COPY --from``, ``ADD`` of a URL, heredocs,
+a bare ``ARG``, no ``FROM``, an instruction other than ``ARG`` before ``FROM``, a file that is not UTF-8
+text) raises :class:`DockerfileError` naming the file and line.
 Which ``FROM`` images the sandbox can stand in for is decided by its callers (``tasks.offline``).
 
 ``$VAR``, ``${VAR}``, ``${VAR:-default}`` and ``${VAR:+alt}`` are substituted from ``ARG`` defaults
@@ -85,8 +85,6 @@ _IGNORED_NOTES = {
     "USER": "commands run as root inside the sandbox",
     "MAINTAINER": "metadata only",
     "STOPSIGNAL": "attempts are stopped by killing their pid namespace",
-    "HEALTHCHECK": "attempts are not health-checked",
-    "ONBUILD": "its trigger runs only in images built FROM this one",
 }
 _VAR = re.compile(
     r"\$(?:\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<op>[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"

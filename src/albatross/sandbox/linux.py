@@ -87,6 +87,20 @@ def join_new_session_keyring() -> None:
            "keyctl join session keyring")
 
 
+_PARK_STACK = ctypes.create_string_buffer(64 << 10)  # clone_paused children only ever run pause() on it
+_CLONE_VM = 0x00000100
+_SIGCHLD = 17
+
+
+def clone_paused(flags: int) -> int:
+    """clone(2) a child with ``flags`` (e.g. CLONE_NEWUSER) that shares our memory and only waits in
+    pause() until killed: a cheap holder of new namespaces (no copy of our address space, no Python in
+    the child). Returns its pid; the caller kills and reaps it."""
+    pause = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(ctypes.cast(_libc.pause, ctypes.c_void_p).value)
+    top = ctypes.c_void_p((ctypes.addressof(_PARK_STACK) + len(_PARK_STACK) - 64) & ~15)
+    return _check(_libc.clone(pause, top, ctypes.c_int(flags | _CLONE_VM | _SIGCHLD), None), "clone")
+
+
 def pivot_root_here() -> None:
     """Make the current directory the root and detach the old root (runc's pivot_root(".", ".") trick)."""
     number = _SYS_PIVOT_ROOT.get(platform.machine())

@@ -24,7 +24,6 @@ raises ``ZygoteDied`` and the backend starts a fresh zygote (``LocalBackend`` re
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import json
 import os
@@ -126,35 +125,24 @@ def _build_seccomp() -> tuple[Any, str]:
 
 
 def _make_userns(id_base: int, creator: int = 0) -> int:
-    """Create a sandbox user namespace (uid/gid 0..65535 inside = id_base.. on the host), created by
-    host uid ``creator`` (its owner, charged for what the namespace's users count against per-user
-    limits)."""
-    ready_r, ready_w = os.pipe()
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(go_w)  # so the read below ends if the zygote dies first
-            if creator:
-                os.setresuid(0, creator, 0)  # the owner is the effective uid; keep the way back
-            linux.unshare(linux.CLONE_NEWUSER)
-            os.write(ready_w, b"x")
-            os.read(go_r, 1)
-        finally:
-            os._exit(0)
+    """Create a sandbox user namespace (uid/gid 0..65535 inside = id_base.. on the host) owned by host
+    uid ``creator`` (charged for what the namespace's users count against per-user limits). A child
+    cloned straight into it (sharing our memory, parked in pause()) holds it while we write its maps."""
+    if creator:
+        os.setresuid(0, creator, 0)  # the owner is the effective uid; the saved uid is the way back
     try:
-        os.close(ready_w)
-        if os.read(ready_r, 1) != b"x":  # the child failed to make it (and exited)
-            raise OSError(errno.EPERM, "cannot create a user namespace")
+        pid = linux.clone_paused(linux.CLONE_NEWUSER)
+    finally:
+        if creator:
+            os.setresuid(0, 0, 0)
+    try:
         for name in ("uid_map", "gid_map"):
             linux.write_file(f"/proc/{pid}/{name}", f"0 {id_base} {ID_COUNT}\n")
-        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
-        os.write(go_w, b"x")
-        with contextlib.suppress(ChildProcessError):  # SIGCHLD ignored while serving: the kernel reaps it
+        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):  # with SIGCHLD ignored the kernel reaps it
             os.waitpid(pid, 0)
-        for fd in (ready_r, go_r, go_w):
-            os.close(fd)
 
 
 def zygote_main() -> None:

@@ -191,8 +191,13 @@ def _normalise(override: str) -> str:
 
 
 def _write_json(path: str, data: Any) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    from albatross.errors import UserError
+
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        raise UserError(f"{path}: cannot write the JSON there: {e.strerror}") from None
 
 
 def _user_error(message: str) -> int:

@@ -221,8 +221,14 @@ class TokenLogprobs(nn.Module):
         self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, targets: Tensor, **attention: Any
+        self, input_ids: Tensor, position_ids: Tensor, targets: Tensor, routing: Tensor | None = None,
+        **attention: Any,
     ) -> tuple[Tensor, Tensor]:
+        """``routing``: experts recorded by the engine per input position (``models/routing.py``): replayed."""
+        if routing is not None or hasattr(self.model, "_albatross_replay"):
+            from albatross.models import routing as replay
+
+            replay.set_forced(replay.install(self.model), routing)
         out = self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention
         )

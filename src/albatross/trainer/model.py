@@ -6,15 +6,29 @@ from pathlib import Path
 
 
 def load_model(directory: str | Path, dtype=None):
-    """Load a causal LM from a local directory (never from a hub)."""
+    """Load a causal LM from a local directory (never from a hub); ``glm5_next`` loads as its VLM."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}/config.json: not a model directory")
+    if _model_type(path) == "glm5_next":  # ships only as a vision-language model
+        from albatross.models.tiny import load_any
+
+        return load_any(path, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
     return model
+
+
+def _model_type(path: Path) -> str | None:
+    """``model_type`` of ``path/config.json``; None when unreadable (transformers then reports it)."""
+    import json
+
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError, OSError):
+        return None
 
 
 def num_parameters(model) -> int:

@@ -42,6 +42,7 @@ class MicroBatch:
     logprobs: Tensor  # [T] float, rollout log-prob of the target
     versions: Tensor  # [T] long, policy version of the target
     advantages: Tensor  # [T] float
+    routing: Tensor | None = None  # [T, MoE layers, k] long: recorded experts per input position (-1: live)
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +98,19 @@ def _concat(samples: Sequence[TrainSample]) -> MicroBatch:
         logprobs=torch.tensor(lps, dtype=torch.float32),
         versions=torch.tensor(vers, dtype=torch.long),
         advantages=torch.tensor(advs, dtype=torch.float32),
+        routing=_routing(samples),
     )
+
+
+def _routing(samples: Sequence[TrainSample]) -> Tensor | None:
+    """Recorded routing aligned like ``logprobs``: input position t gets the experts that sampled target t."""
+    known = next((r for ts in samples for r in ts.sample.routing or [] if r), None)
+    if known is None:
+        return None
+    from albatross.models.routing import routing_tensor
+
+    rows = [r for ts in samples for r in (ts.sample.routing or [[]] * len(ts.sample.token_ids))[1:]]
+    return routing_tensor(rows, len(known), len(known[0]))
 
 
 def pack(samples: Sequence[TrainSample], max_tokens: int) -> list[MicroBatch]:
@@ -241,9 +254,21 @@ def attention_inputs(model: torch.nn.Module, mode: str = "auto") -> AttentionInp
     if mode == "flash":
         if not impl.startswith("flash"):
             raise ValueError(f"attention 'flash' needs a flash_attention_* model, this one uses {impl!r}")
-        return _flash_inputs
+        return _with_routing(_flash_inputs)
     if mode == "varlen":
         if impl != VARLEN:
             model.set_attn_implementation(register_varlen_attention())
-        return _varlen_inputs
-    return _dense_inputs(bool_mask=impl != "eager")
+        return _with_routing(_varlen_inputs)
+    return _with_routing(_dense_inputs(bool_mask=impl != "eager"))
+
+
+def _with_routing(inputs: AttentionInputs) -> AttentionInputs:
+    """Also pass a micro-batch's recorded routing (``routing=``, for ``TokenLogprobs``' routing replay)."""
+
+    def with_routing(mb: MicroBatch, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+        out = inputs(mb, dtype, device)
+        if mb.routing is not None:
+            out["routing"] = mb.routing
+        return out
+
+    return with_routing

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from albatross.engine.base import Completion, EngineError, SamplingParams
+from albatross.engine.base import Completion, EngineError, SamplingParams, SingleEngine
+from albatross.engine.builtin.hybrid import HybridRunner, needs_hybrid
 from albatross.engine.builtin.runner import (
     Decode,
     ModelRunner,
@@ -34,7 +35,18 @@ def _load_model(path: str, dtype: torch.dtype | None) -> torch.nn.Module:
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model directory not found: {path}")
     kwargs = {"dtype": dtype} if dtype is not None else {}
+    if _is_vlm_checkpoint(path):  # glm5_next ships only as a vision-language model; its language model generates
+        from albatross.models.tiny import load_any
+
+        return load_any(path, dtype)
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def _is_vlm_checkpoint(path: str) -> bool:
+    import json
+
+    config = Path(path) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "glm5_next"
 
 
 def _default_decode(path: str) -> Decode | None:
@@ -46,13 +58,16 @@ def _default_decode(path: str) -> Decode | None:
         return None
 
 
-class BuiltinEngine:
+class BuiltinEngine(SingleEngine):
     """In-process engine. ``model`` is a transformers causal LM or the path of a directory holding one.
 
     ``speculative``: draft tokens per row and step of n-gram speculative decoding (0 = off; or a ``SpecConfig``).
     ``prefix_cache_tokens``: token budget of the KV kept from finished requests for the next turn (0 = off).
     ``decode``: ids -> text, needed for stop strings (loaded from a model directory's tokenizer when there is one).
     ``fast_forward``: use ``fastpath.py``'s lean forward for Qwen2 / Llama models (else ``transformers``').
+    ``record_routing``: record each generated token's experts per MoE layer in ``Completion.routing``.
+    Models with hybrid caches (linear attention, indexers: ``qwen3_next``, ``qwen4_exp``, ``glm_moe_dsa``,
+    ``glm5_next``) and models recording routing run on ``hybrid.HybridRunner``, one request per forward pass.
     """
 
     def __init__(
@@ -67,6 +82,7 @@ class BuiltinEngine:
         decode: Decode | None = None,
         max_prefill_tokens: int = 8192,
         fast_forward: bool = True,
+        record_routing: bool = False,
     ) -> None:
         module = _load_model(model, dtype) if isinstance(model, str) else model
         if dtype is not None:
@@ -74,7 +90,12 @@ class BuiltinEngine:
         if decode is None and isinstance(model, str):
             decode = _default_decode(model)
         spec = speculative if isinstance(speculative, SpecConfig) else SpecConfig(draft_tokens=speculative)
-        self.runner = ModelRunner(module, device, version, prefix_cache_tokens, spec, decode, fast_forward)
+        if record_routing or needs_hybrid(module):
+            self.runner: ModelRunner = HybridRunner(
+                module, device, version, prefix_cache_tokens, spec, decode, record_routing
+            )
+        else:
+            self.runner = ModelRunner(module, device, version, prefix_cache_tokens, spec, decode, fast_forward)
         self.scheduler = Scheduler(self.runner, max_batch_size, max_prefill_tokens)
 
     @property

@@ -5,9 +5,11 @@
 tasks are drawn first from their own stream, then validation tasks, so neither changes with ``n_train``;
 no instance (family + key parameters) is in two splits. Families alternate evenly within each split.
 
-Held-out tasks are unseen, not just new instances: an instruction may only name words of its split's list
-(``SPLIT_WORDS``: 16 training words, 3 validation, 5 held-out), so no held-out or validation instruction,
-nor an oracle command built from its words, equals or is contained in a training one. A family whose
+Held-out tasks are unseen, not just new instances: each family sets aside its own 5 held-out and 3
+validation words (``split_words_of``; the blocks rotate through WORDS, so a word one family sets aside is
+named by training instructions of others), and an instruction may only name words of its split's list, so
+no held-out or validation instruction, nor an oracle command built from its words, equals or is contained
+in a training one. A family whose
 instruction names no word (fs_surgery, log_errors, find_key) uses a paraphrased instruction per split
 (``Family.split_templates``); its oracle stays the same, so for a strict test hold such a family out
 whole. ``heldout_families`` does that for any family: it appears only in the held-out split (validation
@@ -32,13 +34,13 @@ from albatross.tasks.builtin.code import GitRepair, PyFix
 from albatross.tasks.builtin.data import CsvToJson, LogErrors
 from albatross.tasks.builtin.families import (
     DIFFICULTIES,
-    SPLIT_WORDS,
     WORDS,
     CountLines,
     Family,
     FollowPointer,
     GrepWord,
     Instance,
+    split_words,
 )
 from albatross.tasks.builtin.families import FAMILIES as _DEMO
 from albatross.tasks.builtin.files import FsSurgery, SortUnique
@@ -50,7 +52,6 @@ __all__ = [
     "DIFFICULTIES",
     "FAMILIES",
     "SPLITS",
-    "SPLIT_WORDS",
     "WORDS",
     "CountLines",
     "Family",
@@ -62,6 +63,7 @@ __all__ = [
     "instance_seed",
     "instruction_words",
     "list_families",
+    "split_words_of",
     "write_instance",
 ]
 
@@ -99,6 +101,12 @@ def corpus_strings(families: Iterable[str] | None = None) -> list[str]:
         out.extend(family.demo_templates)
         out.extend(family.vocabulary)
     return list(dict.fromkeys(out))
+
+
+def split_words_of(family: str, split: str) -> tuple[str, ...]:
+    """The words an instruction of ``family`` may name in ``split`` (see ``families.split_words``; a
+    family's block of held-out and validation words follows from its place in ``FAMILIES``)."""
+    return split_words(list(FAMILIES).index(_family(family).name), split)
 
 
 def instruction_words(instruction: str) -> set[str]:
@@ -215,7 +223,7 @@ def _draw(
 ) -> tuple[Instance, int]:
     """Draw an instance whose key is not in ``seen`` (and add it) and whose instruction names only words of
     the split's list (with the split's paraphrased instruction where the family has one)."""
-    allowed = set(SPLIT_WORDS[split])
+    allowed = set(split_words_of(family.name, split))
     for retry in range(_MAX_TRIES_PER_TASK):
         inst_seed = instance_seed(seed, split, index, retry)
         instance = family.generate(random.Random(inst_seed), difficulty)

@@ -23,14 +23,23 @@ WORDS: tuple[str, ...] = (
 DIFFICULTIES: tuple[str, ...] = ("easy", "medium", "hard")
 APP = "/app"
 
-# The words an instruction may name, by split: held-out and validation instructions never name a word a
-# training instruction names, so no held-out instruction (or oracle command built from it) is ever seen in
-# training. Every word still appears in every split as a distractor file name or as file content.
-SPLIT_WORDS: dict[str, tuple[str, ...]] = {
-    "heldout": ("kiwi", "plum", "olive", "bread", "tea"),
-    "validation": ("lime", "corn", "salt"),
-}
-SPLIT_WORDS["train"] = tuple(w for w in WORDS if not any(w in ws for ws in SPLIT_WORDS.values()))
+HELDOUT_WORDS = 5  # words per family that only held-out instructions name
+VALIDATION_WORDS = 3  # words per family that only validation instructions name
+
+
+def split_words(index: int, split: str) -> tuple[str, ...]:
+    """The words an instruction of the ``index``-th family may name in ``split``. Each family sets aside
+    its own block of ``HELDOUT_WORDS + VALIDATION_WORDS`` words (the blocks rotate through WORDS), so no
+    held-out or validation instruction of a family, nor an oracle command built from its words, is ever
+    a training one, while each word is still named by training instructions of other families."""
+    size = HELDOUT_WORDS + VALIDATION_WORDS
+    start = index * size % len(WORDS)
+    block = [WORDS[(start + i) % len(WORDS)] for i in range(size)]
+    if split == "heldout":
+        return tuple(block[:HELDOUT_WORDS])
+    if split == "validation":
+        return tuple(block[HELDOUT_WORDS:])
+    return tuple(w for w in WORDS if w not in block)
 
 
 @dataclass

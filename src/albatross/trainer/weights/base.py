@@ -24,15 +24,17 @@ class WeightSender(Protocol):
     def close(self) -> None: ...
 
 
-def make_weight_sender(cfg: RunConfig, run_dir: str | Path, rank: int = 0) -> WeightSender:
-    """The sender of ``cfg.engine.weight_sync`` for trainer rank ``rank`` (``run_dir``: the run directory that
-    holds ``weights/`` and the engines' ``engines.json``)."""
+def make_weight_sender(cfg: RunConfig, weights_dir: str | Path, engine_dir: str | Path,
+                       rank: int = 0) -> WeightSender:
+    """The sender of ``cfg.engine.weight_sync`` for trainer rank ``rank``: ``filesystem`` exports into
+    ``weights_dir`` (``v{version:06d}``, ``LATEST``); ``nccl`` reaches the servers listed in
+    ``<engine_dir>/engines.json`` (the ``run_dir`` given to ``make_engine``)."""
     if cfg.engine.weight_sync == "nccl":
         from albatross.engine.launch import check_engine_config
-        from albatross.engine.weights.nccl import NCCLSender
+        from albatross.trainer.weights.nccl import NCCLSender
 
         check_engine_config(cfg.engine)
-        return NCCLSender(cfg.engine.type, Path(run_dir), rank)
-    from albatross.engine.weights.filesystem import FilesystemSender
+        return NCCLSender(cfg.engine.type, Path(engine_dir), rank)
+    from albatross.trainer.weights.filesystem import FilesystemSender
 
-    return FilesystemSender(Path(run_dir) / "weights", keep=0, rank=rank)
+    return FilesystemSender(Path(weights_dir), keep=0, rank=rank)

@@ -5,6 +5,6 @@ path; every engine), ``nccl.py`` (broadcast from the trainer's rank 0 into the v
 weight-update group; CUDA). Torch is imported only inside the senders.
 """
 
-from albatross.engine.weights.base import WeightSender, make_weight_sender
+from albatross.trainer.weights.base import WeightSender, make_weight_sender
 
 __all__ = ["WeightSender", "make_weight_sender"]

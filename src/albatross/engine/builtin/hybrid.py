@@ -1,0 +1,222 @@
+"""Generation for models whose cache is not plain KV: the seeds' hybrid families, one request at a time.
+
+``qwen3_next`` / ``qwen4_exp`` / ``glm5_next`` mix linear-attention layers (a recurrent state and a causal-conv
+window per request) with attention layers, and ``qwen4_exp`` / ``glm_moe_dsa`` / ``glm5_next`` keep an indexer's
+key cache beside the KV. Their recurrent state cannot be left-padded, cropped or spliced like the KV grid of
+``kvcache.py``, so ``HybridRunner`` lets transformers' own cache classes (``DynamicCache(config=...)``, which
+builds each family's layer kinds) hold each request's state and runs every request as a batch of one: the
+same forward passes as transformers' ``generate`` (prefill the prompt, then one token per step), so greedy
+output equals it token for token. Continuous batching is coarse: requests join and leave at every step, and a
+step runs one forward pass per running request.
+
+Prefix reuse across turns: when a request finishes, its cache (prompt + completion but the last token) is kept
+as a snapshot keyed by those token ids; a later prompt that extends a snapshot's ids continues from a copy of it
+and prefills only the new tokens. Unlike KV, a recurrent state cannot be cut back, so only exact prefixes reuse
+a snapshot. ``routing.py`` (``RoutingRecorder``) records each generated token's experts when asked.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from albatross.engine.base import Completion
+from albatross.engine.builtin.runner import (
+    Decode,
+    ModelRunner,
+    Request,
+    SpecConfig,
+    Stats,
+    _cache_kwarg,
+    _Seq,
+    check_state_dict,
+)
+from albatross.engine.builtin.sampling import (
+    SamplingTensors,
+    build_sampling_tensors,
+    request_uniforms,
+    sample,
+)
+
+
+def needs_hybrid(model: torch.nn.Module) -> bool:
+    """True when ``model``'s transformers cache has layers other than plain full-attention KV."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    layers = getattr(DynamicCache(config=config), "layers", None) or []
+    return any(type(layer) is not DynamicLayer for layer in layers)
+
+
+def new_hybrid_cache(model: torch.nn.Module) -> object:
+    """An empty transformers cache with the family's layer kinds (recurrent, KV, indexed KV)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+class Snapshots:
+    """Finished requests' caches by token ids, at most ``max_tokens`` tokens in all (least recently used first)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[tuple[int, ...], tuple[object, int]] = OrderedDict()
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.tokens = 0
+
+    def put(self, ids: Sequence[int], cache: object, version: int) -> None:
+        key = tuple(ids)
+        if not key or len(key) > self.max_tokens:
+            return
+        if key in self._entries:
+            self.tokens -= len(key)
+        self._entries[key] = (cache, version)
+        self.tokens += len(key)
+        while self.tokens > self.max_tokens:
+            self.tokens -= len(self._entries.popitem(last=False)[0])
+
+    def lookup(self, prompt: Sequence[int], version: int) -> tuple[object | None, int]:
+        """A copy of the cache of the longest snapshot whose ids are a proper prefix of ``prompt`` (under
+        ``version``) and its length; ``(None, 0)`` when none."""
+        prompt_t = tuple(prompt)
+        best = max(
+            (k for k, (_, v) in self._entries.items()
+             if v == version and len(k) < len(prompt_t) and prompt_t[: len(k)] == k),
+            key=len, default=None,
+        )
+        if best is None:
+            return None, 0
+        self._entries.move_to_end(best)
+        return copy.deepcopy(self._entries[best][0]), len(best)
+
+
+@dataclass
+class _HybridSeq(_Seq):
+    """One running request with its own cache and sampling tensors."""
+
+    cache: object = None
+    st: SamplingTensors | None = None
+    last_id: int = 0
+    routing: list[list[list[int]]] | None = field(default=None)
+
+    def completion(self, reason: str) -> Completion:
+        done = super().completion(reason)
+        done.routing = self.routing
+        return done
+
+
+class HybridRunner(ModelRunner):
+    """A ``ModelRunner`` for hybrid-cache models: per-request caches and forward passes (see the module docstring).
+
+    ``record_routing``: record each generated token's chosen experts per MoE layer in ``Completion.routing``.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, device: str | torch.device = "cpu", version: int = 0,
+        prefix_cache_tokens: int = 65536, spec: SpecConfig | None = None, decode: Decode | None = None,
+        record_routing: bool = False,
+    ) -> None:
+        if spec is not None and spec.draft_tokens > 0:
+            raise ValueError("speculative decoding is not supported for hybrid-cache models yet (speculative=0)")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.version = version
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.spec = SpecConfig()
+        self.decode = decode
+        self.prefix_cache = Snapshots(prefix_cache_tokens)
+        self.stats = Stats()
+        self.fast_forward = False
+        self._cache_kwarg = _cache_kwarg(model)
+        self._seed_source = torch.Generator()
+        self._seed_source.seed()
+        self.recorder = None
+        if record_routing:
+            from albatross.models.routing import RoutingRecorder
+
+            self.recorder = RoutingRecorder(self.model)
+        self.running: list[_HybridSeq] = []
+
+    @property
+    def n_running(self) -> int:
+        return len(self.running)
+
+    def fail_all(self, exc: BaseException) -> None:
+        running, self.running = self.running, []
+        for seq in running:
+            seq.done(exc)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy ``state_dict`` in (checked), set ``version``, drop the snapshots (they came from the old weights)."""
+        targets = check_state_dict(self.model, state_dict)
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                targets[name].copy_(tensor)
+        self.version = version
+        self.prefix_cache.clear()
+
+    def _forward_one(self, seq: _HybridSeq, ids: Sequence[int]) -> torch.Tensor:
+        """One forward pass of ``ids`` on ``seq``'s cache; the last position's logits ``[1, V]``."""
+        ids_1T = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        self.stats.forward_passes += 1
+        if self.recorder is not None:
+            self.recorder.start()
+        kwargs = {self._cache_kwarg: seq.cache}
+        out = self.model(input_ids=ids_1T, use_cache=True, logits_to_keep=1, **kwargs)
+        if self.recorder is not None:
+            seq.routing = (seq.routing or []) + [self.recorder.last_token()]
+        return out.logits[:, -1, :]
+
+    def _sample_append(self, seq: _HybridSeq, logits_1V: torch.Tensor) -> str | None:
+        index = torch.tensor([len(seq.ids)], device=self.device)
+        ids_1, logprobs_1 = sample(logits_1V, seq.st, index)
+        seq.last_id = int(ids_1[0])
+        return self._append(seq, [seq.last_id], [float(logprobs_1[0])])
+
+    def admit(self, items: Sequence[tuple[Request, object]]) -> None:
+        """Prefill each request on its own cache (from a snapshot when one holds a prefix), sample its first token."""
+        with torch.inference_mode():
+            for request, done in items:
+                self.stats.requests += 1
+                self.stats.prompt_tokens += len(request.prompt_ids)
+                if request.params.max_tokens == 0:
+                    done(Completion([], [], [], "length"))
+                    continue
+                uniforms = request_uniforms(request.params, self._seed_source)
+                seq = _HybridSeq(request, done, uniforms)  # type: ignore[arg-type]
+                seq.st = build_sampling_tensors([request.params], [uniforms], self.vocab_size, self.device)
+                seq.cache, seq.cached = self.prefix_cache.lookup(request.prompt_ids, self.version)
+                seq.cache = seq.cache if seq.cache is not None else new_hybrid_cache(self.model)
+                self.stats.cached_prompt_tokens += seq.cached
+                logits = self._forward_one(seq, request.prompt_ids[seq.cached :])
+                self._settle(seq, self._sample_append(seq, logits))
+
+    def step(self) -> None:
+        """One token for every running request (one forward pass each)."""
+        with torch.inference_mode():
+            for seq in list(self.running):
+                self.running.remove(seq)
+                self._settle(seq, self._sample_append(seq, self._forward_one(seq, [seq.last_id])))
+
+    def _settle(self, seq: _HybridSeq, reason: str | None) -> None:
+        if reason is None:
+            self.running.append(seq)
+            return
+        key = seq.request.prompt_ids + seq.ids[:-1]
+        if self.prefix_cache.max_tokens > 0:
+            self.prefix_cache.put(key, seq.cache, self.version)
+        seq.cache = None
+        seq.done(seq.completion(reason))
