@@ -57,6 +57,12 @@ class TasksConfig(_Section):
                                 "(`albatross tasks families` lists them).")
     n_train: int = Field(48, ge=1, description="Number of generated training tasks.")
     n_heldout: int = Field(12, ge=1, description="Number of generated held-out tasks.")
+    n_validation: int = Field(0, ge=0, description="Generated validation tasks, disjoint from train and held-out "
+                              "(their own words and phrasings), evaluated after training as "
+                              "`validation_pass_at_1`: tune on these, report held-out.")
+    heldout_families: list[str] = Field(default_factory=list, description="Built-in families that appear only in "
+                                        "the held-out split (never trained on): a test of transfer to a new "
+                                        "kind of task, reported per family.")
     seed: int = Field(0, description="Seed of the task generator.")
 
 

@@ -16,7 +16,7 @@ from albatross.config import RunConfig
 from albatross.harness.agent import build_agent as make_agent
 from albatross.engine.scripted import ScriptedEngine
 from albatross.harness.chat import TinyTokenizer
-from albatross.orchestrator.buffer import GroupScorer
+from albatross.rl.scoring import GroupScorer
 from albatross.sandbox import LocalBackend, local_available
 from albatross.tasks import load_task, load_tasks, write_task
 from albatross.tasks.builtin import FAMILIES, corpus_strings, generate_tasks

@@ -27,7 +27,7 @@ def setup(tmp_path_factory):
 def test_eval_and_train_run_the_same_harness_token_for_token(setup):
     from albatross.harness.agent import build_agent as make_agent  # what `train` and `eval` both build
     from albatross.eval.run import evaluate
-    from albatross.orchestrator.loop import run_with_retries
+    from albatross.harness.retry import run_with_retries
 
     tasks, backend, tokenizer = setup
     cfg = load_config(None, ["harness.max_turns=8", "harness.max_context_tokens=1024"])

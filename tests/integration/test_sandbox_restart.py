@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from albatross.eval.oracle import OracleAgent
-from albatross.eval.run import run_attempt
+from albatross.harness.retry import run_with_retries as run_attempt
 from albatross.harness.agent import AttemptSpec
 from albatross.records import STATUS_INFRA_ERROR, Trajectory
 from albatross.sandbox import LocalBackend, SandboxDied, SandboxError, local_available

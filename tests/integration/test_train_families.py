@@ -132,7 +132,7 @@ def test_train_runs_rl_steps_on_a_hybrid_moe_family_with_routing_replay(tmp_path
     assert summary["train_steps"] >= 1 and summary["weight_version_final"] >= 1
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     kls = [m["mismatch_kl"] for m in metrics if "mismatch_kl" in m]
-    assert kls and all(k == k and k >= 0 for k in kls)
+    assert kls and all(k == k and k > -1e-6 for k in kls)  # r - log r - 1 >= 0, up to rounding
     rows = [json.loads(line) for line in (out / "run" / "trajectories.jsonl").read_text().splitlines()]
     routed = [s for row in rows for s in row["samples"] if s.get("routing")]
     assert routed, "routing replay is on: the engine recorded the experts of the sampled tokens"

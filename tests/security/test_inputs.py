@@ -171,3 +171,13 @@ def test_an_eval_where_every_task_is_bad_is_one_line(good_task: Path, tmp_path: 
     assert "Traceback" not in r.stderr
     assert r.returncode == EXIT_USER_ERROR
     assert r.stderr.splitlines()[-1].startswith("albatross: error: no task in")
+
+
+def test_tasks_probe_skips_a_task_it_cannot_build(good_task: Path, tmp_path: Path) -> None:
+    task = copy_task(good_task, tmp_path / "multi", UNSUPPORTED["multi-stage"][0])
+    r = albatross("tasks", "probe", str(task), "--model", str(tmp_path), "--attempts", "4", cwd=tmp_path)
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == EXIT_USER_ERROR
+    first, last = r.stderr.strip().splitlines()
+    assert first.startswith("albatross: skipping task") and ":2: unsupported instruction FROM" in first
+    assert last.startswith("albatross: error: no task in")

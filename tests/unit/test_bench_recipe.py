@@ -193,3 +193,4 @@ def test_harness_notes_say_when_the_cost_difference_is_noise():
     noisy = "\n".join(_harness_notes(configs(550.0, 30.0)))
     assert "within noise" in noisy and "compression never triggers" in noisy
     assert "within noise" not in "\n".join(_harness_notes(configs(300.0, 30.0)))
+    assert "change nothing the model sees" in "\n".join(_harness_notes(configs(560.0, 30.0)))

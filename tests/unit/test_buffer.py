@@ -1,7 +1,8 @@
 import heapq
 
 from albatross.config import RLConfig
-from albatross.orchestrator.buffer import BatchBuilder, GroupScorer, admissible, make_batch, oldest_version
+from albatross.orchestrator.buffer import BatchBuilder, admissible, make_batch, oldest_version
+from albatross.rl.scoring import GroupScorer
 from albatross.records import Group, Reward, Sample, Trajectory
 
 

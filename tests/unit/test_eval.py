@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from albatross.eval.commands import Progress, format_summary
+from albatross.cli.eval import Progress, format_summary
 from albatross.eval.report import pareto_front
 from albatross.eval.run import (
     EvalResult,

@@ -10,7 +10,7 @@ import pytest
 
 from albatross.cli import main
 from albatross.config import RLConfig
-from albatross.orchestrator.buffer import GroupScorer
+from albatross.rl.scoring import GroupScorer
 from albatross.records import STATUS_INFRA_ERROR, Reward, Trajectory
 from albatross.sandbox.base import ExecResult
 from albatross.tasks import load_task, write_task

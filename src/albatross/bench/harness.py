@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, SamplingParams, SingleEngine
 from albatross.harness.chat import ChatFormat
 from albatross.harness.context import SUMMARY_REQUEST
 from albatross.harness.parsers import FormatError, parse_bash_block
@@ -54,7 +54,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(SingleEngine):
     """A deterministic fake engine for long attempts: the i-th action call answers the i-th action (then
     repeats the last); a request to summarise (``context.SUMMARY_REQUEST``) is answered with a summary
     listing the commands run so far, and does not advance the script. Completions are cut at

@@ -232,12 +232,14 @@ class Workload:
 
         return BuiltinEngine(load_model(model_dir), max_batch_size=self.cfg.engine.max_batch_size)
 
-    def evaluate(self, engine: Any, harness: dict[str, Any] | None = None, temperature: float | None = None) -> Any:
+    def evaluate(self, engine: Any, harness: dict[str, Any] | None = None, temperature: float | None = None,
+                 trials: int | None = None, workers: int = 16) -> Any:
+        """Held-out evaluation (``eval.trials`` each unless ``trials``), ``workers`` attempts at a time."""
         from albatross.eval.run import evaluate
         from albatross.harness.agent import build_agent
 
         agent = build_agent(self.eval_cfg(harness, temperature), engine, self.backend, self.tokenizer)
-        return evaluate(agent, self.heldout, self.cfg.eval.trials)
+        return evaluate(agent, self.heldout, trials or self.cfg.eval.trials, workers=workers)
 
 
 def _log(line: str) -> None:
@@ -289,8 +291,8 @@ def _group_size(cfg: Any) -> int:
 
 def _probe(w: Workload, engine: Any, tasks: list, backend: Any, retries: int) -> list:
     from albatross.harness.agent import build_agent
-    from albatross.orchestrator.buffer import GroupScorer
     from albatross.orchestrator.loop import _test_weights
+    from albatross.rl.scoring import GroupScorer
     from albatross.tasks.probe import probe
 
     agent = build_agent(w.cfg, engine, backend, w.tokenizer)
@@ -560,8 +562,9 @@ def run_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
     """The trained model on the held-out tasks with redirection + compression off and on, equal display limit;
-    cost per attempt with cached input tokens priced as cached (``bench harness``'s prices). Decoding is greedy,
-    so where the harness shows the model the same observations both configurations run the same attempts."""
+    cost per attempt with cached input tokens priced as cached (``bench harness``'s prices). Decoding is greedy
+    and one attempt runs at a time (one trial per task: greedy trials repeat), so where the harness shows the
+    model the same observations both configurations run the same attempts."""
     from albatross.bench.harness import attempt_cost, prices
 
     price = prices(argparse.Namespace(price_cached=0.1, price_output=5.0))
@@ -569,7 +572,8 @@ def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
     results, settings = {}, {}
     try:
         for name, knobs in HARNESS_CONFIGS.items():
-            result = w.evaluate(engine, knobs, temperature=0.0)  # greedy: only the harness differs
+            # greedy, one attempt at a time (a batch's make-up can flip a near-tie): only the harness differs
+            result = w.evaluate(engine, knobs, temperature=0.0, trials=1, workers=1)
             costs = [attempt_cost(t, price)[1] for t in result.trajectories]
             cost, cost_se = mean_se(costs)
             results[name] = {**_eval_fields(result), "cost_per_attempt": round(cost, 2),
@@ -578,7 +582,7 @@ def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
                                                                           for t in result.trajectories), **knobs}
             settings[name] = {"max_observation_chars": w.cfg.harness.max_observation_chars, "prices": price,
                               "policy": f"trained demo model {model_dir.name}, greedy", "tasks": len(w.heldout),
-                              "trials": w.cfg.eval.trials}
+                              "trials": 1}
     finally:
         engine.close()
     off, on = results["off"], results["on"]
@@ -743,7 +747,10 @@ def _harness_notes(h: dict[str, Any]) -> list[str]:
     out.append("harness: the demo's commands finish in well under a second, so background jobs have nothing to "
                "overlap and are not in this figure (bench harness measures them with a scripted policy)")
     costs = [c.get(k) for c in (on, off) for k in ("cost_per_attempt", "cost_per_attempt_se")]
-    if None not in costs and equal_within_se(*costs):
+    if None not in costs and costs[0] == costs[2]:
+        out.append("harness: with and without the features every attempt costs the same: on this workload they "
+                   "change nothing the model sees (every output fits the display limit)")
+    elif None not in costs and equal_within_se(*costs):
         out.append("harness: the cost with and without the features differs by less than one standard error "
                    "(within noise)")
     if h.get("equal_success_within_se") is False:

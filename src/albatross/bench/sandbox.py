@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.sandbox.local import LocalBackend, local_available, unavailable_reason, userns_available
 
     if not local_available():
-        from albatross.cli import UserError
+        from albatross.errors import UserError
 
         raise UserError(f"bench sandbox needs the local sandbox: {unavailable_reason()}")
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]

@@ -58,8 +58,9 @@ class Engine(Protocol):
         ...
 
     @property
-    def busy_seconds(self) -> float:
-        """Seconds spent generating so far, summed over replicas (the rest of the wall time they were idle)."""
+    def busy_seconds(self) -> float | None:
+        """Seconds spent generating so far, summed over replicas (the rest of the wall time they were idle);
+        None when the engine does not measure it."""
         ...
 
     @property
@@ -81,8 +82,8 @@ class SingleEngine:
         return _Borrowed(self)
 
     @property
-    def busy_seconds(self) -> float:
-        return 0.0
+    def busy_seconds(self) -> float | None:
+        return None
 
     @property
     def num_replicas(self) -> int:

@@ -381,10 +381,12 @@ class EnginePool:
             self.on_restart(self)
 
     @property
-    def busy_seconds(self) -> float:
-        """Forward-pass seconds summed over the replicas (a restarted replica counts from zero again)."""
-        return sum(float(getattr(r.engine, "busy_seconds", 0.0)) for r in self.replicas
-                   if r.engine is not None and r.alive())
+    def busy_seconds(self) -> float | None:
+        """Forward-pass seconds summed over the replicas that measure them (a restarted replica counts from
+        zero again); None when none does."""
+        busy = [r.engine.busy_seconds for r in self.replicas if r.engine is not None and r.alive()]
+        known = [float(b) for b in busy if b is not None]
+        return sum(known) if known else None
 
     def urls(self) -> list[str]:
         """Base URLs of the replicas that are servers (empty strings for in-process ones)."""

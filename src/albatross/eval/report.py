@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from albatross.errors import UserError
 from albatross.eval.run import Price, load_attempts, load_prices, summarize
 from albatross.records import read_jsonl
 
@@ -38,7 +39,7 @@ _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e
 _MARKERS = ["o", "s", "D", "^", "v", "P", "X", "*", "<", ">"]
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """A report input is unusable; the message is one line naming the directory or file."""
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from albatross.harness.agent import AttemptSpec
+from albatross.harness.retry import run_with_retries
 from albatross.records import STATUS_INFRA_ERROR, Trajectory, append_jsonl, read_jsonl
 from albatross.tasks.format import Task
 
@@ -118,23 +119,6 @@ def _task_se(outcomes: list[list[bool]]) -> float | None:
 # ------------------------------------------------------------------------------------------- running
 
 
-def run_attempt(agent: Runner, spec: AttemptSpec, retries: int, counts: Counter,
-                on_try: Callable[[Trajectory], None] | None = None) -> Trajectory:
-    """Run one attempt; an infrastructure error is retried on a fresh fork (up to ``retries`` times).
-
-    Every try, failed or not, is passed to ``on_try``; ``counts["infra_error_attempts"]`` counts the
-    tries that ended in an infrastructure error."""
-    for _ in range(retries + 1):
-        traj = agent.run(spec)
-        if traj.status == STATUS_INFRA_ERROR:
-            counts["infra_error_attempts"] += 1
-        if on_try is not None:
-            on_try(traj)
-        if traj.status != STATUS_INFRA_ERROR:
-            break
-    return traj
-
-
 def evaluate(agent: Runner, tasks: list[Task], trials: int, workers: int = 16,
              out_jsonl: Path | None = None, retries: int = 3, progress=None,
              skip: Iterable[tuple[str, int]] = (),
@@ -162,7 +146,7 @@ def evaluate(agent: Runner, tasks: list[Task], trials: int, workers: int = 16,
                 on_try(traj)
 
     def one(spec: AttemptSpec) -> Trajectory:
-        traj = run_attempt(agent, spec, retries, counts, record)
+        traj = run_with_retries(agent, spec, retries, counts, record)
         with lock:
             finished[0] += 1
             if progress is not None:

@@ -106,7 +106,7 @@ class Agent:
         return traj
 
     def _close(self, attempt: Attempt, episode: Episode | None, traj: Trajectory) -> None:
-        if episode is not None and episode.toolbox.dir and not getattr(self.backend, "isolated", True):
+        if episode is not None and episode.toolbox.dir and not self.backend.isolated:
             with contextlib.suppress(Exception):  # an isolated sandbox's close kills jobs itself
                 episode.toolbox.kill_jobs()
         try:

@@ -13,77 +13,29 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import queue
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from albatross.config import RunConfig
-from albatross.eval.run import run_attempt
 from albatross.harness.agent import Agent, AttemptSpec
-from albatross.orchestrator.buffer import BatchBuilder, GroupScorer, admissible
+from albatross.orchestrator.buffer import BatchBuilder, admissible
+from albatross.orchestrator.launcher import Launcher, LocalLauncher
 from albatross.orchestrator.metrics import MetricsSink
 from albatross.orchestrator.state import RunState, TaskSampler, count_lines, prune_before, truncate_lines
-from albatross.orchestrator.trainer_worker import trainer_main
 from albatross.records import STATUS_INFRA_ERROR, Group, Trajectory, append_jsonl
+from albatross.rl.scoring import GroupScorer
 from albatross.tasks.format import Task
 
 
 class TrainerDied(RuntimeError):
     """The trainer process failed; the run stopped with everything needed to resume."""
-
-
-def run_with_retries(agent: Agent, spec: AttemptSpec, retries: int, counts: Counter) -> Trajectory:
-    """Run an attempt; an infrastructure error is retried on a fresh fork, never scored. Each failed
-    try is counted in ``infra_error_attempts`` and by kind in ``infra_error:<kind>`` (the error's class:
-    ForkError, SandboxDied, VerifierError, ...)."""
-
-    def count_kind(traj: Trajectory) -> None:
-        if traj.status == STATUS_INFRA_ERROR:
-            counts[f"infra_error:{traj.error.split(':', 1)[0].strip() or 'unknown'}"] += 1
-
-    return run_attempt(agent, spec, retries, counts, on_try=count_kind)
-
-
-class ThreadRollouts:
-    """Attempts on threads of this process (the sandboxes run on this machine)."""
-
-    def __init__(self, agent: Agent, workers: int, retries: int, counts: Counter) -> None:
-        self.agent, self.retries, self.counts = agent, retries, counts
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="rollout")
-
-    def submit(self, spec: AttemptSpec) -> Future:
-        return self.pool.submit(run_with_retries, self.agent, spec, self.retries, self.counts)
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-class LocalLauncher:
-    """Where the parts of a run live: the trainer in a spawned process, rollouts on threads here.
-    ``orchestrator/ray_backend.py`` has the same methods for a Ray cluster."""
-
-    name = "local"
-
-    def queues(self, maxsize: int):
-        ctx = mp.get_context("spawn")
-        return ctx.Queue(maxsize=maxsize), ctx.Queue()
-
-    def start_trainer(self, args: tuple):
-        proc = mp.get_context("spawn").Process(target=trainer_main, daemon=True, name="albatross-trainer",
-                                               args=args)
-        proc.start()
-        return proc
-
-    def rollouts(self, loop: AsyncLoop) -> ThreadRollouts:
-        return ThreadRollouts(loop.agent, loop.cfg.orchestrator.rollout_workers,
-                              loop.cfg.sandbox.max_infra_retries, loop.counts)
 
 
 @dataclass
@@ -100,7 +52,7 @@ class AsyncLoop:
                  run_dir: Path, log: Callable[[str], None] = print, resume: bool = False,
                  launcher: Any = None) -> None:
         self.cfg, self.agent, self.engine, self.tasks = cfg, agent, engine, tasks
-        self.launcher = launcher or LocalLauncher()
+        self.launcher: Launcher = launcher or LocalLauncher()
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
@@ -174,7 +126,7 @@ class AsyncLoop:
         that tests and operators can find them; rewritten when one is restarted."""
         pids = {"orchestrator": os.getpid(), "trainer": self._trainer_pid}
         for part in (self.engine, self.agent.backend, self.launcher):
-            pids.update(getattr(part, "pids", dict)())
+            pids.update(part.pids())
         if pids != self._pids:
             self._pids = pids
             tmp = self.run_dir / "pids.json.tmp"
@@ -328,9 +280,9 @@ class AsyncLoop:
             "infra_dropped_groups": bc["dropped_infra_error"],
             "stale_dropped_groups": bc["dropped_stale"],
             "infra_error_attempts": c["infra_error_attempts"],
-            "engine_restarts": getattr(self.engine, "restarts", 0),
+            "engine_restarts": self.engine.restarts,
             **({} if (idle := self._engine_idle_share()) is None else {"engine_idle_share": idle}),
-            "sandbox_restarts": getattr(self.agent.backend, "restarts", 0),
+            "sandbox_restarts": self.agent.backend.restarts,
             "dropped_stale_tokens_total": c["dropped_stale_tokens"],
             "queue_depth": self._batches_sent - self.state.step,
             "engine_tokens_per_s": c["completion_tokens"] / max(elapsed, 1e-6),
@@ -342,7 +294,7 @@ class AsyncLoop:
         return record
 
     def _engine_busy(self) -> float | None:
-        busy = getattr(self.engine, "busy_seconds", None)
+        busy = self.engine.busy_seconds
         return None if busy is None else float(busy)
 
     def _engine_idle_share(self) -> float | None:
@@ -351,7 +303,7 @@ class AsyncLoop:
         (then, before), self._busy_mark = self._busy_mark, (now, busy)
         if busy is None or before is None or now <= then:
             return None
-        capacity = (now - then) * len(getattr(self.engine, "replicas", [0]))
+        capacity = (now - then) * self.engine.num_replicas
         return min(1.0, max(0.0, 1.0 - max(0.0, busy - before) / capacity))
 
     def _status(self, inflight: list[_PendingGroup]) -> dict[str, Any]:
@@ -359,7 +311,7 @@ class AsyncLoop:
                 "pass": self._last_pass_rate, "groups in flight": len(inflight),
                 "batches waiting": self._batches_sent - self.state.step,
                 "attempts": self.counts["attempts"], "infra": self.counts["infra_error_attempts"],
-                **({"engine restarts": self.engine.restarts} if getattr(self.engine, "restarts", 0) else {})}
+                **({"engine restarts": self.engine.restarts} if self.engine.restarts else {})}
 
 
 def _test_weights(path: str) -> dict[str, dict[str, float]] | None:

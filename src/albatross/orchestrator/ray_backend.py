@@ -124,7 +124,7 @@ class RolloutWorker:
         return os.getpid()
 
     def run(self, spec: Any) -> tuple[Trajectory, dict[str, int]]:
-        from albatross.orchestrator.loop import run_with_retries
+        from albatross.harness.retry import run_with_retries
 
         counts: Counter = Counter()
         traj = run_with_retries(self.agent, spec, self.retries, counts)

@@ -11,7 +11,7 @@ from typing import Any
 from albatross.config import ModelConfig, RunConfig, load_config
 
 QUICK_OVERRIDES = [
-    "tasks.n_train=240", "tasks.n_heldout=8", "warmstart.steps=300", "warmstart.check_every=25",
+    "tasks.n_train=240", "tasks.n_heldout=8", "tasks.n_validation=0", "warmstart.steps=300", "warmstart.check_every=25",
     "orchestrator.max_steps=8", "orchestrator.max_minutes=1.0", "orchestrator.groups_per_step=2",
     "eval.trials=3",
 ]
@@ -29,7 +29,7 @@ def demo_config(config_path: str | None, quick: bool, out: str | None, overrides
     return load_config(path, extra)
 
 
-def demo_tokenizer(families: list[str] | None = None):
+def demo_tokenizer(families: list[str] | None = None, heldout_families: list[str] | None = None):
     """The tiny model's tokenizer, a transformers tokenizer with its own chat template (``tiny_hf_tokenizer``):
     whole words of the corpus of the built-in families it trains on (the demo's three by default, so that adding
     families elsewhere never changes the demo model's vocabulary), bytes for everything else."""
@@ -37,7 +37,8 @@ def demo_tokenizer(families: list[str] | None = None):
     from albatross.harness.chat import TinyTokenizer
     from albatross.tasks.builtin import DEMO_FAMILIES, corpus_strings
 
-    return tiny_hf_tokenizer(TinyTokenizer.from_corpus(corpus_strings(families or DEMO_FAMILIES)).words)
+    names = [*(families or DEMO_FAMILIES), *(f for f in heldout_families or [] if f not in (families or DEMO_FAMILIES))]
+    return tiny_hf_tokenizer(TinyTokenizer.from_corpus(corpus_strings(names)).words)
 
 
 def build_tiny(cfg: ModelConfig, tokenizer: Any, seed: int = 0):

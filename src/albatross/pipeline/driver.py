@@ -80,6 +80,7 @@ class Pipeline:
                              resume=self.resume, launcher=ray_run)
             state = loop.run()
             trained = self._trained_eval(evaluator, heldout)
+            self.validation_result = self._validation_eval(evaluator)
             version = int(engine.version)
         finally:
             if ray_run is not None:
@@ -98,29 +99,39 @@ class Pipeline:
         if not self.resume:
             for name in ("run", "tasks", "final"):
                 shutil.rmtree(out / name, ignore_errors=True)
-            for name in ("eval_base.jsonl", "eval_trained.jsonl", "summary.json"):
+            for name in ("eval_base.jsonl", "eval_trained.jsonl", "eval_validation.jsonl", "summary.json"):
                 (out / name).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         (out / "command").write_text(self.command + "\n")  # what `--resume` continues and its title names
 
     def _tasks(self) -> tuple[list, list]:
+        """Training and held-out tasks (``tasks.train`` / ``heldout``, or generated built-in ones); generated
+        validation tasks go to ``self.validation``."""
         from albatross.tasks.builtin import generate_tasks
         from albatross.tasks.format import load_tasks
 
         tc = self.cfg.tasks
         generated = self.out / "tasks"
+        self.validation: list = []
         if tc.train:
             train, heldout = load_tasks(tc.train), load_tasks(tc.heldout) if tc.heldout else []
-        elif self.resume and (generated / "train").is_dir():
-            train, heldout = load_tasks(generated / "train"), load_tasks(generated / "heldout")
         else:
-            paths = generate_tasks(generated, families=tc.families or None, n_train=tc.n_train,
-                                   n_heldout=tc.n_heldout, seed=tc.seed)
-            train, heldout = load_tasks(paths["train"]), load_tasks(paths["heldout"])
+            if not (self.resume and (generated / "train").is_dir()):
+                try:
+                    generate_tasks(generated, families=tc.families or None, n_train=tc.n_train,
+                                   n_heldout=tc.n_heldout, seed=tc.seed, n_validation=tc.n_validation,
+                                   heldout_families=tc.heldout_families)
+                except (KeyError, ValueError) as e:
+                    raise UserError(f"tasks.families / tasks.heldout_families: {e}") from None
+            train, heldout = load_tasks(generated / "train"), load_tasks(generated / "heldout")
+            if tc.n_validation:
+                self.validation = load_tasks(generated / "validation")
         if not train:
             raise UserError(f"tasks.train {tc.train}: no task directories found")
-        self.log(f"[tasks] {len(train)} train, {len(heldout)} held-out tasks")
+        self.log(f"[tasks] {len(train)} train, {len(heldout)} held-out"
+                 + (f", {len(self.validation)} validation" if self.validation else "") + " tasks"
+                 + (f" (held-out families: {', '.join(tc.heldout_families)})" if tc.heldout_families else ""))
         return train, heldout
 
     def _model(self) -> tuple[Any, Path | None]:
@@ -131,7 +142,7 @@ class Pipeline:
 
         if self.cfg.model.path:
             return check_model_dir(self.cfg.model.path, self.cfg.harness.action_format), Path(self.cfg.model.path)
-        return demo_tokenizer(self.cfg.tasks.families), None
+        return demo_tokenizer(self.cfg.tasks.families, self.cfg.tasks.heldout_families), None
 
     def _backend(self) -> Any:
         from albatross.sandbox import backend_from_config
@@ -215,6 +226,16 @@ class Pipeline:
         self.log(f"[eval] trained held-out pass@1 {_fmt(result)}")
         return result
 
+    def _validation_eval(self, agent: Any) -> Any:
+        """The trained model on the validation split (``tasks.n_validation``): the figure to tune on."""
+        from albatross.eval.run import evaluate
+
+        if not self.validation:
+            return None
+        result = evaluate(agent, self.validation, self.cfg.eval.trials, out_jsonl=self.out / "eval_validation.jsonl")
+        self.log(f"[eval] trained validation pass@1 {_fmt(result)}")
+        return result
+
     def _export_final(self, base_dir: Path, version: int) -> None:
         """``<out>/final``: the last trained weights with the model's tokenizer and chat template, a directory
         that loads with transformers (``AutoModelForCausalLM.from_pretrained``) and serves with any engine."""
@@ -245,6 +266,8 @@ class Pipeline:
             **summ.eval_fields("base", base), **summ.eval_fields("trained", trained),
             "heldout_pass_at_1_by_family": summ.by_family(base=base, trained=trained),
             "heldout_tasks": n_heldout,
+            **({"validation_pass_at_1": summ.eval_fields("validation", self.validation_result)["validation_pass_at_1"]}
+               if self.validation_result is not None else {}),
             "train_steps": state.step,
             "wall_seconds": round(seconds, 1),
             "tokens_per_solve_base": round(base.tokens_per_solve, 2) if base else None,

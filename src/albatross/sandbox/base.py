@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 # Values of ExecResult.limit, most decisive first (when several are hit, the first one is reported).
 LIMIT_OOM = "oom"  # the memory limit was hit: the kernel killed a process of the attempt
@@ -122,8 +122,19 @@ class Attempt(Protocol):
 
 
 class Backend(Protocol):
+    """Every member a caller of a sandbox backend uses (``local.py``, ``process.py``)."""
+
     name: str
-    isolated: bool
+    isolated: bool  # False: no isolation at all (``process``), and the harness says so loudly
+    restarts: int  # sandbox helpers (zygotes) started again after dying
+
+    def prepare(self, env_dir: Path | None) -> Any:
+        """Build (once, cached) the parent environment that attempts of ``env_dir`` fork from."""
+        ...
+
+    def pids(self) -> dict[str, int]:
+        """Processes this backend started (``run/pids.json``), by name."""
+        ...
 
     def fork(self, env_dir: Path | None, workdir: str = "/app", limits: Limits | None = None) -> Attempt:
         """Fork an attempt from the prepared environment built from ``env_dir``.

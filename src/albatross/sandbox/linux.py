@@ -87,18 +87,20 @@ def join_new_session_keyring() -> None:
            "keyctl join session keyring")
 
 
-_PARK_STACK = ctypes.create_string_buffer(64 << 10)  # clone_paused children only ever run pause() on it
+_PARK_STACK = ctypes.create_string_buffer(64 << 10)  # clone_parked children only ever run sleep() on it
 _CLONE_VM = 0x00000100
 _SIGCHLD = 17
 
 
-def clone_paused(flags: int) -> int:
-    """clone(2) a child with ``flags`` (e.g. CLONE_NEWUSER) that shares our memory and only waits in
-    pause() until killed: a cheap holder of new namespaces (no copy of our address space, no Python in
-    the child). Returns its pid; the caller kills and reaps it."""
-    pause = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(ctypes.cast(_libc.pause, ctypes.c_void_p).value)
+def clone_parked(flags: int, seconds: int = 5) -> int:
+    """clone(2) a child with ``flags`` (e.g. CLONE_NEWUSER) that shares our memory and only sleeps for
+    ``seconds``, then exits: a cheap holder of new namespaces (no copy of our address space, no Python
+    in the child). It holds copies of our file descriptors while it lives, so the caller kills and reaps
+    it at once; if the caller dies first, it is gone ``seconds`` later. Returns its pid."""
+    sleep = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(ctypes.cast(_libc.sleep, ctypes.c_void_p).value)
     top = ctypes.c_void_p((ctypes.addressof(_PARK_STACK) + len(_PARK_STACK) - 64) & ~15)
-    return _check(_libc.clone(pause, top, ctypes.c_int(flags | _CLONE_VM | _SIGCHLD), None), "clone")
+    return _check(_libc.clone(sleep, top, ctypes.c_int(flags | _CLONE_VM | _SIGCHLD), ctypes.c_void_p(seconds)),
+                  "clone")
 
 
 def pivot_root_here() -> None:

@@ -213,6 +213,10 @@ class ProcessBackend:
 
     name = "process"
     isolated = False
+    restarts = 0  # no helper process to restart
+
+    def pids(self) -> dict[str, int]:
+        return {}
 
     def __init__(
         self,

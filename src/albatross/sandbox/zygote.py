@@ -79,8 +79,9 @@ class _State:
     def _new_userns(self) -> int:
         try:
             return _make_userns(self.id_base, self.creator_uid())
-        except OSError:  # e.g. unprivileged user namespaces forbidden: fall back to the shared one
-            self.own_userns = False
+        except OSError as err:  # clone refused (user namespaces forbidden): fall back to the shared one
+            if "clone" in str(err):
+                self.own_userns = False
             raise
 
     def take_userns(self) -> int | None:
@@ -127,22 +128,28 @@ def _build_seccomp() -> tuple[Any, str]:
 def _make_userns(id_base: int, creator: int = 0) -> int:
     """Create a sandbox user namespace (uid/gid 0..65535 inside = id_base.. on the host) owned by host
     uid ``creator`` (charged for what the namespace's users count against per-user limits). A child
-    cloned straight into it (sharing our memory, parked in pause()) holds it while we write its maps."""
-    if creator:
-        os.setresuid(0, creator, 0)  # the owner is the effective uid; the saved uid is the way back
-    try:
-        pid = linux.clone_paused(linux.CLONE_NEWUSER)
-    finally:
+    cloned straight into it (sharing our memory, parked in sleep()) holds it while we write its maps."""
+    for tries_left in (2, 1, 0):
         if creator:
-            os.setresuid(0, 0, 0)
-    try:
-        for name in ("uid_map", "gid_map"):
-            linux.write_file(f"/proc/{pid}/{name}", f"0 {id_base} {ID_COUNT}\n")
-        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):  # with SIGCHLD ignored the kernel reaps it
-            os.waitpid(pid, 0)
+            os.setresuid(0, creator, 0)  # the owner is the effective uid; the saved uid is the way back
+        try:
+            pid = linux.clone_parked(linux.CLONE_NEWUSER)
+        finally:
+            if creator:
+                os.setresuid(0, 0, 0)
+        try:
+            for name in ("uid_map", "gid_map"):
+                linux.write_file(f"/proc/{pid}/{name}", f"0 {id_base} {ID_COUNT}\n")
+            return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # the child's sleep ran out first (we were not scheduled for seconds): again
+            if not tries_left:
+                raise
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):  # with SIGCHLD ignored the kernel reaps it
+                os.waitpid(pid, 0)
+    raise AssertionError("unreachable")
 
 
 def zygote_main() -> None:

@@ -338,11 +338,7 @@ def _attempt(backend: Backend, task: Task, kind: str, limits: Limits, scan: bool
 
 
 def _prepare(backend: Backend, task: Task) -> None:
-    prepare = getattr(backend, "prepare", None)
-    if prepare is not None:
-        prepare(task.env_dir)
-    else:
-        backend.fork(task.env_dir, task.workdir).close()
+    backend.prepare(task.env_dir)
 
 
 def task_limits(task: Task, options: GateOptions, scale: float = 1.0) -> Limits:

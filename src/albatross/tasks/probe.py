@@ -53,7 +53,7 @@ def probe(agent: Any, tasks: list[Task], attempts: int, scorer: Any, retries: in
     if attempts < MIN_ATTEMPTS:
         raise ValueError(f"attempts must be at least {MIN_ATTEMPTS} (DESIGN.md: probe each task >= 4 times)")
     from albatross.harness.agent import AttemptSpec
-    from albatross.orchestrator.loop import run_with_retries
+    from albatross.harness.retry import run_with_retries
 
     counts: dict[str, Counter] = {t.id: Counter() for t in tasks}
     specs = [AttemptSpec(t, f"probe-{t.id}", i) for t in tasks for i in range(attempts)]

@@ -177,7 +177,8 @@ class HybridRunner(ModelRunner):
         kwargs = {self._cache_kwarg: seq.cache}
         out = self.model(input_ids=ids_1T, use_cache=True, logits_to_keep=1, **kwargs)
         if self.recorder is not None:
-            seq.routing = (seq.routing or []) + [self.recorder.last_token()]
+            seq.routing = seq.routing if seq.routing is not None else []
+            seq.routing.append(self.recorder.last_token())
         return out.logits[:, -1, :]
 
     def _sample_append(self, seq: _HybridSeq, logits_1V: torch.Tensor) -> str | None:

@@ -8,40 +8,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from albatross.errors import UserError
 
 AGENTS = ("model", "oracle", "noop")
 NOOP_ACTION = "```bash\nsubmit\n```"
 ATTEMPTS_FILE, CONFIG_FILE, SUMMARY_FILE = "attempts.jsonl", "eval.json", "summary.json"
 _IDENTITY = ("agent", "model", "label")
-EXIT_USER_ERROR = 2
+
 TINY_TOKENIZER = "albatross_tokenizer.json"
 TOKENIZER_FILES = (TINY_TOKENIZER, "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-class EvalError(Exception):
-    """A user error of ``eval`` or ``report``: printed as one line, exit code 2."""
-
-
-def _one_line_errors(fn: Callable[[argparse.Namespace, list[str]], int]) -> Callable[..., int]:
-    @functools.wraps(fn)
-    def run(args: argparse.Namespace, extra: list[str]) -> int:
-        try:
-            return fn(args, extra)
-        except EvalError as e:
-            print(f"albatross: error: {e}", file=sys.stderr)
-            return EXIT_USER_ERROR
-
-    return run
 
 
 def register(sub: Any, tasks_sub: Any) -> None:
@@ -94,13 +79,12 @@ class _Model:
     remote: Any = None  # a connected remote engine (closed by cmd_eval)
 
 
-@_one_line_errors
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.config import load_config
 
     _check_counts(args)
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise EvalError(f"--out {args.out}: exists and is not a directory")
+        raise UserError(f"--out {args.out}: exists and is not a directory")
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     cfg.sampling.temperature = cfg.eval.temperature
     tasks = _usable_tasks(args.tasks, args.agent == "oracle")
@@ -126,9 +110,9 @@ def _normalise(override: str) -> str:
 def _check_counts(args: argparse.Namespace) -> None:
     for name in ("trials", "workers"):
         if getattr(args, name) < 1:
-            raise EvalError(f"--{name} must be at least 1")
+            raise UserError(f"--{name} must be at least 1")
     if args.retries < 0:
-        raise EvalError("--retries must be 0 or more")
+        raise UserError("--retries must be 0 or more")
 
 
 def _resolve_model(args: argparse.Namespace) -> _Model:
@@ -136,19 +120,19 @@ def _resolve_model(args: argparse.Namespace) -> _Model:
         return _Model(args.agent)
     spec = args.model
     if not spec:
-        raise EvalError("--model SPEC is required (or use --agent oracle / --agent noop)")
+        raise UserError("--model SPEC is required (or use --agent oracle / --agent noop)")
     if spec.startswith(("http://", "https://")):
         return _remote_model(args, spec)
     path = Path(spec)
     if not (path / "config.json").is_file():
-        raise EvalError(f"{spec}: not a model directory (no config.json) and not an http(s) URL")
+        raise UserError(f"{spec}: not a model directory (no config.json) and not an http(s) URL")
     return _Model(path.resolve().name, str(path.resolve()), path.resolve(), _tokenizer_dir(args.tokenizer or path))
 
 
 def _tokenizer_dir(directory: str | Path) -> Path:
     path = Path(directory)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise EvalError(f"{path}: no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); pass --tokenizer DIR "
+        raise UserError(f"{path}: no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); pass --tokenizer DIR "
                         "(e.g. the run's base model directory)")
     return path.resolve()
 
@@ -158,16 +142,16 @@ def _remote_model(args: argparse.Namespace, url: str) -> _Model:
     import importlib.util
 
     if importlib.util.find_spec("albatross.engine.remote") is None:
-        raise EvalError(f"{url}: remote engines: not available yet (use a local model directory)")
+        raise UserError(f"{url}: remote engines: not available yet (use a local model directory)")
     if not args.tokenizer:
-        raise EvalError(f"{url}: --tokenizer DIR is required with a server URL (the served model's tokenizer)")
+        raise UserError(f"{url}: --tokenizer DIR is required with a server URL (the served model's tokenizer)")
     tokenizer = _tokenizer_dir(args.tokenizer)
     from albatross.engine.remote import RemoteError, SGLangEngine, VLLMEngine
 
     try:
         engine = {"vllm": VLLMEngine, "sglang": SGLangEngine}[args.server](url, connect_timeout=15.0)
     except RemoteError as e:
-        raise EvalError(str(e).splitlines()[0]) from None
+        raise UserError(str(e).splitlines()[0]) from None
     return _Model(str(engine.model), url, None, tokenizer, engine)
 
 
@@ -179,7 +163,7 @@ def _price(path: str | None, label: str):
     try:
         prices = load_prices(path)
     except ValueError as e:
-        raise EvalError(str(e)) from None
+        raise UserError(str(e)) from None
     price = prices.get(label) or prices.get("*")
     if price is None:
         print(f'albatross: note: {path} has no ["{label}"] or ["*"] entry; cost counted as 0', file=sys.stderr)
@@ -203,11 +187,11 @@ def _usable_tasks(paths: list[str], oracle: bool) -> list:
             print(f"albatross: skipping task {task_dir}: {problem.splitlines()[0]}", file=sys.stderr)
             continue
         if task.id in seen:
-            raise EvalError(f"{task_dir}: duplicate task id {task.id!r} (also {seen[task.id]})")
+            raise UserError(f"{task_dir}: duplicate task id {task.id!r} (also {seen[task.id]})")
         seen[task.id] = task_dir
         tasks.append(task)
     if not tasks:
-        raise EvalError(f"no task in {' '.join(paths)} can run (each skipped above)")
+        raise UserError(f"no task in {' '.join(paths)} can run (each skipped above)")
     return tasks
 
 
@@ -235,17 +219,17 @@ def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model,
 def _check_resume(out: Path, config: dict[str, Any]) -> None:
     path = out / CONFIG_FILE
     if out.exists() and not out.is_dir():
-        raise EvalError(f"--out {out}: exists and is not a directory")
+        raise UserError(f"--out {out}: exists and is not a directory")
     if path.is_file():
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EvalError(f"{path}: invalid JSON: {e}") from None
+            raise UserError(f"{path}: invalid JSON: {e}") from None
         if not isinstance(old, dict):
-            raise EvalError(f"{path}: not an eval config (a JSON object); choose another --out")
+            raise UserError(f"{path}: not an eval config (a JSON object); choose another --out")
         for key in _IDENTITY:
             if old.get(key) != config[key]:
-                raise EvalError(f"{path}: {out} holds an eval with {key} {old.get(key)!r}, not "
+                raise UserError(f"{path}: {out} holds an eval with {key} {old.get(key)!r}, not "
                                 f"{config[key]!r}; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
@@ -276,7 +260,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
         records = load_attempts(out / ATTEMPTS_FILE)
         skip = finished_pairs(records)
     except (UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise EvalError(f"{out / ATTEMPTS_FILE}: not an attempts file ({type(e).__name__}: {e}); "
+        raise UserError(f"{out / ATTEMPTS_FILE}: not an attempts file ({type(e).__name__}: {e}); "
                         "choose another --out") from None
     todo = sum((t.id, i) not in skip for t in tasks for i in range(args.trials))
     print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
@@ -462,17 +446,16 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 # -------------------------------------------------------------------------------------------- report
 
 
-@_one_line_errors
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.eval.report import ReportError, write_report
 
     try:
         path = write_report(args.dirs, args.out, prices=args.prices, title=args.title)
     except ReportError as e:
-        raise EvalError(str(e)) from None
+        raise UserError(str(e)) from None
     except UnicodeDecodeError as e:  # a binary attempts / summary file among the inputs
-        raise EvalError(f"{' '.join(args.dirs)}: a results file is not UTF-8 text ({e.reason})") from None
+        raise UserError(f"{' '.join(args.dirs)}: a results file is not UTF-8 text ({e.reason})") from None
     except IsADirectoryError as e:
-        raise EvalError(f"--out {args.out}: is a directory ({e.strerror})") from None
+        raise UserError(f"--out {args.out}: is a directory ({e.strerror})") from None
     print(f"written: {path}")
     return 0

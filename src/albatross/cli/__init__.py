@@ -144,19 +144,15 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-# Command groups contributed by the stage packages: each module has `register(subparsers)` and imports
+# The other command groups, one module each in this package: `register(subparsers, tasks_subparsers)`; they import
 # nothing heavy at module level.
-PLUGINS = ("albatross.sandbox.commands", "albatross.tasks.commands", "albatross.engine.commands",
-           "albatross.eval.commands", "albatross.orchestrator.commands")
+PLUGINS = ("albatross.cli.sandbox", "albatross.cli.tasks", "albatross.cli.engine", "albatross.cli.eval")
 
 
 def _register_plugins(sub, tasks_sub) -> None:
     import importlib
-    import importlib.util
 
     for name in PLUGINS:
-        if importlib.util.find_spec(name) is None:
-            continue
         importlib.import_module(name).register(sub, tasks_sub)
 
 
@@ -274,7 +270,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"albatross: error: no space left on the device{where}; free some space and rerun (a run or an "
               "eval resumes where it stopped)", file=sys.stderr)
         return EXIT_USER_ERROR
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -92,14 +92,15 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.config import load_config
-    from albatross.tasks.format import load_tasks
     from albatross.tasks.probe import MIN_ATTEMPTS, format_table, probe, write_json
 
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     attempts = args.attempts or cfg.orchestrator.group_size
     if attempts < MIN_ATTEMPTS:
         return _user_error(f"--attempts must be at least {MIN_ATTEMPTS}, got {attempts}")
-    tasks = load_tasks(args.dirs)
+    tasks = _buildable_tasks(args.dirs)
+    if not tasks:
+        return _user_error(f"no task in {' '.join(args.dirs)} can be built here (each skipped above)")
     try:
         weights = _weights(args.gates)
     except ValueError as e:
@@ -108,7 +109,7 @@ def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     engine = None
     try:
         agent, engine = _model_agent(cfg, backend, Path(args.model), Path(args.tokenizer or args.model))
-        from albatross.orchestrator.buffer import GroupScorer
+        from albatross.rl.scoring import GroupScorer
 
         rows = probe(agent, tasks, attempts, GroupScorer(cfg.rl, weights), retries=cfg.sandbox.max_infra_retries,
                      workers=cfg.orchestrator.rollout_workers,
@@ -145,6 +146,22 @@ def cmd_filter(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+
+
+def _buildable_tasks(paths: list[str]) -> list[Any]:
+    """The tasks under ``paths`` whose Dockerfile the sandbox can build; each other one is reported on stderr
+    and skipped (the build gate's check), so one bad task does not stop the others."""
+    from albatross.tasks.format import load_tasks
+    from albatross.tasks.offline import dockerfile_problem
+
+    tasks = []
+    for task in load_tasks(paths):
+        problem = dockerfile_problem(task)
+        if problem:
+            print(f"albatross: skipping task {task.path}: {problem.splitlines()[0]}", file=sys.stderr)
+        else:
+            tasks.append(task)
+    return tasks
 
 
 def _model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path) -> tuple[Any, Any]:
