@@ -167,8 +167,8 @@ def test_launched_sglang_servers_serve_reload_restart_and_stop(fake_sglang, tiny
 def test_weights_pushed_over_sglangs_weight_update_group(fake_sglang, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The ``nccl`` sender's protocol, with gloo on CPU: every server joins the group, receives each tensor
     broadcast from rank 0, and labels the later tokens with the new version; the pool's version follows."""
-    from albatross.trainer.weights.nccl import NCCLSender
     from albatross.trainer.model import load_model
+    from albatross.trainer.weights.nccl import NCCLSender
 
     cfg = run_config(type="sglang", python=sys.executable, replicas=2, start_timeout_s=120)
     pool = make_engine(cfg, tiny_model_dir, tmp_path / "run", log=lambda _: None)
@@ -241,8 +241,8 @@ def test_vllm_serves_a_tied_checkpoint_from_an_untied_copy(tiny_model_dir: Path,
 
 
 def test_the_filesystem_sender_exports_what_the_engine_reloads(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from albatross.trainer.weights import make_weight_sender
     from albatross.trainer.model import load_model
+    from albatross.trainer.weights import make_weight_sender
 
     sender = make_weight_sender(run_config(), tmp_path / "weights", tmp_path)
     assert sender.name == "filesystem"

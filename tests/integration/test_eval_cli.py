@@ -161,8 +161,8 @@ def _tiny_model_dir(root: Path, kind: str) -> Path:
     from albatross.config import ModelConfig
     from albatross.harness.chat import TinyTokenizer
     from albatross.harness.hf_chat import toy_chatml_tokenizer
-    from albatross.tasks.builtin import corpus_strings
     from albatross.pipeline.demo import build_tiny, save_model
+    from albatross.tasks.builtin import corpus_strings
     from albatross.trainer.model import tiny_causal_lm
 
     if kind == "tiny":

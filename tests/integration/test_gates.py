@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 
 from albatross.config import RunConfig
-from albatross.harness.agent import build_agent as make_agent
 from albatross.engine.scripted import ScriptedEngine
+from albatross.harness.agent import build_agent as make_agent
 from albatross.harness.chat import TinyTokenizer
+from albatross.pipeline.probe import probe
 from albatross.rl.scoring import GroupScorer
 from albatross.sandbox import LocalBackend, local_available
 from albatross.tasks import load_task, load_tasks, write_task
 from albatross.tasks.builtin import FAMILIES, corpus_strings, generate_tasks
 from albatross.tasks.filter import filter_rows
 from albatross.tasks.gates import FAIL, GATES, PASS, GateOptions, TaskReport, validate
-from albatross.tasks.probe import probe
 
 pytestmark = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroup v1 "
                                 "memory/pids controllers, namespaces and overlayfs")

@@ -25,8 +25,8 @@ def setup(tmp_path_factory):
 
 
 def test_eval_and_train_run_the_same_harness_token_for_token(setup):
-    from albatross.harness.agent import build_agent as make_agent  # what `train` and `eval` both build
     from albatross.eval.run import evaluate
+    from albatross.harness.agent import build_agent as make_agent  # what `train` and `eval` both build
     from albatross.harness.retry import run_with_retries
 
     tasks, backend, tokenizer = setup
@@ -58,9 +58,9 @@ def test_recorded_samples_reproduce_the_engines_logprobs_in_the_trainer(setup):
     from albatross.engine.builtin import BuiltinEngine
     from albatross.harness.agent import Agent
     from albatross.harness.chat import TinyChatFormat
+    from albatross.pipeline.demo import build_tiny
     from albatross.records import TrainSample
     from albatross.sandbox.base import Limits
-    from albatross.pipeline.demo import build_tiny
     from albatross.trainer.packing import pack
     from albatross.trainer.step import Trainer
 

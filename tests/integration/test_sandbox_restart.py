@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from albatross.eval.oracle import OracleAgent
-from albatross.harness.retry import run_with_retries as run_attempt
 from albatross.harness.agent import AttemptSpec
+from albatross.harness.retry import run_with_retries as run_attempt
 from albatross.records import STATUS_INFRA_ERROR, Trajectory
 from albatross.sandbox import LocalBackend, SandboxDied, SandboxError, local_available
 from albatross.sandbox.cgroups import cgroup_root

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from model_dirs import bpe_tokenizer, model_dir
 
 from albatross.sandbox import local_available
+from model_dirs import bpe_tokenizer, model_dir
 
 needs_sandbox = pytest.mark.skipif(not local_available(), reason="needs root, namespaces and overlayfs")
 

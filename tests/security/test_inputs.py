@@ -87,6 +87,7 @@ def _cases(good: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]
     (tmp / "file.txt").write_text("x\n")
     (tmp / "binary.toml").write_bytes(b"\xff\xfe\x00\x01 = 3")
     (tmp / "probe.json").write_text(json.dumps({"tasks": []}))
+    (tmp / "run.toml").write_text(f'[model]\npath = "{tmp / "no-such-model"}"\n')
     run = tmp / "run"
     run.mkdir(exist_ok=True)
     (run / "attempts.jsonl").write_bytes(b"\xff\xfe\x00\n")
@@ -114,6 +115,8 @@ def _cases(good: Path, tmp: Path) -> dict[str, tuple[list[str], tuple[str, ...]]
         "full-disk": (["tasks", "filter", str(tmp / "probe.json"), "--json", "/dev/full"], ("no space left",)),
         "serve-bad-port": (["serve", str(tmp), "--port", "-1"], ("--port",)),
         "serve-zero-concurrency": (["serve", str(tmp), "--max-concurrency", "0"], ("--max-concurrency",)),
+        "bench-sandbox-zero-concurrency": (["bench", "sandbox", "--concurrency", "0"], ("--concurrency",)),
+        "train-missing-model": (["train", str(tmp / "run.toml")], ("model.path", "no-such-model")),
     }
 
 
@@ -121,7 +124,7 @@ CASES = ["timeout-negative", "timeout-nan", "timeout-inf", "timeout-zero", "time
          "eval-out-is-a-file", "eval-binary-config", "config-binary", "train-binary", "tasks-new-unknown-family",
          "tasks-new-negative-count", "tasks-new-huge-count", "tasks-new-out-is-a-file",
          "tasks-filter-json-under-a-file", "report-binary-attempts", "full-disk", "serve-bad-port",
-         "serve-zero-concurrency"]
+         "serve-zero-concurrency", "bench-sandbox-zero-concurrency", "train-missing-model"]
 
 
 @pytest.mark.parametrize("case", CASES)

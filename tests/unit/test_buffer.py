@@ -2,8 +2,8 @@ import heapq
 
 from albatross.config import RLConfig
 from albatross.orchestrator.buffer import BatchBuilder, admissible, make_batch, oldest_version
-from albatross.rl.scoring import GroupScorer
 from albatross.records import Group, Reward, Sample, Trajectory
+from albatross.rl.scoring import GroupScorer
 
 
 def _traj(ok: bool, tokens: int, version: int = 3) -> Trajectory:

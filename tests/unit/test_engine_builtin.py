@@ -359,12 +359,11 @@ def test_busy_seconds_count_forward_passes_not_idle_time() -> None:
 def test_engine_failures_are_engine_errors_that_the_harness_retries():
     """A closed engine and a forward pass that raises both surface as ``EngineError`` (infrastructure)."""
     import pytest
+    import torch
 
     from albatross.engine.base import EngineError, SamplingParams
     from albatross.engine.builtin import BuiltinEngine
     from albatross.trainer.model import tiny_causal_lm
-
-    import torch
 
     model = tiny_causal_lm(64, 32, 1)
     model.model.norm.weight = torch.nn.Parameter(torch.ones(7))  # every forward pass now fails (shape mismatch)

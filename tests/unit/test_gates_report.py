@@ -10,8 +10,9 @@ import pytest
 
 from albatross.cli import main
 from albatross.config import RLConfig
-from albatross.rl.scoring import GroupScorer
+from albatross.pipeline.probe import probe
 from albatross.records import STATUS_INFRA_ERROR, Reward, Trajectory
+from albatross.rl.scoring import GroupScorer
 from albatross.sandbox.base import ExecResult
 from albatross.tasks import load_task, write_task
 from albatross.tasks.filter import filter_rows, format_report, zero_signal_probability
@@ -31,7 +32,7 @@ from albatross.tasks.gates import (
 )
 from albatross.tasks.leakage import find_static_leaks
 from albatross.tasks.offline import dockerfile_notes, dockerfile_problem
-from albatross.tasks.probe import MIN_ATTEMPTS, ProbeRow, probe, read_json, score_row, write_json
+from albatross.tasks.probe import MIN_ATTEMPTS, ProbeRow, read_json, score_row, write_json
 from albatross.tasks.verify import VerifierRun
 
 TEST_SH = "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"

@@ -3,11 +3,11 @@
 import json
 
 import pytest
-from model_dirs import bpe_tokenizer
 
 from albatross.config import load_config
 from albatross.errors import UserError
 from albatross.pipeline.warmstart import chat_samples, warm_start_source
+from model_dirs import bpe_tokenizer
 
 
 def test_auto_is_oracle_for_the_demo_and_off_for_a_users_model(tmp_path):

@@ -12,6 +12,7 @@ BENCHES = {
     "loop": "albatross.bench.loop",
     "packing": "albatross.bench.packing",
     "recipe": "albatross.bench.recipe",
+    "gpu": "albatross.bench.gpu",
 }
 
 

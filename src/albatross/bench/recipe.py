@@ -176,7 +176,7 @@ def table_rows(data: dict[str, Any]) -> list[tuple[str, str, str]]:
          f"{_times(data.get('tokens_per_solve_ratio'), '.3f')} (equal Pass@1 within 1 s.e.: "
          f"{data.get('tokens_per_solve_equal_pass_at_1')})"),
         ("harness cost, features on vs off", SEED_FIGURES["harness_cost_reduction"],
-         "n/a" if data.get("harness_cost_reduction") is None else f"{-data['harness_cost_reduction']:+.1%}"),
+         "n/a" if data.get("harness_cost_reduction") is None else f"{0.0 - data['harness_cost_reduction']:+.1%}"),
         ("log-prob gap at staleness 1 / 4-6", SEED_FIGURES["logprob_gap_by_staleness"],
          f"{_num(gap.get('1'), '.4f')} / " + ", ".join(_num(gap.get(str(s)), ".4f") for s in (4, 5, 6))),
         ("groups lost to infra faults, no retries -> retries", SEED_FIGURES["infra_group_loss"],
@@ -292,8 +292,8 @@ def _group_size(cfg: Any) -> int:
 def _probe(w: Workload, engine: Any, tasks: list, backend: Any, retries: int) -> list:
     from albatross.harness.agent import build_agent
     from albatross.orchestrator.loop import _test_weights
+    from albatross.pipeline.probe import probe
     from albatross.rl.scoring import GroupScorer
-    from albatross.tasks.probe import probe
 
     agent = build_agent(w.cfg, engine, backend, w.tokenizer)
     scorer = GroupScorer(w.cfg.rl, _test_weights(w.cfg.rl.test_weights))

@@ -140,13 +140,19 @@ def _make_env(root: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from albatross.errors import UserError
     from albatross.sandbox.local import LocalBackend, local_available, unavailable_reason, userns_available
 
     if not local_available():
-        from albatross.errors import UserError
-
         raise UserError(f"bench sandbox needs the local sandbox: {unavailable_reason()}")
-    levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    try:
+        levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--concurrency {args.concurrency!r}: comma-separated whole numbers") from None
+    for name, value, least in (("--forks", args.forks, 1), ("--per-level", args.per_level, 1),
+                               ("--warm", args.warm, 0), ("--concurrency", min(levels, default=0), 1)):
+        if value < least:
+            raise UserError(f"{name} must be at least {least}, got {value}")
     result: dict[str, Any] = {"forks": args.forks, "warm": args.warm, "base": args.base,
                               "userns": userns_available(), "load_avg_before": os.getloadavg()[0]}
     sh = measure_sh(args.forks)

@@ -302,7 +302,7 @@ def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):
         from albatross.sandbox.base import Limits
 
         sc = cfg.sandbox
-        return OracleAgent(backend, Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb)), None
+        return OracleAgent(backend, Limits.from_config(sc)), None
     if args.agent == "noop":
         from albatross.engine.scripted import ScriptedEngine
         from albatross.harness.chat import TinyTokenizer

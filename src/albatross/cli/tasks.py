@@ -92,7 +92,8 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.config import load_config
-    from albatross.tasks.probe import MIN_ATTEMPTS, format_table, probe, write_json
+    from albatross.pipeline.probe import probe
+    from albatross.tasks.probe import MIN_ATTEMPTS, format_table, write_json
 
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     attempts = args.attempts or cfg.orchestrator.group_size
@@ -181,8 +182,8 @@ def _model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path) -
 
 
 def _backend(kind: str, hide: list[str]) -> Any:
+    from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
-    from albatross.tasks.offline import cache_root
 
     if kind == "auto":
         kind = "local" if local_available() else "process"

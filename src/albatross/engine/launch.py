@@ -25,16 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from albatross.cache import cache_root
 from albatross.config import ConfigError, EngineConfig, RunConfig
 from albatross.engine.base import Engine
 
 ENDPOINTS_NAME = "engines.json"
 SERVER_TYPES = ("vllm", "sglang")
 MODULE = {"vllm": "vllm", "sglang": "sglang"}  # the import name of each engine's package
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross"))
 
 
 def has_cuda() -> bool:
@@ -78,7 +75,7 @@ def make_engine(cfg: RunConfig, model_dir: str | Path, run_dir: str | Path,
     elif ec.type == "builtin":
         return builtin_engine(cfg, model_dir, run_dir, log)
     else:
-        engine = launch_servers(ec, model_dir, run_dir, log)
+        engine = launch_servers(ec, model_dir, run_dir, log, first_gpu=trainer_gpu_count(cfg))
     write_endpoints(run_dir, ec, engine)
     engine.on_restart = lambda pool: write_endpoints(run_dir, ec, pool)
     return engine
@@ -145,8 +142,10 @@ def read_endpoints(run_dir: str | Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ launching
 
 
-def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None]) -> Any:
-    """Start ``engine.replicas`` vLLM / SGLang servers of ``model_dir`` and pool them."""
+def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None],
+                   first_gpu: int = 0) -> Any:
+    """Start ``engine.replicas`` vLLM / SGLang servers of ``model_dir`` and pool them; on CUDA, server ``i`` sees
+    only GPU ``first_gpu + i`` (the GPUs after the trainer's)."""
     from albatross.engine.pool import EnginePool, ServerReplica
 
     python = engine_python(ec.type, ec.python)
@@ -154,11 +153,42 @@ def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: 
     cuda = has_cuda()
     build = vllm_command if ec.type == "vllm" else sglang_command
     env = server_env(ec, cuda)
+    gpus = server_gpus(first_gpu, ec.replicas) if cuda else [None] * ec.replicas
     replicas = [ServerReplica(lambda port: build(ec, served, python, port, cuda), client_factory(ec.type, 5.0),
-                              run_dir / "logs" / f"{ec.type}-{i}.log", env, ec.start_timeout_s)
-                for i in range(ec.replicas)]
+                              run_dir / "logs" / f"{ec.type}-{i}.log",
+                              env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}, ec.start_timeout_s)
+                for i, gpu in enumerate(gpus)]
     log(f"[engine] starting {ec.replicas} {ec.type} server(s) with {python} (logs in {run_dir / 'logs'})")
     return EnginePool.started(replicas, log=log)
+
+
+def trainer_gpu_count(cfg: RunConfig) -> int:
+    """GPUs the trainer holds (0, 1, ... ``trainer.gpus - 1``); none when it runs on the CPU."""
+    return 0 if cfg.trainer.device == "cpu" else cfg.trainer.gpus
+
+
+def server_gpus(first: int, replicas: int, visible: str | None = None, count: int | None = None) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of each launched server: one GPU each, ``first``, ``first + 1``, ... (indices into
+    an inherited ``CUDA_VISIBLE_DEVICES``); a ``ConfigError`` when the machine has too few GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
+    if count is None:
+        count = len(ids) if ids is not None else _cuda_device_count()
+    if first + replicas > count:
+        raise ConfigError(f"engine.replicas: {replicas} server(s) on the GPUs after the trainer's {first} need "
+                          f"{first + replicas} GPUs; this machine has {count}")
+    return [ids[i] if ids is not None else str(i) for i in range(first, first + replicas)]
+
+
+def _cuda_device_count() -> int:
+    """GPUs torch sees, else those ``nvidia-smi -L`` lists (a CPU build of torch beside a GPU vLLM venv)."""
+    import torch
+
+    if torch.cuda.device_count():
+        return torch.cuda.device_count()
+    smi = shutil.which("nvidia-smi")
+    out = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False) if smi else None
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out and out.returncode == 0 else 0
 
 
 def served_model_dir(kind: str, model_dir: Path, run_dir: Path) -> Path:

@@ -102,16 +102,7 @@ class ProcessReplica:
         raise EngineError(f"engine server did not start within {self.start_timeout_s:.0f}s; see {self.log_path}")
 
     def close(self) -> None:
-        from albatross.engine.remote import stop_server
-
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        if self.proc is not None:
-            try:
-                stop_server(self.proc, timeout=10)
-            except ProcessLookupError:  # its process group is gone already
-                self.proc.wait()
+        _stop_replica(self, timeout=10)
 
 
 def load_newest(engine: Any, newest: Callable[[], tuple[str, int] | None]) -> Any:
@@ -192,16 +183,21 @@ class ServerReplica:
                 time.sleep(1.0)
 
     def close(self) -> None:
-        from albatross.engine.remote import stop_server
+        _stop_replica(self, timeout=30)
 
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        if self.proc is not None:
-            try:
-                stop_server(self.proc, timeout=30)
-            except ProcessLookupError:  # its process group is gone already
-                self.proc.wait()
+
+def _stop_replica(replica: Any, timeout: float) -> None:
+    """Close a replica's client, then stop its server process group (by the pid it started)."""
+    from albatross.engine.remote import stop_server
+
+    if replica.engine is not None:
+        replica.engine.close()
+        replica.engine = None
+    if replica.proc is not None:
+        try:
+            stop_server(replica.proc, timeout=timeout)
+        except ProcessLookupError:  # its process group is gone already
+            replica.proc.wait()
 
 
 class _Session(SingleEngine):

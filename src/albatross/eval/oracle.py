@@ -50,7 +50,7 @@ class OracleAgent:
     def _limits(self, task: Task) -> Limits:
         return Limits(memory_mb=max(self.limits.memory_mb, task.memory_mb), pids=self.limits.pids,
                       disk_mb=max(self.limits.disk_mb, task.storage_mb),
-                      command_timeout_s=task.agent_timeout_s,
+                      command_timeout_s=task.agent_timeout_s, cpus=self.limits.cpus,
                       max_output_bytes=self.limits.max_output_bytes)
 
     def _solve(self, attempt: Attempt, task: Task, traj: Trajectory) -> None:

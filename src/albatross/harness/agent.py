@@ -267,10 +267,7 @@ class Episode:
 
 def build_agent(cfg: Any, engine: Engine | None, backend: Backend, tokenizer: Any) -> Agent:
     """The agent of a run config (``RunConfig``): the one constructor ``train`` and ``eval`` share."""
-    sc = cfg.sandbox
-    limits = Limits(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb,
-                    command_timeout_s=sc.command_timeout_s,
-                    attempt_timeout_s=getattr(sc, "attempt_timeout_s", 0.0) or None, cpus=sc.cpus)
+    limits = Limits.from_config(cfg.sandbox)
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k)
     return Agent(engine, backend, make_chat_format(tokenizer, cfg.harness), cfg.harness, sampling, limits)

@@ -72,6 +72,12 @@ class Limits:
         if not (math.isfinite(self.cpus) and self.cpus >= 0):
             raise ValueError(f"sandbox limit cpus must be a finite number >= 0, got {self.cpus!r}")
 
+    @classmethod
+    def from_config(cls, sc: Any) -> Limits:
+        """The limits of a ``[sandbox]`` config section (``SandboxConfig``)."""
+        return cls(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb, command_timeout_s=sc.command_timeout_s,
+                   attempt_timeout_s=sc.attempt_timeout_s or None, cpus=sc.cpus)
+
 
 def pick_limit(hit: dict[str, bool]) -> str:
     """The most decisive limit among those hit, or ""."""

@@ -120,8 +120,8 @@ def load_task(path: str | Path) -> Task:
 
 def _harbor_dir(source: Path) -> Path:
     """``source``, or its converted copy when it is a Terminal-Bench 0.2 task."""
+    from albatross.cache import cache_root
     from albatross.tasks.legacy import convert_legacy, is_legacy_task
-    from albatross.tasks.offline import cache_root
 
     if not is_legacy_task(source):
         return source

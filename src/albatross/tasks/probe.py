@@ -1,18 +1,12 @@
-"""Probe tasks under exactly the training configuration: N >= 4 attempts each, one group per task.
-
-The attempts go through the training harness (``make_agent``: the same chat format, turn and token
-budgets, sampling and sandbox limits), ``run_with_retries`` (infrastructure errors retried, never
-scored) and the training scorer (``GroupScorer``: partial credit with the no-op gate's test weights,
-the efficiency term, the zero-signal rule). A probe row is what one training group of the task would
-look like; ``filter.py`` keeps the tasks whose pass rate lies in a band.
+"""Probe rows: what one training group of a task looks like (``pipeline/probe.py`` runs the attempts), scored
+by the training scorer (``GroupScorer``: partial credit with the no-op gate's test weights, the efficiency
+term, the zero-signal rule); ``filter.py`` keeps the tasks whose pass rate lies in a band.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,28 +38,6 @@ class ProbeRow:
     def from_dict(cls, data: dict[str, Any]) -> ProbeRow:
         fields = {k: data[k] for k in ("task", "path", "attempts", "successes", "mean_score", "zero_signal")}
         return cls(**fields, infra_errors=int(data.get("infra_errors", 0)), statuses=dict(data.get("statuses", {})))
-
-
-def probe(agent: Any, tasks: list[Task], attempts: int, scorer: Any, retries: int = 3, workers: int = 8,
-          progress: Callable[[ProbeRow], None] | None = None) -> list[ProbeRow]:
-    """Run ``attempts`` attempts at every task with ``agent`` and score each task's group with
-    ``scorer`` (a ``GroupScorer``). Rows come back in task order."""
-    if attempts < MIN_ATTEMPTS:
-        raise ValueError(f"attempts must be at least {MIN_ATTEMPTS} (DESIGN.md: probe each task >= 4 times)")
-    from albatross.harness.agent import AttemptSpec
-    from albatross.harness.retry import run_with_retries
-
-    counts: dict[str, Counter] = {t.id: Counter() for t in tasks}
-    specs = [AttemptSpec(t, f"probe-{t.id}", i) for t in tasks for i in range(attempts)]
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="probe") as pool:
-        futures = [pool.submit(run_with_retries, agent, s, retries, counts[s.task.id]) for s in specs]
-        rows = []
-        for i, task in enumerate(tasks):
-            trajs = [f.result() for f in futures[i * attempts:(i + 1) * attempts]]
-            rows.append(score_row(task, trajs, scorer, counts[task.id]["infra_error_attempts"]))
-            if progress is not None:
-                progress(rows[-1])
-    return rows
 
 
 def score_row(task: Task, trajs: list, scorer: Any, infra_errors: int = 0) -> ProbeRow:
