@@ -14,7 +14,7 @@ from albatross.engine.base import SamplingParams
 from albatross.engine.scripted import ScriptedEngine
 from albatross.harness.agent import Agent, AttemptSpec
 from albatross.harness.chat import TinyChatFormat, TinyTokenizer
-from albatross.orchestrator.loop import run_with_retries
+from albatross.harness.retry import run_with_retries
 from albatross.records import STATUS_INFRA_ERROR, Trajectory
 from albatross.sandbox import ForkError, Limits, LocalBackend, SandboxDied, local_available
 from albatross.sandbox.cgroups import cgroup_root

@@ -3,6 +3,11 @@
 Workloads run on the demo model (the warm-started one under ``$ALBATROSS_CACHE`` / ``~/.cache/albatross`` when
 there is one, else a freshly built tiny model), with prompts from the built-in tasks' instructions and
 demonstration commands. Every figure is wall time on this machine, torch on one thread.
+
+With the vLLM venv (``albatross engines install vllm``; ``--no-vllm`` skips it), ``vllm`` holds, for the demo model
+and a ~20M-parameter Qwen3 with random weights, the mismatch of vLLM's sampling log-probs vs the trainer's forward
+(``logprob_gap_mean``, ``mismatch_kl``) and tokens/s of vLLM vs the built-in engine on the same requests and the
+same number of threads (``ratio`` = vLLM / built-in), vLLM launched by ``make_engine`` (``engine.type = "vllm"``).
 """
 
 from __future__ import annotations

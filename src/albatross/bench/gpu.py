@@ -139,7 +139,8 @@ def engine_rate(engine: Any, requests: int, concurrency: int) -> float:
     from albatross.bench.engine import builtin_submit, closed_loop, remote_submit
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(rng.randrange(512, 2049))] for _ in range(requests)]
+    vocab = QWEN3_05B["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(512, 2049))] for _ in range(requests)]
     submit = builtin_submit(engine) if hasattr(engine, "scheduler") else remote_submit(engine)
     seconds, tokens = closed_loop(submit, prompts, [256] * requests, concurrency)
     return tokens / seconds
