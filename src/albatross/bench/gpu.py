@@ -141,7 +141,7 @@ def engine_rate(engine: Any, requests: int, concurrency: int) -> float:
     rng = random.Random(0)
     vocab = QWEN3_05B["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(512, 2049))] for _ in range(requests)]
-    submit = builtin_submit(engine) if hasattr(engine, "scheduler") else remote_submit(engine)
+    submit = builtin_submit(engine) if hasattr(engine, "scheduler") else remote_submit(engine, seeded=False)
     seconds, tokens = closed_loop(submit, prompts, [256] * requests, concurrency)
     return tokens / seconds
 
