@@ -227,7 +227,7 @@ def _rate(run: tuple[float, int]) -> float:
 
 QWEN3_20M = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 12, "num_attention_heads": 6,
              "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
-             "tie_word_embeddings": False}  # about 20M parameters with the bench's BPE vocabulary
+             "tie_word_embeddings": False}  # 21.0M parameters with the bench's 421-token BPE vocabulary
 
 
 def qwen3_tokenizer(vocab_size: int = 2048) -> Any:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from albatross.cache import cache_root
+from albatross.cache import engines_root
 from albatross.config import ConfigError, EngineConfig, RunConfig
 from albatross.engine.base import Engine
 
@@ -239,13 +239,14 @@ def sglang_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: 
 
 def server_env(ec: EngineConfig, cuda: bool) -> dict[str, str]:
     """The servers' environment: vLLM's weight routes (``VLLM_SERVER_DEV_MODE``), and on CPU a small KV cache
-    and ``engine.threads`` OpenMP threads."""
+    and ``engine.threads`` OpenMP threads (vLLM's own thread binding ignores ``OMP_NUM_THREADS``, so it is off)."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if ec.type == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if not cuda:
         env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   OMP_NUM_THREADS=str(ec.threads))
+                   OMP_NUM_THREADS=str(ec.threads),
+                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
     return env
 
 
@@ -253,8 +254,8 @@ def server_env(ec: EngineConfig, cuda: bool) -> dict[str, str]:
 
 
 def managed_venv(kind: str) -> Path:
-    """The venv ``albatross engines install KIND`` creates: ``<cache>/<kind>-venv``."""
-    return cache_root() / f"{kind}-venv"
+    """The venv ``albatross engines install KIND`` creates: ``<engines root>/<kind>-venv``."""
+    return engines_root() / f"{kind}-venv"
 
 
 def imports(python: str | Path, module: str) -> str | None:

