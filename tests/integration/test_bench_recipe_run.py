@@ -48,7 +48,9 @@ def test_bench_recipe_quick_writes_every_key_in_range(tmp_path):
     assert data["harness_cost_reduction"] is None or -1.0 < data["harness_cost_reduction"] < 1.0
     assert data["harness"]["unfair"] == []  # equal display limits, one model, cached tokens priced as cached
     assert data["tokens_per_solve_ratio"] is None or data["tokens_per_solve_ratio"] > 0
-    assert data["async_vs_sync_steps_per_hour"] is None or data["async_vs_sync_steps_per_hour"] > 0
+    # a range check: with a 6 s budget per mode a loaded machine may give async no step at all (bench loop's own
+    # test checks that async outpaces sync)
+    assert data["async_vs_sync_steps_per_hour"] is None or data["async_vs_sync_steps_per_hour"] >= 0
     assert (tmp_path / data["stability_plot"]).is_file()
     assert len(data["table"]) == 9 and all(len(row) == 3 for row in data["table"])
     assert "quick: a smoke test" in " ".join(data["notes"])
