@@ -48,16 +48,15 @@ class LocalReplica:
             self.engine.close()
 
 
-class ProcessReplica:
-    """``albatross serve MODEL_DIR`` in its own process (and process group), on a free loopback port."""
+class _LaunchedReplica:
+    """A server process this pool started (in its own process group), its log and its client."""
 
-    def __init__(self, model_dir: str | Path, log_path: str | Path, version: int = 0, threads: int = 1,
-                 max_batch_size: int = 64, start_timeout_s: float = 180.0) -> None:
-        self.model_dir, self.log_path = Path(model_dir), Path(log_path)
-        self.version, self.threads, self.max_batch_size = version, threads, max_batch_size
-        self.start_timeout_s = start_timeout_s
+    stop_timeout_s = 10.0
+
+    def __init__(self, log_path: str | Path, start_timeout_s: float) -> None:
+        self.log_path, self.start_timeout_s = Path(log_path), start_timeout_s
         self.proc: Any = None
-        self.engine: Engine | None = None
+        self.engine: Any = None
         self.url = ""
 
     @property
@@ -67,22 +66,54 @@ class ProcessReplica:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def _spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> int:
+        """Start ``cmd`` with its output appended to the log; the log's offset before it started."""
+        import subprocess
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            offset = log.tell()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return offset
+
+    def _exited(self) -> EngineError:
+        return EngineError(f"engine server exited with code {self.proc.returncode} while starting; "
+                           f"see {self.log_path}")
+
+    def close(self) -> None:
+        """Close the client, then stop the server's process group (by the pid this replica started)."""
+        from albatross.engine.remote import stop_server
+
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.proc is not None:
+            try:
+                stop_server(self.proc, timeout=self.stop_timeout_s)
+            except ProcessLookupError:  # its process group is gone already
+                self.proc.wait()
+
+
+class ProcessReplica(_LaunchedReplica):
+    """``albatross serve MODEL_DIR`` in its own process (and process group), on a free loopback port."""
+
+    def __init__(self, model_dir: str | Path, log_path: str | Path, version: int = 0, threads: int = 1,
+                 max_batch_size: int = 64, start_timeout_s: float = 180.0) -> None:
+        super().__init__(log_path, start_timeout_s)
+        self.model_dir = Path(model_dir)
+        self.version, self.threads, self.max_batch_size = version, threads, max_batch_size
+
     def start(self, newest: Callable[[], tuple[str, int] | None] = lambda: None) -> None:
         """Start the server, load the weights ``newest()`` names (asked again if a version is pruned
         meanwhile), then serve: no session binds to this replica before its weights are current."""
-        import subprocess
-
         from albatross.engine.remote import AlbatrossEngine
 
         self.engine = None
         version = self.version
-        cmd = [sys.executable, "-m", "albatross.cli", "serve", str(self.model_dir), "--port", "0",
-               "--version", str(version), "--threads", str(self.threads),
-               "--max-batch-size", str(self.max_batch_size)]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            offset = log.tell()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        offset = self._spawn([sys.executable, "-m", "albatross.cli", "serve", str(self.model_dir), "--port", "0",
+                              "--version", str(version), "--threads", str(self.threads),
+                              "--max-batch-size", str(self.max_batch_size)])
         self.url = url = self._wait_url(offset)
         self.engine = load_newest(AlbatrossEngine(url, version=version, connect_timeout=30.0, retries=2), newest)
 
@@ -95,14 +126,10 @@ class ProcessReplica:
                     if line.startswith(URL_PREFIX) and " on http" in line:
                         return line.rsplit(" on ", 1)[1].strip()
             if self.proc.poll() is not None:
-                raise EngineError(f"engine server exited with code {self.proc.returncode} while starting; "
-                                  f"see {self.log_path}")
+                raise self._exited()
             time.sleep(0.1)
         self.close()
         raise EngineError(f"engine server did not start within {self.start_timeout_s:.0f}s; see {self.log_path}")
-
-    def close(self) -> None:
-        _stop_replica(self, timeout=10)
 
 
 def load_newest(engine: Any, newest: Callable[[], tuple[str, int] | None]) -> Any:
@@ -133,35 +160,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerReplica:
+class ServerReplica(_LaunchedReplica):
     """A server this pool launches (vLLM, SGLang): ``command(port)`` in its own process group on a free loopback
     port, output appended to ``log_path``, reached through ``client(url)`` once it answers."""
 
+    stop_timeout_s = 30.0
+
     def __init__(self, command: Callable[[int], list[str]], client: Callable[[str], Any], log_path: str | Path,
                  env: dict[str, str] | None = None, start_timeout_s: float = 900.0) -> None:
-        self.command, self.client, self.log_path = command, client, Path(log_path)
-        self.env, self.start_timeout_s = env, start_timeout_s
-        self.proc: Any = None
-        self.engine: Any = None
-        self.url = ""
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        super().__init__(log_path, start_timeout_s)
+        self.command, self.client, self.env = command, client, env
 
     def start(self, newest: Callable[[], tuple[str, int] | None] = lambda: None) -> None:
         """Launch the server, wait until its client connects, load ``newest()``'s weights, then serve."""
-        import subprocess
-
         self.engine = None
         port = free_port()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self._spawn(self.command(port), self.env)
         self.url = f"http://127.0.0.1:{port}"
         self.engine = load_newest(self._connect(), newest)
 
@@ -171,8 +185,7 @@ class ServerReplica:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise EngineError(f"engine server exited with code {self.proc.returncode} while starting; "
-                                  f"see {self.log_path}")
+                raise self._exited()
             try:
                 return self.client(self.url)
             except RemoteError as e:
@@ -181,23 +194,6 @@ class ServerReplica:
                     raise EngineError(f"engine server did not answer within {self.start_timeout_s:.0f}s ({e}); "
                                       f"see {self.log_path}") from None
                 time.sleep(1.0)
-
-    def close(self) -> None:
-        _stop_replica(self, timeout=30)
-
-
-def _stop_replica(replica: Any, timeout: float) -> None:
-    """Close a replica's client, then stop its server process group (by the pid it started)."""
-    from albatross.engine.remote import stop_server
-
-    if replica.engine is not None:
-        replica.engine.close()
-        replica.engine = None
-    if replica.proc is not None:
-        try:
-            stop_server(replica.proc, timeout=timeout)
-        except ProcessLookupError:  # its process group is gone already
-            replica.proc.wait()
 
 
 class _Session(SingleEngine):
