@@ -1,10 +1,14 @@
 """Tiny transformers model directories as a user brings them: a BPE tokenizer trained with the `tokenizers` library
 on the built-in tasks' text, its own chat template, random weights of a real architecture, `save_pretrained`.
 
-Shared by the integration tests of `albatross train` with `model.path` (nothing is downloaded)."""
+Shared by the integration tests of `albatross train` with `model.path` (nothing is downloaded), with the CLI runner
+and the run config they use."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +73,49 @@ def model_dir(root: Path, arch: str, seed: int = 0) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def albatross(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python -m albatross.cli ARGS`` in a subprocess (``env`` on top of this one's), output captured."""
+    return subprocess.run([sys.executable, "-m", "albatross.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def write_config(path: Path, model: Path, tasks: Path, out: Path, extra: str = "", *, turn_tokens: int = 40,
+                 context_tokens: int = 1024, warm_steps: int = 240, warm_lr: float = 3e-3, warm_batch: int = 16,
+                 check_every: int = 40, target_pass_rate: float = 0.3, groups_per_step: int = 1,
+                 max_steps: int = 2) -> Path:
+    """A quick run config at ``path``: ``model.path`` = ``model``, the built-in tasks under ``tasks``
+    (``train/``, ``heldout/``), an oracle warm start (a random model never solves a task), a few RL steps of
+    groups of 4; ``extra`` TOML sections are appended."""
+    path.write_text(f"""
+out = "{out}"
+[model]
+path = "{model}"
+[tasks]
+train = ["{tasks / 'train'}"]
+heldout = ["{tasks / 'heldout'}"]
+[harness]
+action_format = "bash_block"
+max_turns = 3
+max_tokens_per_turn = {turn_tokens}
+max_context_tokens = {context_tokens}
+[warmstart]
+source = "oracle"
+steps = {warm_steps}
+lr = {warm_lr}
+batch_size = {warm_batch}
+check_every = {check_every}
+check_tasks = 8
+target_pass_rate = {target_pass_rate}
+[orchestrator]
+group_size = 4
+groups_per_step = {groups_per_step}
+max_steps = {max_steps}
+max_minutes = 3.0
+rollout_workers = 8
+[eval]
+trials = 1
+{extra}
+""")
+    return path

@@ -67,8 +67,13 @@ class TasksConfig(_Section):
 
 
 class SandboxConfig(_Section):
-    type: Literal["local", "process"] = Field("local", description="`local`: Linux namespaces + "
-                                              "copy-on-write overlay (isolated). `process`: no isolation, dev only.")
+    type: Literal["local", "process", "docker"] = Field("local", description="`local`: Linux namespaces + "
+                                                        "copy-on-write overlay (isolated). `docker`: each attempt a "
+                                                        "container of a Docker or Podman engine (`engine`). "
+                                                        "`process`: no isolation, dev only.")
+    engine: Literal["auto", "docker", "podman"] = Field("auto", description="`docker`: the container engine's "
+                                                        "command; `auto`: Docker when its daemon answers, else "
+                                                        "Podman.")
     memory_mb: int = Field(512, ge=1, description="Memory limit per attempt (MiB, at least 1).")
     pids: int = Field(256, gt=0, description="Process limit per attempt.")
     disk_mb: int = Field(256, ge=1, description="Limit on bytes an attempt may write (MiB, at "
@@ -81,8 +86,12 @@ class SandboxConfig(_Section):
                                      "budget).")
     cpus: float = Field(0.0, ge=0, allow_inf_nan=False, description="`local`: CPU time per attempt per wall "
                         "second (1.5 = one and a half CPUs; cgroup cpu quota); 0 = no limit.")
-    base: Literal["host", "debian"] = Field("host", description="`local` base root: the host's own root "
-                                           "(read-only, instant) or a debootstrap Debian root built once.")
+    base: Literal["image", "host", "debian"] = Field(
+        "image", description="`local` base root: `image`: the root the Dockerfile's FROM names, built once "
+        "from Debian packages (or imported, `images`); `debian`: one cached Debian bookworm root; `host`: the "
+        "host's own root (instant, but NOT isolated from the host's files; warns).")
+    images: str = Field("", description="`local`: a directory of OCI image layouts / `docker save` archives; "
+                        "a FROM naming one of their tags builds on it (imported on first use).")
     warm: int = Field(3, ge=0, description="`local`: ready pre-forked attempts kept per recent environment.")
 
 
@@ -162,6 +171,12 @@ class EngineConfig(_Section):
                                "(0: the model's own limit).")
     start_timeout_s: float = Field(900.0, gt=0, description="Seconds a launched server may take to answer "
                                    "(vLLM compiles the model on its first start).")
+    speculative: Literal["off", "mtp", "ngram"] = Field(
+        "off", description="Speculative decoding: `mtp` drafts with the model's multi-token-prediction head "
+        "(families with one: qwen3_next, qwen4_exp, glm_moe_dsa, glm5_next; vLLM / SGLang get their MTP "
+        "speculative flags), `ngram` with prompt lookup (`builtin`, plain-KV models). Sampled tokens are "
+        "distributed exactly as without it; greedy output is the same.")
+    draft_tokens: int = Field(2, ge=1, le=16, description="Tokens drafted per step when `speculative` is on.")
 
 
 class RLConfig(_Section):
@@ -194,9 +209,10 @@ class RLConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the behaviour policy (k3 estimator); 0 = off.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus; 0 = off.")
     routing_replay: bool = Field(False, description="MoE models: the built-in engine records each generated "
-                                 "token's experts per MoE layer, and the trainer routes those tokens through "
-                                 "the recorded experts (router math in fp32; gradients reach the router through "
-                                 "the replayed experts' scores). See docs/models.md.")
+                                 "token's experts per MoE layer (and its sparse-attention indexers' selected keys), "
+                                 "and the trainer routes those tokens through the recorded experts and keys (router "
+                                 "math in fp32; gradients reach the router through the replayed experts' scores); "
+                                 "each step also logs `mismatch_kl_no_replay`. See docs/models.md.")
 
 
 class TrainerConfig(_Section):
@@ -217,6 +233,15 @@ class TrainerConfig(_Section):
     freeze: list[str] = Field(default_factory=list, description="Glob patterns of parameter names to freeze "
                               "(no gradients, not in the optimizer), e.g. `model.embed_tokens.*`.")
     offload_optimizer: bool = Field(False, description="Keep the AdamW state in host memory (GPU runs).")
+    host_params: list[Literal["ngram"]] = Field(default_factory=list, description="Model parts whose parameters "
+                                                "stay in host memory when the model runs on a GPU (`ngram`: the "
+                                                "n-gram / PLE tables; rows are gathered on the host each step).")
+    grouped_experts: bool = Field(False, description="MoE experts as one grouped matmul per projection over "
+                                  "tokens sorted by expert (`models/experts.py`), instead of a loop over experts.")
+    fast_indexer: bool = Field(False, description="`qwen4_exp`: vectorised QSA indexer top-k and sparse attention "
+                               "over the selected keys (`models/indexer.py`): no per-position loop, no [T, T] mask.")
+    fused_hyper: bool = Field(False, description="`qwen4_exp`: fused hyper-connection (gated residual) ops "
+                              "(`models/hyper.py`): one matmul for the mix and inject weights, one fused residual.")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="`auto`: bf16 on GPU, fp32 on CPU. "
                                                        "bf16 keeps fp32 master weights and optimizer state "
                                                        "(autocast; FSDP: bf16 compute, fp32 reduction).")
@@ -225,6 +250,12 @@ class TrainerConfig(_Section):
     gpus: int = Field(1, ge=1, description="Trainer ranks: above 1 the trainer shards the model with FSDP2 over "
                       "this many processes it starts itself (one per GPU; gloo ranks on the CPU), or the ranks of "
                       "a `torchrun` launch.")
+    mtp: Literal["off", "train", "frozen"] = Field(
+        "off", description="The model's multi-token-prediction head (`mtp.*` / DeepSeek-layout weights, loaded "
+        "from `model.path`): `train` adds an auxiliary next-next-token loss on DETACHED hidden states (it never "
+        "moves the policy; a model without an MTP head is an error), `frozen` keeps it loaded without "
+        "gradients or optimizer state (exported with the weights), `off` drops it.")
+    mtp_loss_weight: float = Field(0.1, ge=0, description="Weight of the MTP loss (`mtp = \"train\"`).")
 
 
 class OrchestratorConfig(_Section):

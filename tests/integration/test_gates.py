@@ -49,7 +49,7 @@ BROKEN: dict[str, tuple[dict, set[str]]] = {
     "good": ({}, set()),
     "no-oracle": ({"solve_sh": None}, {"schema"}),
     "alpine-image": ({"dockerfile": DOCKERFILE.replace("debian:bookworm-slim", "alpine:3.19")}, {"build"}),
-    "healthcheck": ({"dockerfile": DOCKERFILE + "HEALTHCHECK CMD true\n"}, {"build"}),
+    "unknown-instruction": ({"dockerfile": DOCKERFILE + "FROBNICATE true\n"}, {"build"}),
     "oracle-fails": ({"solve_sh": "#!/bin/bash\necho forty-one > answer.txt\n"}, {"oracle"}),
     "noop-passes": ({"test_sh": "#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"},
                     {"noop"}),
@@ -122,12 +122,12 @@ def test_each_broken_task_fails_exactly_the_gate_it_breaks(broken: dict[str, Tas
     [
         ("no-oracle", "schema", "solution/solve.sh: missing (the oracle gates need it)"),
         ("alpine-image", "build", "Dockerfile:1: FROM alpine:3.19: cannot be built offline on the local base"),
-        ("healthcheck", "build", "Dockerfile:4: unsupported instruction HEALTHCHECK"),
+        ("unknown-instruction", "build", "Dockerfile:4: unsupported instruction FROBNICATE"),
         ("oracle-fails", "oracle", "scored 0.5, failing answer_correct"),
         ("noop-passes", "noop", "the untouched environment already scores 1 (reward=1)"),
         ("flaky", "determinism", "noop results differ over 3 runs"),
-        ("readable-tests", "leakage", "tests/test.sh is in the environment as environment/app/tests/test.sh"),
-        ("readable-tests", "leakage", "tests/test.sh is readable in the environment at /app/tests/test.sh"),
+        ("readable-tests", "leakage", "tests/test.sh would be readable in the image at /app/tests/test.sh"),
+        ("readable-tests", "leakage", "tests/test.sh is readable in the image at /app/tests/test.sh"),
         ("tests-in-image", "leakage", "/tests exists before verification"),
         ("slow-oracle", "resources", "the oracle needs more than [agent] timeout_sec 1 s"),
         ("needs-network", "offline", "the oracle needs the network: curl: (6) Could not resolve host: example.com"),
@@ -179,6 +179,9 @@ def test_validate_cli_prints_the_table_and_fails_on_a_bad_task(tmp_path: Path, c
     report = json.loads((tmp_path / "gates.json").read_text())
     assert [t["passed"] for t in report["tasks"]] == [True, False]
     assert report["tasks"][1]["gates"]["oracle"]["status"] == "fail"
+    assert report["summary"]["failures_by_reason"] == [
+        {"gate": "oracle", "reason": "oracle scores below 1", "count": 1, "tasks": ["oracle-fails"]}]
+    assert "failures by reason:" in lines
 
 
 def test_validate_cli_user_error_is_one_line(tmp_path: Path, cache: Path) -> None:

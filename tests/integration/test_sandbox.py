@@ -335,15 +335,25 @@ def test_concurrent_attempts(backend: LocalBackend, env_dir: Path) -> None:
 
 
 def test_build_failure_names_the_line(backend: LocalBackend, tmp_path: Path) -> None:
-    env = make_env(tmp_path, "FROM x\nWORKDIR /app\nRUN echo about to fail && false\n")
+    env = make_env(tmp_path, "FROM python:3.11-slim\nWORKDIR /app\nRUN echo about to fail && false\n")
     with pytest.raises(EnvBuildError, match=r"Dockerfile:3: RUN exited with 1: about to fail"):
         backend.fork(env)
 
 
-def test_builds_have_no_network(backend: LocalBackend, tmp_path: Path) -> None:
-    env = make_env(tmp_path, "FROM x\nRUN ls /sys/class/net > /net.txt || ip -o link > /net.txt\n")
+def test_builds_have_the_host_network_attempts_none(backend: LocalBackend, tmp_path: Path) -> None:
+    """On an image base RUN steps reach the package registries (the host's network namespace); with
+    ``allow_internet=False`` a build has loopback only; attempts never have more."""
+    script = "RUN cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' ' | sort > /net.txt\n"
+    env = make_env(tmp_path, "FROM python:3.11-slim\n" + script)
     with backend.fork(env) as attempt:
-        assert attempt.read_file("/net.txt") == b"lo\n"
+        assert attempt.read_file("/net.txt") != b"lo\n"
+        assert attempt.exec("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").output == "lo\n"
+    offline = LocalBackend(allow_internet=False, warm=0)
+    try:
+        with offline.fork(env) as attempt:
+            assert attempt.read_file("/net.txt") == b"lo\n"
+    finally:
+        offline.close()
 
 
 def test_fork_without_env_dir(backend: LocalBackend) -> None:
@@ -352,8 +362,8 @@ def test_fork_without_env_dir(backend: LocalBackend) -> None:
 
 
 def test_make_backend() -> None:
-    with pytest.raises(ValueError, match="unknown sandbox backend 'docker'"):
-        make_backend("docker")
+    with pytest.raises(ValueError, match="unknown sandbox backend 'kvm'"):
+        make_backend("kvm")
     backend = make_backend("local")
     assert (backend.name, backend.isolated) == ("local", True)
     backend.close()

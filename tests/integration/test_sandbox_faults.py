@@ -133,7 +133,7 @@ def test_a_thousand_forks_and_closes_leave_the_machine_as_it_was(tmp_path: Path)
     env = tmp_path / "task" / "environment"
     (env / "data").mkdir(parents=True)
     (env / "data" / "f.txt").write_text("x\n")
-    (env / "Dockerfile").write_text("FROM scratch\nWORKDIR /app\nCOPY data/ /app/\n")
+    (env / "Dockerfile").write_text("FROM python:3.11-slim\nWORKDIR /app\nCOPY data/ /app/\n")
     before = _machine_state()
     backend = LocalBackend(hide_paths=[tmp_path])
     try:

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     not local_available(), reason="the local sandbox needs root, cgroup v1 memory+pids, namespaces, overlayfs"
 )
 
-DOCKERFILE = "FROM x\nWORKDIR /app\nCOPY data/ /app/\nRUN echo built > /app/built.txt\n"
+DOCKERFILE = "FROM python:3.11-slim\nWORKDIR /app\nCOPY data/ /app/\nRUN echo built > /app/built.txt\n"
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
 """The seeds' hybrid MoE families through the real CLI: `albatross serve` generates with a tiny `qwen4_exp` as
 transformers does, and `albatross train` runs RL steps on tiny `qwen4_exp` / `glm_moe_dsa` models from `model.path`
-with routing replay on, logging the sampler-trainer mismatch KL."""
+(issue 16's "done when" run): exact packing, routing replay of experts and indexer selections, the MTP head trained,
+and the sampler-trainer mismatch KL logged with and without replay."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,14 +17,16 @@ import pytest
 import torch
 
 from albatross.sandbox import local_available
-from model_dirs import bpe_tokenizer
+from model_dirs import albatross, bpe_tokenizer, write_config
 
 pytest.importorskip("transformers")
 needs_sandbox = pytest.mark.skipif(not local_available(), reason="needs root, namespaces and overlayfs")
 
 
 def family_dir(root: Path, family: str, seed: int = 0) -> Path:
-    """``root/<family>``: a tiny random ``family`` model sized to a BPE tokenizer with a ChatML template."""
+    """``root/<family>``: a tiny random ``family`` model sized to a BPE tokenizer with a ChatML template, its MTP
+    head saved in the family's checkpoint layout."""
+    from albatross.models.mtp import save_pretrained_with_mtp
     from albatross.models.tiny import tiny_model
 
     tok = bpe_tokenizer("qwen")
@@ -32,7 +34,7 @@ def family_dir(root: Path, family: str, seed: int = 0) -> Path:
            "bos_token_id": None}
     model = tiny_model(family, seed=seed, **ids)
     d = root / family
-    model.save_pretrained(d)
+    save_pretrained_with_mtp(model, d)
     tok.save_pretrained(d)
     return d
 
@@ -70,46 +72,6 @@ def test_albatross_serve_generates_a_hybrid_family_like_transformers(tmp_path) -
     assert code == 0
 
 
-def albatross(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "albatross.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def write_config(path: Path, model: Path, tasks: Path, out: Path) -> Path:
-    path.write_text(f"""
-out = "{out}"
-[model]
-path = "{model}"
-[tasks]
-train = ["{tasks / 'train'}"]
-heldout = ["{tasks / 'heldout'}"]
-[harness]
-action_format = "bash_block"
-max_turns = 3
-max_tokens_per_turn = 48
-max_context_tokens = 2048
-[warmstart]
-source = "oracle"
-steps = 60
-lr = 5e-3
-batch_size = 8
-check_every = 20
-check_tasks = 8
-target_pass_rate = 0.1
-[orchestrator]
-group_size = 4
-groups_per_step = 2
-max_steps = 1
-max_minutes = 3.0
-rollout_workers = 8
-[rl]
-routing_replay = true
-[eval]
-trials = 1
-""")
-    return path
-
-
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> Path:
     from albatross.tasks.builtin import generate_tasks
@@ -119,22 +81,42 @@ def tasks(tmp_path_factory) -> Path:
     return root
 
 
+RUN = """
+[rl]
+routing_replay = true
+[trainer]
+mtp = "train"
+"""
+
+
 @pytest.mark.slow
 @needs_sandbox
 @pytest.mark.parametrize("family", ["qwen4_exp", "glm_moe_dsa"])
 def test_train_runs_rl_steps_on_a_hybrid_moe_family_with_routing_replay(tmp_path, tasks, family) -> None:
+    from albatross.models.routing import moe_routers, sparse_indexers
+    from albatross.models.tiny import load_any
+
     d = family_dir(tmp_path, family)
+    loaded = load_any(d)
+    n_routers, n_indexers = len(moe_routers(loaded)), len(sparse_indexers(loaded))
+    assert n_routers and n_indexers
     out = tmp_path / "out"
-    r = albatross("train", str(write_config(tmp_path / "run.toml", d, tasks, out)),
-                  env={"ALBATROSS_CACHE": str(tmp_path / "cache")})
+    cfg = write_config(tmp_path / "run.toml", d, tasks, out, RUN, turn_tokens=48, context_tokens=2048, warm_steps=60,
+                       warm_lr=5e-3, warm_batch=8, check_every=20, target_pass_rate=0.1, groups_per_step=2)
+    r = albatross("train", str(cfg), env={"ALBATROSS_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["train_steps"] >= 1 and summary["weight_version_final"] >= 1
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    kls = [m["mismatch_kl"] for m in metrics if "mismatch_kl" in m]
-    assert kls and all(k == k and k > -1e-6 for k in kls)  # r - log r - 1 >= 0, up to rounding
+    steps = [m for m in metrics if "mismatch_kl" in m]
+    assert steps, "no RL step logged"
+    for m in steps:  # r - log r - 1 >= 0, up to rounding, with and without replay
+        assert all(k == k and k > -1e-6 for k in (m["mismatch_kl"], m["mismatch_kl_no_replay"]))
+        assert m["mtp_tokens"] > 0 and m["mtp_loss"] > 0  # the MTP head trained on the step's tokens
+    assert "kl no replay" in r.stdout
     rows = [json.loads(line) for line in (out / "run" / "trajectories.jsonl").read_text().splitlines()]
     routed = [s for row in rows for s in row["samples"] if s.get("routing")]
     assert routed, "routing replay is on: the engine recorded the experts of the sampled tokens"
-    s = routed[0]
-    assert all(bool(r) == bool(m) for r, m in zip(s["routing"], s["loss_mask"], strict=True))
+    for s in routed:  # every model token: its experts per MoE router, then its keys per indexer
+        assert all(bool(r) == bool(m) for r, m in zip(s["routing"], s["loss_mask"], strict=True))
+        assert all(len(r) == n_routers + n_indexers for r in s["routing"] if r)

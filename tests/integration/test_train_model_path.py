@@ -6,56 +6,14 @@ every group is zero-signal and RL has nothing to train on); about a minute per a
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from albatross.sandbox import local_available
-from model_dirs import bpe_tokenizer, model_dir
+from model_dirs import albatross, bpe_tokenizer, model_dir, write_config
 
 needs_sandbox = pytest.mark.skipif(not local_available(), reason="needs root, namespaces and overlayfs")
-
-
-def albatross(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "albatross.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def write_config(path: Path, model: Path, tasks: Path, out: Path, extra: str = "") -> Path:
-    path.write_text(f"""
-out = "{out}"
-[model]
-path = "{model}"
-[tasks]
-train = ["{tasks / 'train'}"]
-heldout = ["{tasks / 'heldout'}"]
-[harness]
-action_format = "bash_block"
-max_turns = 3
-max_tokens_per_turn = 40
-max_context_tokens = 1024
-[warmstart]
-source = "oracle"
-steps = 240
-lr = 3e-3
-batch_size = 16
-check_every = 40
-check_tasks = 8
-target_pass_rate = 0.3
-[orchestrator]
-group_size = 4
-groups_per_step = 1
-max_steps = 2
-max_minutes = 3.0
-rollout_workers = 8
-[eval]
-trials = 1
-{extra}
-""")
-    return path
 
 
 @pytest.fixture(scope="module")

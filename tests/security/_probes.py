@@ -17,7 +17,7 @@ needs_local = pytest.mark.skipif(not local_available(), reason="the local sandbo
                                  "memory/pids controllers, namespaces and overlayfs")
 
 ANSWER = "forty-two"
-DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\n"
+DOCKERFILE = "FROM python:3.11-slim-bookworm\nWORKDIR /app\nCOPY app/ /app/\n"
 # Passes (reward 1) only when /app/answer.txt holds the answer; the hostile agent never writes it.
 TEST_SH = f"""#!/bin/bash
 cd /app || exit 1

@@ -110,7 +110,7 @@ def test_generated_tasks_load_with_the_builtin_settings(suite: dict[str, list[Pa
             assert (task.agent_timeout_s, task.verifier_timeout_s) == (60.0, 30.0)
             assert (task.cpus, task.memory_mb, task.storage_mb, task.allow_internet) == (1.0, 512, 256, False)
             assert task.workdir == "/app" and task.demo_steps and task.demo_steps[-1] == "submit"
-            assert (task.env_dir / "Dockerfile").read_text().startswith("FROM debian:bookworm-slim\n")
+            assert (task.env_dir / "Dockerfile").read_text().startswith("FROM python:3.11-slim-bookworm\n")
 
 
 def test_families_are_interleaved_evenly(suite: dict[str, list[Path]]) -> None:
@@ -225,6 +225,26 @@ def test_corpus_covers_templates_and_words() -> None:
     assert corpus[: len(demo)] == demo and len(corpus) > len(demo)
     with pytest.raises(ValueError, match="unknown task family 'nope'"):
         corpus_strings(["nope"])
+
+
+@pytest.mark.parametrize("name", DEMO_FAMILIES)
+def test_the_demo_tokenizer_copies_a_word_as_the_same_token(name: str) -> None:
+    """Every word an oracle command names is, in that command, the very token it is in the instruction or in
+    a file the agent can print: a copy, never a word-by-word mapping (" lemon" vs "lemon") the tiny model would
+    have to learn for each word, and could not for a held-out one."""
+    from albatross.pipeline.demo import demo_tokenizer
+
+    tok = demo_tokenizer()
+    for seed in range(20):
+        inst = FAMILIES[name].generate(random.Random(seed), "easy")
+        seen = set(tok.encode(inst.instruction, add_special_tokens=False))
+        for content in inst.files.values():
+            seen |= set(tok.encode(content, add_special_tokens=False))
+        for step in inst.demo_steps:
+            command = tok.encode(step, add_special_tokens=False)
+            for word in instruction_words(step):
+                (word_id,) = tok.encode(word, add_special_tokens=False)
+                assert word_id in command and word_id in seen, (name, step, word)
 
 
 def test_expected_answers_are_only_in_tests(suite: dict[str, list[Path]]) -> None:

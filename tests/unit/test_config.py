@@ -25,7 +25,7 @@ def test_overrides_any_field():
 @pytest.mark.parametrize("override, needle", [
     ("trainer.lr=-1", "trainer.lr"),
     ("trainer.nope=1", "trainer.nope: unknown field"),
-    ("sandbox.type=docker", "sandbox.type"),
+    ("sandbox.type=kvm", "sandbox.type"),
 ])
 def test_bad_override_is_one_line_naming_field(override, needle):
     with pytest.raises(ConfigError) as e:

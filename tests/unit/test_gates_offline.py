@@ -63,7 +63,7 @@ def test_which_base_images_map_to_the_local_root(image: str, ok: bool) -> None:
     problem = base_image_problem(image)
     assert (problem is None) == ok
     if not ok:
-        assert problem.startswith(f"FROM {image}: cannot be built offline")
+        assert problem.startswith(f"FROM {image}: cannot be built here: no base for {image}")
 
 
 def test_scripts_that_need_the_toolkit() -> None:
@@ -162,6 +162,20 @@ def test_environment_that_installs_packages_is_adapted(tmp_path: Path) -> None:
     assert task.dockerfile == task.source_env_dir / "Dockerfile"
     again = load_task(tmp_path / "t")
     assert again.env_dir == task.env_dir  # cached by content
+
+
+def test_adapted_environments_share_the_toolkit_and_are_pruned_with_their_task(tmp_path: Path) -> None:
+    """Hundreds of tasks (the demo's) must not cost hundreds of toolkit copies, nor outlive their task."""
+    from albatross.tasks.offline import prune_adapted
+
+    dockerfile = "FROM python:3.11-slim-bookworm\nWORKDIR /app\n"
+    first, second = (load_task(_task(tmp_path, dockerfile, name)) for name in ("a", "b"))
+    assert first.env_dir != second.env_dir
+    pytest_a, pytest_b = (t.env_dir / ".albatross-offline" / "bin" / "apt-get" for t in (first, second))
+    assert os.stat(pytest_a).st_ino == os.stat(pytest_b).st_ino  # hard links of one toolkit
+    shutil.rmtree(tmp_path / "a")
+    assert prune_adapted() == 1
+    assert not first.env_dir.exists() and second.env_dir.is_dir()
 
 
 def test_python_images_get_a_python_alias(tmp_path: Path) -> None:

@@ -62,9 +62,9 @@ def test_clean_task_has_no_static_problem(tmp_path: Path) -> None:
     ("dockerfile", "problem"),
     [
         ("FROM alpine:3.19\nWORKDIR /app\n", ":1: FROM alpine:3.19: cannot be built offline on the local base"),
-        ("FROM debian:bookworm\nHEALTHCHECK CMD true\n", ":2: unsupported instruction HEALTHCHECK"),
-        ("FROM debian:bookworm\nCOPY --from=builder /x /y\n", ":2: unsupported instruction COPY --from"),
-        ("FROM debian:bookworm\nWORKDIR /app\nADD app/data.tar.gz /app/\n", ":3: ADD of a local archive"),
+        ("FROM debian:bookworm\nFROBNICATE true\n", ":2: unsupported instruction FROBNICATE"),
+        ("FROM debian:bookworm\nSHELL /bin/bash -c\n", ":2: SHELL takes the JSON form"),
+        ("FROM debian:bookworm AS build\nFROM build\nFROM alpine:3.19\n", ":3: FROM alpine:3.19: "),
     ],
 )
 def test_dockerfile_that_cannot_be_honoured_names_the_line(tmp_path: Path, dockerfile: str, problem: str) -> None:
@@ -73,11 +73,11 @@ def test_dockerfile_that_cannot_be_honoured_names_the_line(tmp_path: Path, docke
 
 
 def test_ignored_instructions_are_noted_with_their_line(tmp_path: Path) -> None:
-    task = _task(tmp_path, "FROM debian:bookworm-slim\nWORKDIR /app\nUSER agent\nCMD [\"sleep\", \"1\"]\n")
+    task = _task(tmp_path, "FROM debian:bookworm-slim\nWORKDIR /app\nUSER agent\nEXPOSE 80\nLABEL a=b\n")
     assert dockerfile_problem(task) == ""
     assert dockerfile_notes(task) == [
-        "line 3 USER ignored (commands run as root inside the sandbox)",
-        "line 4 CMD ignored (the agent drives the shell; no default command)",
+        "line 4 EXPOSE ignored (attempts have loopback networking only)",
+        "line 5 LABEL ignored (metadata only)",
     ]
 
 
@@ -85,14 +85,15 @@ def test_tests_copied_into_the_environment_leak(tmp_path: Path) -> None:
     task = _task(tmp_path, "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\nCOPY check/ /tests/\n",
                  env_files={"app/a.txt": "a\n", "app/copy.sh": TEST_SH, "check/x.txt": "x\n"})
     assert find_static_leaks(task) == [
-        "tests/test.sh is in the environment as environment/app/copy.sh",
+        "tests/test.sh would be readable in the image at /app/copy.sh (copied from environment/ by Dockerfile line 3)",
         f"{task.dockerfile}:4: COPY into /tests/, where the verifier's files go",
     ]
 
 
 def test_solution_copied_into_the_environment_leaks(tmp_path: Path) -> None:
     task = _task(tmp_path, env_files={"app/solve.sh": "#!/bin/bash\necho the answer is 42 > out.txt\n"})
-    assert find_static_leaks(task) == ["solution/solve.sh is in the environment as environment/app/solve.sh"]
+    assert find_static_leaks(task) == ["solution/solve.sh would be readable in the image at /app/solve.sh (copied "
+                                       "from environment/ by Dockerfile line 3)"]
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -145,7 +146,7 @@ def test_tasks_sharing_an_id_are_shown_by_path() -> None:
 def test_partial_credit_weights_round_trip(tmp_path: Path) -> None:
     reports = [_report("good", untouched=["tree_clean", "history_kept"]), _report("other")]
     data = reports_json(reports)
-    assert data["summary"] == {"tasks": 2, "passed": 2}
+    assert (data["summary"]["tasks"], data["summary"]["passed"], data["summary"]["failures_by_reason"]) == (2, 2, [])
     assert partial_credit_weights(reports) == {"good": {"tree_clean": 0.0, "history_kept": 0.0}}
     (tmp_path / "report.json").write_text(json.dumps(data))
     weights = load_test_weights(tmp_path / "report.json")

@@ -12,11 +12,12 @@ import copy
 import pytest
 import torch
 
-from albatross.engine import BuiltinEngine, SamplingParams
-from albatross.models.routing import install, moe_routers
-from albatross.records import Sample, TrainSample, Trajectory
+from albatross.bench.replay import rollouts as engine_rollouts
+from albatross.models.routing import install, moe_routers, routing_tensor, sparse_indexers
+from albatross.records import Batch, Sample, TrainSample, Trajectory
 from albatross.trainer.logprobs import TokenLogprobs
 from albatross.trainer.packing import pack
+from albatross.trainer.step import Trainer
 
 pytest.importorskip("transformers")
 from albatross.models.tiny import tiny_model  # noqa: E402
@@ -30,18 +31,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def rollouts(model: torch.nn.Module, n: int = 4, new: int = 16) -> list[Sample]:
-    """Sampled completions from the engine with routing recorded, as trainer samples."""
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 240, (6 + 3 * i,), generator=g).tolist() for i in range(n)]
-    with BuiltinEngine(copy.deepcopy(model), record_routing=True) as engine:
-        done = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=new, seed=11))
-    samples = []
-    for p, c in zip(prompts, done, strict=True):
-        s = Sample(list(p), [0] * len(p), [0.0] * len(p), [-1] * len(p))
-        s.extend(c.token_ids, model=True, logprobs=c.logprobs, versions=c.versions, routing=c.routing)
-        samples.append(s)
-    return samples
+def rollouts(model: torch.nn.Module, n: int = 4, new: int = 16, prompt_step: int = 3) -> list[Sample]:
+    """Sampled completions from the engine with routing recorded, as trainer samples (prompts of 6, 6 +
+    ``prompt_step``, ... tokens; ``albatross bench replay``'s)."""
+    return engine_rollouts(model, 240, n, new, prompt_step)
 
 
 def drift(model: torch.nn.Module, samples: list[Sample], steps: int, lr: float = 3e-3) -> torch.nn.Module:
@@ -83,12 +76,15 @@ def test_engine_records_routing_and_the_trainer_replays_it(family: str) -> None:
     model = tiny_model(family, seed=1)
     samples = rollouts(model)
     n_layers, k = len(moe_routers(model)), model.config.num_experts_per_tok
+    n_indexers = len(sparse_indexers(model))
     for s in samples:
         model_rows = [r for r, m in zip(s.routing, s.loss_mask, strict=True) if m]
-        assert len(model_rows) == s.num_model_tokens and all(len(r) == n_layers for r in model_rows)
-        assert all(len(set(experts)) == k for r in model_rows for experts in r)
-    # same weights: the trainer's fp32 log-probs with replay are the engine's, up to glm_moe_dsa's DSA indexer,
-    # whose top-k ties break by tensor length (decoding token by token vs a whole document): not replayed yet
+        assert len(model_rows) == s.num_model_tokens
+        assert all(len(r) == n_layers + n_indexers for r in model_rows)
+        assert all(len(set(experts)) == k for r in model_rows for experts in r[:n_layers])
+    # same weights: the trainer's fp32 log-probs with replay are the engine's, up to glm_moe_dsa's prompt positions
+    # (prompts of up to 15 tokens, index_topk 8): their DSA top-k ties break by tensor length (the engine's
+    # prefill vs a whole document) and only generated tokens' selections are recorded
     kl_same, _ = mismatch(copy.deepcopy(model), samples, replay=True)
     assert kl_same < (1e-8 if family == "qwen3_moe" else 1e-3)
     trained = drift(model, samples, steps=4)
@@ -101,10 +97,106 @@ def test_engine_records_routing_and_the_trainer_replays_it(family: str) -> None:
     recorded = mb.routing
     where = recorded[:, 0, 0] >= 0
     for layer in range(n_layers):
-        assert torch.equal(forced[layer][where].sort(-1).values, recorded[where, layer].sort(-1).values)
-    flips = sum(int((live[i][where].sort(-1).values != recorded[where, i].sort(-1).values).any(-1).sum())
+        assert torch.equal(forced[layer][where].sort(-1).values, recorded[where, layer, :k].sort(-1).values)
+    flips = sum(int((live[i][where].sort(-1).values != recorded[where, i, :k].sort(-1).values).any(-1).sum())
                 for i in range(n_layers))
     assert flips > 0, "the drifted trainer routes like the sampler: the test would not show replay working"
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm_moe_dsa"])
+def test_recorded_indexer_selections_are_replayed_after_the_indexer_changes(family: str) -> None:
+    """Prompts of 6-8 tokens, within the indexers' budget of 8 keys (QSA: 2 blocks of 4 plus the tail), so every
+    position that has a choice is a generated one, whose selection the engine records."""
+    model = tiny_model(family, seed=1)
+    samples = rollouts(model, n=3, new=24, prompt_step=1)
+    n_routers = len(moe_routers(model))
+    qsa = family == "qwen4_exp"
+    for s in samples:
+        for t, (row, m) in enumerate(zip(s.routing, s.loss_mask, strict=True)):
+            if not m:
+                continue
+            for sel in row[n_routers:]:  # QSA: complete blocks of 4 keys; DSA: key positions before token t
+                assert sel == sorted(set(sel)) and len(sel) <= (2 if qsa else 8)
+                assert all(0 <= x < (t // 4 if qsa else t) for x in sel)
+    assert any(len(sel) == (2 if qsa else 8) for s in samples for row in s.routing for sel in row[n_routers:])
+    perturbed = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in (p for ix in sparse_indexers(perturbed) for p in ix.parameters()):
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    mb = pack([TrainSample(s, 1.0) for s in samples], 4096)[0]
+    model_tokens = mb.loss_mask.bool()
+    _, live = mismatch(copy.deepcopy(perturbed), samples, replay=False)
+    _, replayed = mismatch(perturbed, samples, replay=True)
+    assert float((live - mb.logprobs)[model_tokens].abs().max()) > 1e-2, "the live top-k did not change"
+    assert float((replayed - mb.logprobs)[model_tokens].abs().max()) < 1e-5
+
+
+def test_replay_refuses_attention_that_selects_keys_without_its_indexer() -> None:
+    """A whole-row attention forward that bypasses the indexer module (``trainer.fast_indexer``) would ignore the
+    recorded selections: refused, not silently live."""
+    from albatross.models.segments import Layout, replaced
+
+    model = tiny_model("qwen4_exp", seed=1)
+    attention = next(m for m in model.modules() if hasattr(m, "indexer") and m.indexer is not None)
+    replaced(attention, Layout(), lambda module, lengths, *a, **k: module(*a, **k))
+    with pytest.raises(NotImplementedError, match="fast_indexer"):
+        install(model)
+
+
+def test_bench_replay_refuses_a_directory_that_is_not_a_model(tmp_path) -> None:
+    import argparse
+
+    from albatross.bench.replay import run
+    from albatross.errors import UserError
+
+    with pytest.raises(UserError, match="no config.json"):
+        run(argparse.Namespace(model=str(tmp_path), lr=1e-5, steps=2, json=None))
+
+
+def test_routing_tensor_pads_selections_wider_than_the_experts() -> None:
+    rows = [[], [[0, 1], [4, 9, 2]], [[3, 2], []]]
+    got = routing_tensor(rows, 2, 2)
+    assert got.shape == (3, 2, 3)
+    assert got[1].tolist() == [[0, 1, -1], [4, 9, 2]] and got[2].tolist() == [[3, 2, -1], [-1, -1, -1]]
+    assert (got[0] == -1).all()
+
+
+def test_a_step_with_replay_also_logs_the_mismatch_kl_without_it() -> None:
+    model = tiny_model("qwen3_moe", seed=1)
+    samples = rollouts(model)
+    trained = drift(model, samples, steps=4)
+    want_replayed, _ = mismatch(copy.deepcopy(trained), samples, replay=True)
+    want_live, _ = mismatch(copy.deepcopy(trained), samples, replay=False)
+    trainer = Trainer(trained.train(), temperature=1.0, micro_batch_tokens=64)  # several micro-batches
+    metrics = trainer.step(Batch([TrainSample(s, 1.0) for s in samples], groups=1, min_version=0))
+    assert metrics["mismatch_kl"] == pytest.approx(want_replayed, rel=1e-4)
+    assert metrics["mismatch_kl_no_replay"] == pytest.approx(want_live, rel=1e-4)
+    assert abs(want_live - want_replayed) > 1e-6  # routing flips after the drift: the two figures differ
+    unrouted = [Sample(s.token_ids, s.loss_mask, s.logprobs, s.versions) for s in samples]
+    assert "mismatch_kl_no_replay" not in trainer.step(Batch([TrainSample(s, 1.0) for s in unrouted], 1, 0))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen4_exp", "glm_moe_dsa"])
+def test_router_math_is_fp32_and_rl_has_no_load_balancing_loss(family: str) -> None:
+    """A bf16 model's replayed routers score in fp32; no config turns the balancing loss on by default, and the
+    trainer's log-probs (the decoder alone) are the same with it switched on: RL never adds it."""
+    model = tiny_model(family, seed=3)
+    assert not getattr(model.config, "output_router_logits", False)
+    ids = torch.randint(3, 240, (1, 20), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(20)[None]
+    want, _ = TokenLogprobs(copy.deepcopy(model), chunk_size=None)(ids, pos, ids[0])
+    model.config.output_router_logits = True
+    got, _ = TokenLogprobs(model, chunk_size=None)(ids, pos, ids[0])
+    assert torch.equal(want, got)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    install(half)
+    seen = []
+    for router in moe_routers(half):
+        router.register_forward_hook(lambda m, a, out: seen.append((out[0].dtype, out[1].dtype)))
+    with torch.no_grad():
+        half(ids, use_cache=False)
+    assert seen and all(d == (torch.float32, torch.float32) for d in seen)
 
 
 def test_replayed_routing_still_trains_the_router() -> None:

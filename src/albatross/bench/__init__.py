@@ -11,6 +11,7 @@ BENCHES = {
     "harness": "albatross.bench.harness",
     "loop": "albatross.bench.loop",
     "packing": "albatross.bench.packing",
+    "replay": "albatross.bench.replay",
     "recipe": "albatross.bench.recipe",
     "gpu": "albatross.bench.gpu",
 }

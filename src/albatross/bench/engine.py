@@ -1,5 +1,9 @@
 """Rollout engine: built-in vs transformers generate, KV reuse across turns, speculative decoding, weight swaps.
 
+A model of a family with a multi-token-prediction head (``--model DIR``: ``qwen3_next``, ``qwen4_exp``,
+``glm_moe_dsa``, ``glm5_next``) gets the MTP speculative-decoding section instead (``mtp_speculation``:
+``mtp_acceptance``, ``mtp_speedup``), its head first self-distilled on the model's own greedy outputs.
+
 Workloads run on the demo model (the warm-started one under ``$ALBATROSS_CACHE`` / ``~/.cache/albatross`` when
 there is one, else a freshly built tiny model), with prompts from the built-in tasks' instructions and
 demonstration commands. Every figure is wall time on this machine, torch on one thread.
@@ -502,6 +506,131 @@ def speculative(model_dir: Path, prompts: list[list[int]], draft_tokens: int, re
     return out
 
 
+# ------------------------------------------------------------------------------------------ MTP speculation
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` random ids in [3, vocab) (a model directory without a tokenizer)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def greedy_outputs(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The model's greedy completions (no speculation)."""
+    from albatross.engine.base import SamplingParams
+    from albatross.engine.builtin import BuiltinEngine
+
+    with BuiltinEngine(model, prefix_cache_tokens=0) as eng:
+        return [c.token_ids for c in eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))]
+
+
+def self_distill_mtp(model: Any, sequences: list[list[int]], steps: int, lr: float = 3e-3,
+                     seed: int = 0) -> dict[str, float]:
+    """Train ``model.mtp`` alone (Adam) on ``sequences`` (the model's own outputs) with the trainer's MTP loss on
+    the decoder's hidden states, computed once (the model does not change). Returns the last loss / accuracy."""
+    import torch
+
+    from albatross.models.mtp import get_mtp, mtp_loss
+
+    head = get_mtp(model)
+    rows = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq])
+            rows.append((model.get_decoder()(input_ids=ids).last_hidden_state, ids))
+    params = [p for p in head.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=lr)
+    rng = random.Random(seed)
+    metrics: dict[str, float] = {}
+    head.train()
+    for _ in range(steps):
+        batch = rng.sample(rows, min(4, len(rows)))
+        n = sum(ids.shape[1] for _, ids in batch)
+        opt.zero_grad()
+        parts = []
+        for hidden, ids in batch:
+            loss, m = mtp_loss(head, hidden, ids, [ids.shape[1]], torch.ones(ids.shape[1]), n)
+            loss.backward()
+            parts.append(m)
+        opt.step()
+        metrics = {k: statistics.mean(m[k] for m in parts) for k in ("mtp_loss", "mtp_accuracy")}
+    head.eval()
+    return metrics
+
+
+def _mtp_turns(model: Any, prompts: list[list[int]], draft_tokens: int, temperature: float,
+               max_tokens: int) -> tuple[float, list[list[int]], Any]:
+    """(seconds, token ids, stats) of one request at a time, with MTP speculation when ``draft_tokens``."""
+    from albatross.engine.base import SamplingParams
+    from albatross.engine.builtin import BuiltinEngine, SpecConfig
+
+    spec = SpecConfig(draft_tokens=draft_tokens, method="mtp")
+    with BuiltinEngine(model, speculative=spec, prefix_cache_tokens=0) as eng:
+        start = time.perf_counter()
+        ids = [eng.generate([p], SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i))[0].token_ids
+               for i, p in enumerate(prompts)]
+        return time.perf_counter() - start, ids, eng.stats
+
+
+def _best_of(model: Any, prompts: list[list[int]], ks: list[int], temperature: float, max_tokens: int,
+             repeats: int) -> dict[int, tuple[float, list[list[int]], Any]]:
+    best: dict[int, tuple[float, list[list[int]], Any]] = {}
+    for k in ks:  # warm-up, untimed
+        _mtp_turns(model, prompts[:1], k, temperature, 4)
+    for _ in range(repeats):  # alternating plain and speculative runs, best of each
+        for k in ks:
+            run = _mtp_turns(model, prompts, k, temperature, max_tokens)
+            if k not in best or run[0] < best[k][0]:
+                best[k] = run
+    return best
+
+
+def mtp_speculation(model_dir: Path, quick: bool, draft_tokens: int = 2) -> dict[str, Any]:
+    """MTP speculative decoding on a model of an MTP family: acceptance and speedup vs plain decoding (greedy,
+    one request at a time; k = 1..3 drafts per step), greedy outputs compared token for token, and sampled
+    (temperature 1) acceptance and speedup. A random tiny model's head accepts next to nothing, so the head is
+    first trained on the model's own greedy outputs of other prompts (self-distillation; figures before it too)."""
+    from albatross.engine.tokenizer import load_tokenizer
+    from albatross.models.mtp import attach_mtp, get_mtp
+    from albatross.trainer.model import load_model
+
+    model = load_model(model_dir).eval()
+    source = "checkpoint" if get_mtp(model) is not None else "random (the checkpoint has none)"
+    attach_mtp(model)
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    try:
+        prompts = agent_prompts(load_tokenizer(model_dir), 48)
+    except (FileNotFoundError, OSError, ValueError, KeyError):
+        prompts = random_prompts(min(vocab, 250), 48, 24, seed=0)
+    train, held = prompts[:32], prompts[32:40 if quick else 48]
+    max_tokens, steps = 32, 150 if quick else 400
+    before = _best_of(model, held, [draft_tokens], 0.0, max_tokens, 1)[draft_tokens][2]
+    distilled = self_distill_mtp(model, [p + o for p, o in zip(train, greedy_outputs(model, train, max_tokens),
+                                                                strict=True)], steps)
+    out: dict[str, Any] = {"mtp_head": f"{source}, then self-distilled {steps} Adam steps on the model's greedy "
+                           f"outputs of {len(train)} other prompts", "mtp_distill_accuracy": distilled["mtp_accuracy"],
+                           "mtp_acceptance_before_distill": before.accepted_draft_tokens / max(1, before.draft_tokens),
+                           "mtp_draft_tokens": draft_tokens, "mtp_prompts": len(held), "mtp_max_tokens": max_tokens}
+    greedy = _best_of(model, held, [0, 1, 2, 3], 0.0, max_tokens, 1 if quick else 3)
+    t0, ids0, _ = greedy[0]
+    for k in (1, 2, 3):
+        t, ids, st = greedy[k]
+        out[f"mtp_acceptance_k{k}"] = st.accepted_draft_tokens / max(1, st.draft_tokens)
+        out[f"mtp_speedup_k{k}"] = t0 / t
+        out[f"mtp_tokens_per_pass_k{k}"] = sum(len(i) for i in ids) / max(1, st.forward_passes)
+        out[f"mtp_greedy_identical_k{k}"] = ids == ids0
+    out["mtp_acceptance"], out["mtp_speedup"] = out[f"mtp_acceptance_k{draft_tokens}"], out[f"mtp_speedup_k{draft_tokens}"]
+    out["mtp_plain_tokens_per_s"] = sum(len(i) for i in ids0) / t0
+    sampled = _best_of(model, held, [0, draft_tokens], 1.0, max_tokens, 1 if quick else 3)
+    st = sampled[draft_tokens][2]
+    out["mtp_acceptance_sampled"] = st.accepted_draft_tokens / max(1, st.draft_tokens)
+    out["mtp_speedup_sampled"] = (sampled[0][0] / sum(len(i) for i in sampled[0][1])) / (
+        sampled[draft_tokens][0] / sum(len(i) for i in sampled[draft_tokens][1]))  # per token: lengths differ
+    return out
+
+
 def weight_swap(model_dir: Path, prompts: list[list[int]], repeats: int) -> dict[str, Any]:
     """Milliseconds from ``update_weights(dir)`` to its return: idle, and with 16 requests generating."""
     from albatross.engine.base import SamplingParams
@@ -528,6 +657,16 @@ def weight_swap(model_dir: Path, prompts: list[list[int]], repeats: int) -> dict
             "weight_swap_ms_during_generation": 1000 * statistics.median(busy)}
 
 
+def _mtp_family(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds a model of a family with an MTP head (``models/mtp.py``)."""
+    import json
+
+    from albatross.models.mtp import MTP_LAYOUT
+
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") in {*MTP_LAYOUT, "qwen4_exp_text"}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -538,8 +677,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir, kind = demo_model_dir(getattr(args, "model", None))
     from albatross.engine.tokenizer import load_tokenizer
 
-    prompts = agent_prompts(load_tokenizer(model_dir), 64)
     results: dict[str, Any] = {"model": str(model_dir), "model_kind": kind}
+    if _mtp_family(model_dir):  # the hybrid families: MTP speculation (the sections below are for plain KV)
+        results.update(mtp_speculation(model_dir, quick))
+        print_table("albatross bench engine (MTP speculative decoding)", list(results.items()))
+        write_json(getattr(args, "json", None), results)
+        return results
+    prompts = agent_prompts(load_tokenizer(model_dir), 64)
     per_client = 2 if quick else 4
     results.update(throughput(model_dir, prompts, [1, 16, 64], per_client, repeats=1 if quick else 2))
     results.update(kv_reuse(model_dir, prompts, repeats=1 if quick else 3))

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,8,64", help="attempts alive at once, comma-separated")
     parser.add_argument("--per-level", type=int, default=192, help="forks per concurrency level")
     parser.add_argument("--warm", type=int, default=3, help="attempts kept ready per environment")
-    parser.add_argument("--base", choices=["host", "debian"], default="host", help="base root file system")
+    parser.add_argument("--base", choices=["image", "debian", "host"], default="image",
+                        help="base root: the Dockerfile's FROM image (default), debian, or the host's own root")
 
 
 def percentile(values: list[float], q: float) -> float:

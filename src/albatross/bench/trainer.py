@@ -27,6 +27,9 @@ the remaining time budget.
 ``max_seq_len_projected`` is a projection, not a measurement: a straight line through the chunked +
 checkpointed peaks of this hidden-64 model (memory is linear in T there: no [T, T] or [T, V] tensor),
 extrapolated to a 24 GiB machine; a real model's activations per token are far larger.
+
+``--study``: the cumulative study of the model-specific trainer options on an 8-layer hybrid MoE
+(``bench/study.py``), instead of the above.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 600 s; quick 150 s)")
     p.add_argument("--memory-limit-gib", type=float, default=16.0,
                    help="kill a memory child whose resident set passes this (default 16)")
+    from albatross.bench import study
+
+    study.add_arguments(p)
 
 
 # synthetic trajectories -----------------------------------------------------------------------------
@@ -397,6 +403,11 @@ def _table_rows(tp: dict[str, Any], mem: dict[str, Any]) -> list[tuple[str, Any]
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
+
+    if getattr(args, "study", False):
+        from albatross.bench import study
+
+        return study.run(args)
 
     quick = bool(getattr(args, "quick", False))
     max_len = getattr(args, "max_seq_len", None) or (8192 if quick else 32768)

@@ -50,7 +50,7 @@ def register(sub: Any, tasks_sub: Any) -> None:
     p.add_argument("--retries", type=int, default=3, help="fresh forks after an infrastructure error")
     p.add_argument("--prices", metavar="TOML", help='price table: ["name"] input, cached_input, output '
                    "in USD per million tokens (default: 0, a local model)")
-    p.add_argument("--sandbox", choices=("auto", "local", "process"), default="auto",
+    p.add_argument("--sandbox", choices=("auto", "local", "process", "docker"), default="auto",
                    help="auto: local (isolated) where available, else process")
     p.add_argument("--config", help="run config TOML for the harness, sandbox limits and sampling")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. "
@@ -290,8 +290,8 @@ def _backend(kind: str, hide: list):
 
     if kind == "auto":
         kind = "local" if local_available() else "process"
-    if kind == "process":
-        return make_backend("process")
+    if kind in ("process", "docker"):  # docker: a container sees nothing of the host to hide
+        return make_backend(kind)
     return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]])
 
 

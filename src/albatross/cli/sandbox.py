@@ -3,6 +3,9 @@
     albatross sandbox shell TASK_DIR              interactive shell (for writing and debugging tasks)
     albatross sandbox run TASK_DIR -- CMD [ARG...] one command; prints its output, exits with its code
     albatross sandbox base build                  build the cached debian base root (debootstrap, once)
+    albatross sandbox image build REF             build (once) the base a FROM REF uses
+    albatross sandbox image import PATH --tag REF import an OCI image layout / docker save archive
+    albatross sandbox image list                  the built and imported bases
 
 ``run`` takes one argument as a shell command line (``-- 'ls | wc -l'``), several as an argv
 (``-- ls -la``). A command killed by its timeout exits 124; a limit it hit is named on stderr.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import math
 import os
 import shlex
@@ -44,12 +48,25 @@ def register(sub: Any, tasks_sub: Any) -> None:
     p.add_argument("--mirror", default="http://deb.debian.org/debian", help="Debian mirror URL")
     p.add_argument("--force", action="store_true", help="rebuild even if it is already built")
     p.set_defaults(fn=cmd_base_build)
+    image = gsub.add_parser("image", help="base images: the roots a Dockerfile's FROM builds on")
+    isub = image.add_subparsers(dest="image_command", required=True)
+    p = isub.add_parser("build", help="build (once) the base for FROM REF and print what it is")
+    p.add_argument("ref", help="image reference, e.g. python:3.11-slim-bookworm")
+    p.set_defaults(fn=cmd_image_build)
+    p = isub.add_parser("import", help="import an OCI image layout or docker save archive under a tag")
+    p.add_argument("path", help="OCI layout directory or tar, or docker save archive")
+    p.add_argument("--tag", required=True, help="the FROM reference that will use it, e.g. myorg/env:1")
+    p.set_defaults(fn=cmd_image_import)
+    p = isub.add_parser("list", help="the built and imported bases in the cache")
+    p.set_defaults(fn=cmd_image_list)
 
 
 def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["local", "process"], default="local",
                    help="local: isolated (default); process: no isolation, dev only")
-    p.add_argument("--base", choices=["host", "debian"], default="host", help="base root file system")
+    p.add_argument("--base", choices=["image", "debian", "host"], default="image",
+                   help="base root: image (the Dockerfile's FROM, default), debian, or host (not isolated "
+                   "from the host's files)")
     p.add_argument("--tests", action="store_true", help="copy the task's tests/ to /tests first")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds before the command is killed (default: the task's agent timeout)")
@@ -238,4 +255,40 @@ def cmd_base_build(args: argparse.Namespace, extra: list[str]) -> int:
         raise _user_error(str(err)) from None
     state = "built" if is_built(path) else "missing"
     print(f"debian base ({args.suite}): {state} at {path}")
+    return 0
+
+
+@_sandbox_errors
+def cmd_image_build(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.sandbox.images import resolve_base
+    from albatross.sandbox.rootfs import BaseUnavailable
+
+    try:
+        base = resolve_base(args.ref, log=print)
+    except BaseUnavailable as err:
+        raise _user_error(str(err)) from None
+    print(f"{base.ref}: {base.root}")
+    for note in base.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+@_sandbox_errors
+def cmd_image_import(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.sandbox.images import import_image
+
+    if not os.path.exists(args.path):
+        raise _user_error(f"sandbox image import: {args.path}: no such file or directory")
+    base = import_image(args.path, args.tag, log=print)
+    print(f"{base.ref}: {base.root}")
+    return 0
+
+
+@_sandbox_errors
+def cmd_image_list(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.sandbox.images import list_images
+
+    for entry in list_images():
+        what = entry.get("recipe") or {"source": entry.get("source", "?")}
+        print(f"{entry['key']}  {json.dumps(what)}")
     return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_FAILED, EXIT_USER_ERROR = 1, 2
-SANDBOXES = ("auto", "local", "process")
+SANDBOXES = ("auto", "local", "process", "docker")
 
 
 def register(sub: Any, tasks_sub: Any) -> None:
@@ -25,7 +25,8 @@ def register(sub: Any, tasks_sub: Any) -> None:
 def _add_validate(tasks_sub: Any) -> None:
     p = tasks_sub.add_parser("validate", help="run the nine validation gates on task directories")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="task directories, or folders of them")
-    p.add_argument("--json", metavar="PATH", help="write the report (and partial-credit test weights) as JSON")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON: every task's gates, a summary of "
+                   "failures per gate and per reason category, and partial-credit test weights")
     p.add_argument("--parallel", type=int, default=0, metavar="N",
                    help="tasks gated at once (default: the number of cores)")
     p.add_argument("--reruns", type=int, default=3, metavar="N",
@@ -187,8 +188,8 @@ def _backend(kind: str, hide: list[str]) -> Any:
 
     if kind == "auto":
         kind = "local" if local_available() else "process"
-    if kind == "process":
-        return make_backend("process")
+    if kind in ("process", "docker"):  # docker: a container sees nothing of the host to hide
+        return make_backend(kind)
     return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]])
 
 

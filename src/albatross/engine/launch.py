@@ -59,6 +59,12 @@ def check_engine_config(ec: EngineConfig) -> None:
         if not has_cuda():
             raise ConfigError("engine.weight_sync: nccl needs CUDA GPUs and this machine has none: use "
                               "\"filesystem\"")
+    if ec.urls and ec.speculative != "off":
+        raise ConfigError("engine.speculative: servers attached by engine.urls decode as they were started; "
+                          "set speculative decoding on them (or leave engine.speculative = \"off\")")
+    if ec.process and ec.speculative != "off":
+        raise ConfigError("engine.speculative: not passed to `albatross serve` processes yet (engine.process = "
+                          "true); use the in-process built-in engine or engine.type vllm / sglang")
     if ec.process and ec.type != "builtin":
         raise ConfigError(f"engine.process: only for engine.type builtin ({ec.type} servers are always processes)")
 
@@ -85,7 +91,7 @@ def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Ca
     """One in-process engine on ``engine.device``, a pool of replicas (in-process, or ``albatross serve``
     processes)."""
     from albatross.devices import engine_device
-    from albatross.engine.builtin import BuiltinEngine
+    from albatross.engine.builtin import BuiltinEngine, SpecConfig
     from albatross.engine.pool import EnginePool, LocalReplica
 
     ec = cfg.engine
@@ -94,8 +100,10 @@ def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Ca
                                        max_batch_size=ec.max_batch_size, log=log)
     device = str(engine_device(ec.device, cfg.trainer.gpus))
     log(f"[engine] built-in on {device}, {ec.replicas} replica(s)")
+    spec = SpecConfig(draft_tokens=ec.draft_tokens if ec.speculative != "off" else 0,
+                      method="mtp" if ec.speculative == "mtp" else "ngram")
     engines = [BuiltinEngine(str(model_dir), device=device, max_batch_size=ec.max_batch_size,
-                             record_routing=cfg.rl.routing_replay) for _ in range(ec.replicas)]
+                             record_routing=cfg.rl.routing_replay, speculative=spec) for _ in range(ec.replicas)]
     return engines[0] if ec.replicas == 1 else EnginePool([LocalReplica(e) for e in engines], log=log)
 
 
@@ -222,6 +230,9 @@ def vllm_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: in
         cmd += ["--gpu-memory-utilization", str(ec.gpu_memory_utilization)]
     if ec.weight_sync == "nccl":
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if ec.speculative != "off":  # vLLM's MTP proposer drafts from the checkpoint's own MTP weights
+        spec: dict[str, Any] = {"method": ec.speculative, "num_speculative_tokens": ec.draft_tokens}
+        cmd += ["--speculative-config", json.dumps(spec)]
     return cmd + list(ec.extra_args)
 
 
@@ -234,6 +245,11 @@ def sglang_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: 
         cmd += ["--context-length", str(ec.max_model_len)]
     if ec.gpu_memory_utilization:
         cmd += ["--mem-fraction-static", str(ec.gpu_memory_utilization)]
+    if ec.speculative == "mtp":  # SGLang runs MTP heads as EAGLE drafts of top-1, a chain of draft_tokens
+        cmd += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(ec.draft_tokens),
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(ec.draft_tokens + 1)]
+    elif ec.speculative == "ngram":
+        cmd += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(ec.draft_tokens)]
     return cmd + list(ec.extra_args)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 SPECIALS = ["<|pad|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|obs|>", "<|end|>"]
 SYMBOLS = ["```bash\n", "\n```", " > ", " < ", ".txt", ".log", " -l", "\n"]
 WORD_PATTERN = r" ?[A-Za-z_]+"
+BARE_WORD_PATTERN = r"[A-Za-z_]+"  # words never carry their leading space: a space is its own token
 LEGACY_TINY = "albatross_tokenizer.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -53,14 +54,18 @@ def tiny_vocab(words: list[str]) -> list[str]:
     return SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + SYMBOLS + sorted(set(words))
 
 
-def tiny_hf_tokenizer(words: list[str]) -> Any:
+def tiny_hf_tokenizer(words: list[str], word_pattern: str = WORD_PATTERN) -> Any:
     """The demo tokenizer as a ``PreTrainedTokenizerFast`` with ``TINY_CHAT_TEMPLATE``: the same ids as
     ``TinyTokenizer(words)`` for any text without special-token strings in it.
 
     Pre-tokens are split as ``TinyTokenizer`` scans (symbols, then ``WORD_PATTERN``, else one character at a
     time), mapped to bytes (``ByteLevel``), and marked with ``_MARK`` when the whole pre-token is a known symbol
     or word; a BPE model with no merges looks a marked pre-token up whole and an unmarked one byte by byte. The
-    mark is what keeps a one-letter word (``a``) from being used inside an unknown word (``ab``)."""
+    mark is what keeps a one-letter word (``a``) from being used inside an unknown word (``ab``).
+
+    ``word_pattern = BARE_WORD_PATTERN`` (with ``words`` without leading spaces) splits a space off the word
+    after it, so a word is one token wherever it stands (the demo's tokenizer; ``TinyTokenizer`` has no such
+    mode)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -73,7 +78,7 @@ def tiny_hf_tokenizer(words: list[str]) -> Any:
     symbols = "|".join(re.escape(s) for s in sorted(SYMBOLS, key=len, reverse=True))
     whole = "|".join(re.escape(_byte_level(w, to_char)) for w in sorted(set(known), key=len, reverse=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(f"{symbols}|{WORD_PATTERN}"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(f"{symbols}|{word_pattern}"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         pre_tokenizers.Metaspace(replacement=_MARK, prepend_scheme="always", split=False),  # mark every piece
         pre_tokenizers.Split(Regex(f"^{_MARK}(?!(?:{whole})$)"), behavior="removed"),  # unmark unknown ones

@@ -2,7 +2,8 @@
 
 Sizes are chosen so every part that can leak across packed documents exists and is exercised: linear
 attention with its causal conv, sparse-attention indexers whose top-k budget is smaller than a document,
-MoE routers, n-gram (PLE) embeddings with their dilated conv, hyper-connections.
+MoE routers, n-gram (PLE) embeddings with their dilated conv, hyper-connections, and the MTP head of the
+families that have one.
 """
 
 from __future__ import annotations
@@ -68,21 +69,34 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     return AutoConfig.for_model("qwen4_exp_text" if family == "qwen4_exp" else family, **text)
 
 
-def tiny_model(family: str, seed: int = 0, **overrides: Any) -> Any:
-    """A random tiny model of ``family`` in fp32, in eval mode (``save_pretrained`` round-trips)."""
+def tiny_model(family: str, seed: int = 0, mtp: bool = True, **overrides: Any) -> Any:
+    """A random tiny model of ``family`` in fp32, in eval mode (``save_pretrained`` round-trips).
+
+    ``mtp``: families that have a multi-token-prediction head (``models/mtp.py``) get one as ``model.mtp``,
+    initialised after the rest (the other weights are the same with or without it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from albatross.models.mtp import MTP_LAYOUT, attach_mtp
+
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if family == "glm5_next" else AutoModelForCausalLM
-    return auto.from_config(tiny_config(family, **overrides), dtype=torch.float32).eval()
+    model = auto.from_config(tiny_config(family, **overrides), dtype=torch.float32).eval()
+    if mtp and family in MTP_LAYOUT:
+        attach_mtp(model).eval()
+    return model
 
 
 def load_any(directory: Any, dtype: Any = None) -> Any:
-    """A local checkpoint as a causal LM, or as a vision-language model (``glm5_next``) when it is one."""
+    """A local checkpoint as a causal LM, or as a vision-language model (``glm5_next``) when it is one; its MTP
+    head too when the checkpoint has MTP weights (``models/mtp.py``: transformers drops them)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from albatross.models.mtp import load_mtp
+
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     auto = AutoModelForImageTextToText if config.model_type == "glm5_next" else AutoModelForCausalLM
-    return auto.from_pretrained(directory, dtype=dtype or torch.float32, local_files_only=True)
+    model = auto.from_pretrained(directory, dtype=dtype or torch.float32, local_files_only=True)
+    load_mtp(model, directory, required=False)
+    return model

@@ -57,10 +57,13 @@ class MetricsSink:
 
 
 def step_line(r: dict[str, Any], max_steps: int) -> str:
+    """One step's console line; with routing replay on, the mismatch KL without replay beside ``kl``."""
     return (f"[train] step {r['step']:>3}/{max_steps}  loss {r.get('loss', 0.0):+.4f}  "
             f"reward {r.get('reward_mean', 0.0):.2f}  pass {r['pass_rate']:.2f}  "
             f"stale mean {r.get('staleness_mean', 0.0):.1f} max {r.get('staleness_max', 0):.0f}  "
-            f"kl {r.get('mismatch_kl', 0.0):.4f}  queue {r.get('queue_depth', 0)}  "
+            f"kl {r.get('mismatch_kl', 0.0):.4f}  "
+            + (f"kl no replay {r['mismatch_kl_no_replay']:.4f}  " if "mismatch_kl_no_replay" in r else "") +
+            f"queue {r.get('queue_depth', 0)}  "
             f"trainer idle {r.get('trainer_idle_share', 0.0):.0%}  "
             + (f"engine idle {r['engine_idle_share']:.0%}  " if "engine_idle_share" in r else "") +
             f"gen tok/s {r.get('engine_tokens_per_s', 0.0):.0f}  train tok/s {r.get('tokens_per_s', 0.0):.0f}  "

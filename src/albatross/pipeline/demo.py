@@ -32,13 +32,22 @@ def demo_config(config_path: str | None, quick: bool, out: str | None, overrides
 def demo_tokenizer(families: list[str] | None = None, heldout_families: list[str] | None = None):
     """The tiny model's tokenizer, a transformers tokenizer with its own chat template (``tiny_hf_tokenizer``):
     whole words of the corpus of the built-in families it trains on (the demo's three by default, so that adding
-    families elsewhere never changes the demo model's vocabulary), bytes for everything else."""
-    from albatross.engine.tokenizer import tiny_hf_tokenizer
+    families elsewhere never changes the demo model's vocabulary), bytes for everything else.
+
+    A word is one token wherever it stands: words carry no leading space, a space is a token of its own
+    (``BARE_WORD_PATTERN``). The demo's tasks are copying tasks (a file name from the instruction, or from what
+    ``cat`` printed, into a command), and with ``" lemon"`` and ``"lemon"`` as two tokens every copy was a mapping
+    the tiny model had to learn word by word, for each place a word can stand: it never learned it for a word
+    it had not been trained to copy there (the held-out split's words), and which family's mapping the warm
+    start happened to pick up decided what RL could improve (docs/benchmarks.md, the demo). With one token per
+    word a copy is the same token, which the model learns once for every word."""
+    from albatross.engine.tokenizer import BARE_WORD_PATTERN, tiny_hf_tokenizer
     from albatross.harness.chat import TinyTokenizer
     from albatross.tasks.builtin import DEMO_FAMILIES, corpus_strings
 
     names = [*(families or DEMO_FAMILIES), *(f for f in heldout_families or [] if f not in (families or DEMO_FAMILIES))]
-    return tiny_hf_tokenizer(TinyTokenizer.from_corpus(corpus_strings(names)).words)
+    words = [w for w in TinyTokenizer.from_corpus(corpus_strings(names)).words if not w.startswith(" ")]
+    return tiny_hf_tokenizer(words, word_pattern=BARE_WORD_PATTERN)
 
 
 def build_tiny(cfg: ModelConfig, tokenizer: Any, seed: int = 0):

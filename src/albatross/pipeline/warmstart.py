@@ -26,7 +26,7 @@ from albatross.errors import UserError
 from albatross.records import Sample
 from albatross.tasks.format import Task
 
-CACHE_VERSION = 2  # bump when the demo's tasks, tokenizer or model layout change
+CACHE_VERSION = 3  # bump when the demo's tasks, tokenizer or model layout change
 
 
 def warm_start_source(cfg: RunConfig) -> str:

@@ -89,12 +89,18 @@ def _staleness_hist(staleness: Tensor) -> dict[str, float]:
     return {f"staleness_hist/{int(v)}": float(c) for v, c in zip(values, counts, strict=True)}
 
 
+def mismatch_kl(log_ratio: Tensor, mask: Tensor) -> float:
+    """Trainer/rollout mismatch over ``mask`` tokens: mean of the k3 KL estimate r - log r - 1 (0: none)."""
+    lr = log_ratio.detach()[mask.bool()]
+    return float((lr.exp() - lr - 1).mean()) if lr.numel() else 0.0
+
+
 def _ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict[str, float]:
     """Trainer/rollout mismatch over loss tokens: k3 KL estimate r - log r - 1, and the largest ratio."""
     lr = log_ratio.detach()[mask.bool()]
     if lr.numel() == 0:
         return {"mismatch_kl": 0.0, "ratio_max": 0.0}
-    return {"mismatch_kl": float((lr.exp() - lr - 1).mean()), "ratio_max": float(lr.exp().max())}
+    return {"mismatch_kl": mismatch_kl(log_ratio, mask), "ratio_max": float(lr.exp().max())}
 
 
 def _reduce(

@@ -1,6 +1,7 @@
 """Sandboxes: a task's prepared environment (parent) and the isolated attempts forked from it.
 
 ``make_backend("local")`` is the isolated backend (namespaces + overlayfs + cgroups, needs root);
+``make_backend("docker", engine="auto")`` makes each attempt a container of a Docker or Podman engine;
 ``make_backend("process")`` runs commands unisolated in a temporary directory (development only).
 """
 
@@ -19,16 +20,18 @@ from albatross.sandbox.base import (
     SandboxError,
 )
 from albatross.sandbox.build import EnvBuildError
+from albatross.sandbox.docker import DockerBackend
 from albatross.sandbox.dockerfile import DockerfileError, parse_dockerfile
 from albatross.sandbox.local import LocalBackend, local_available, userns_available
 from albatross.sandbox.process import ProcessBackend
 
-BACKENDS = {"local": LocalBackend, "process": ProcessBackend}
+BACKENDS = {"local": LocalBackend, "process": ProcessBackend, "docker": DockerBackend}
 
 __all__ = [
     "LIMITS",
     "Attempt",
     "Backend",
+    "DockerBackend",
     "DockerfileError",
     "EnvBuildError",
     "ExecResult",
@@ -48,12 +51,15 @@ __all__ = [
 def backend_from_config(sc: Any, hide_paths: list[str] | None = None) -> Backend:
     """The backend a run's ``[sandbox]`` config section describes."""
     if sc.type == "local":
-        return make_backend("local", hide_paths=hide_paths or [], base=sc.base, warm=sc.warm)
+        return make_backend("local", hide_paths=hide_paths or [], base=sc.base, warm=sc.warm,
+                            images_dir=sc.images or None)
+    if sc.type == "docker":
+        return make_backend("docker", engine=sc.engine, images_dir=sc.images or None)
     return make_backend(sc.type, hide_paths=hide_paths or [])
 
 
 def make_backend(kind: str, **kw: Any) -> Backend:
-    """Create the sandbox backend named ``kind`` ("local" or "process") with its keyword options."""
+    """Create the sandbox backend named ``kind`` ("local", "docker" or "process") with its keyword options."""
     try:
         cls = BACKENDS[kind]
     except KeyError:

@@ -92,6 +92,7 @@ def setup_root(cfg: dict[str, Any], userns_fd: int | None) -> tuple[int, int | N
         linux.write_file(f"{path}/cgroup.procs", "0")
     merged = _mount_overlay(cfg)
     _mount_pseudo(merged, cfg)
+    _mount_binds(merged, cfg.get("binds") or [], userns_fd)
     if cfg["new_net"]:
         _configure_net(cfg)
     socket.sethostname("sandbox")
@@ -127,6 +128,18 @@ def _mount_overlay(cfg: dict[str, Any]) -> str:
     data = f"lowerdir={':'.join(cfg['lower'])},upperdir={upper},workdir={work}"
     linux.mount("overlay", merged, "overlay", 0, data)
     return merged
+
+
+def _mount_binds(root: str, binds: list[list[str]], userns_fd: int | None) -> None:
+    """Bind host directories into the root (a builder's download caches), idmapped in user-namespace
+    mode so that root inside owns what it writes there as host root does."""
+    for host_dir, inside in binds:
+        target = f"{root}{inside}"
+        os.makedirs(target, exist_ok=True)
+        if userns_fd is not None:
+            linux.idmapped_mount(host_dir, target, userns_fd)
+        else:
+            linux.mount(host_dir, target, None, linux.MS_BIND)
 
 
 def _mount_pseudo(root: str, cfg: dict[str, Any]) -> None:

@@ -24,8 +24,11 @@ bounding set is Docker's default minus MKNOD.
 
 Parents: a parent is built once per distinct environment (files, base, hidden paths): a *builder*
 whose overlay upper directory is the parent's layer applies the Dockerfile (COPY through a tar, WORKDIR,
-RUN with ``bash -c``, in a new network namespace unless the task allows internet); the layer is then
-frozen and becomes the top lower layer of every attempt forked from it.
+RUN with ``bash -c``); the layer is then frozen and becomes the top lower layer of every attempt forked
+from it. The base under it is the image the Dockerfile's ``FROM`` names (``images.resolve_base``; a
+multi-stage Dockerfile builds each earlier stage first, for ``COPY --from``). Builds on an image base
+have the host's network (package managers: apt, pip, npm) with shared download caches bind-mounted
+(``build_caches``); attempts never have a network.
 
 Speed: the zygote keeps network namespaces ready; the backend keeps ``warm`` attempts of each recently
 forked (parent, workdir, limits) ready in the background, so a fork usually takes an attempt that is
@@ -40,7 +43,7 @@ and rebuilds the parent it needs; a fork interrupted by the death is retried on 
 
 Limits: hitting one is an outcome (``ExecResult.limit``), never an error; see ``base.LIMITS``.
 Limitations: needs root, cgroup v1 memory and pids controllers, overlayfs and tmpfs xattrs. The image
-named by FROM is not pulled: the base root (host or debian) is the base. USER is ignored.
+named by FROM is not pulled from a registry: it is built from Debian packages (``images.py``) or imported.
 """
 
 from __future__ import annotations
@@ -48,11 +51,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import fcntl
 import itertools
 import json
 import logging
 import os
+import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,7 +73,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from albatross.sandbox import cgroups, rootfs, wire
+from albatross.cache import cache_root
+from albatross.sandbox import cgroups, dockerfile, images, rootfs, wire
 from albatross.sandbox.base import (
     LIMIT_ATTEMPT_TIMEOUT,
     LIMIT_DISK,
@@ -95,7 +102,7 @@ from albatross.sandbox.build import (
     task_allows_internet,
     task_dir_of,
 )
-from albatross.sandbox.dockerfile import Instruction, parse_dockerfile
+from albatross.sandbox.dockerfile import Instruction, Run, parse_dockerfile
 from albatross.sandbox.faults import FAULT_DIE, FAULT_FORK, FaultInjector
 from albatross.sandbox.holder import STATE_FILE
 from albatross.sandbox.zygote import Zygote, ZygoteDied
@@ -560,15 +567,20 @@ class LocalBackend:
         allow_internet: bool | None = None,
         build_limits: Limits | None = None,
         build_timeout_s: float = 1800.0,
-        base: str = "host",
+        base: str = "image",
         userns: bool | None = None,
         warm: int = 3,
         fail_rate: float = 0.0,
         fault_seed: int | None = None,
+        images_dir: str | Path | None = None,
     ) -> None:
         """``hide_paths``: extra host paths made empty in every sandbox (e.g. the run directory).
         ``allow_internet``: network for Dockerfile RUN steps: None follows the task's task.toml
-        ``[environment] allow_internet``; attempts never have it. ``base``: "host" or "debian".
+        ``[environment] allow_internet``, except on an image base, where builds always have the host's
+        network (package managers); attempts never have it. ``base``: "image" (the Dockerfile's FROM,
+        built by ``images.resolve_base``), "debian" (one cached bookworm) or "host" (the host's own root:
+        NOT isolated from the host's files; warns). ``images_dir``: OCI layouts / docker save archives
+        a FROM may name (``[sandbox] images``).
         ``userns``: run as root of a user namespace (None: wherever the kernel allows it).
         ``warm``: attempts kept ready per recently forked environment. ``fail_rate``: share of forks
         made to fail at random (fault-injection tests only), drawn from ``Random(fault_seed)``."""
@@ -576,6 +588,13 @@ class LocalBackend:
             raise ValueError(f"unknown sandbox base {base!r}; choose one of {list(rootfs.BASES)}")
         self.hide_paths = [*HIDDEN_PATHS, *(str(Path(p).resolve()) for p in hide_paths)]
         self.allow_internet, self.base = allow_internet, base
+        if base == "host":
+            log.warning("sandbox base \"host\": every attempt reads the host's own root file system (/etc, "
+                        "installed software, /etc/shadow): NOT isolated from the host's files; use base "
+                        "\"image\" for training and evaluation")
+        self.images_dir = Path(images_dir) if images_dir else None
+        self._bases: dict[str | None, images.Base] = {}  # FROM reference -> its base (resolved once)
+        self._dockerfiles: dict[str, tuple[tuple[int, int], list[Instruction]]] = {}
         self.build_limits = build_limits or Limits(memory_mb=4096, pids=4096, disk_mb=4096)
         self.build_timeout_s = build_timeout_s
         self.userns = userns_available() if userns is None else userns
@@ -661,7 +680,7 @@ class LocalBackend:
         if parent is None:  # built by a zygote that has died since: the next fork rebuilds it
             raise ZygoteDied(f"environment {spec.parent_key[:12]} is not built on the fresh sandbox zygote")
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", **parent.env}
-        lower = [parent.layer, self._base(zygote)]
+        lower = [parent.layer, *zygote.lowers[spec.parent_key]]
         attempt = self._spawn(zygote, spec.limits, {"lower": lower, "upper": None, "work": None, "new_net": True,
                                                     "workdir": spec.workdir,
                                                     "state": state_script(env, spec.workdir)})
@@ -697,14 +716,48 @@ class LocalBackend:
         with self._lock:
             return len(self._attempts)
 
-    # ---- parents ----------------------------------------------------------------------------------------
-    def _base(self, zygote: Zygote) -> str:
-        """The base root's lower directory in ``zygote`` (mounted there once)."""
-        if zygote.base_lower is None:
-            path = rootfs.base_root(self.base)
-            zygote.base_lower = zygote.request({"op": "base", "name": self.base, "path": path})["lower"]
-        return zygote.base_lower
+    # ---- bases ------------------------------------------------------------------------------------------
+    def base_for(self, ref: str | None) -> images.Base:
+        """The base root a ``FROM ref`` builds on: the image (``base="image"``, built once), else the fixed
+        host or debian root. Resolved once per backend and reference."""
+        ref = ref if self.base == "image" else None
+        with self._lock:
+            found = self._bases.get(ref)
+        if found is None:
+            if self.base == "image":
+                found = images.resolve_base(ref, log=log.info, search=self.images_dir)
+            else:
+                found = images.Base(self.base, Path(rootfs.base_root(self.base)), {}, (), self.base)
+            with self._lock:
+                self._bases[ref] = found
+        return found
 
+    def _base_lower(self, zygote: Zygote, base: images.Base) -> str:
+        """The base root's lower directory in ``zygote`` (mounted there once, idmapped in userns mode)."""
+        lower = zygote.base_lowers.get(base.key)
+        if lower is None:
+            lower = zygote.request({"op": "base", "name": base.key, "path": str(base.root)})["lower"]
+            zygote.base_lowers[base.key] = lower
+        return lower
+
+    def _instructions(self, env_dir: Path | None) -> list[Instruction]:
+        """The parsed Dockerfile of ``env_dir`` (parsed again only when it changed)."""
+        if env_dir is None:
+            return []
+        path = Path(env_dir) / "Dockerfile"
+        try:
+            st = path.stat()
+        except OSError:
+            raise EnvBuildError(f"{env_dir}: no Dockerfile") from None
+        stamp = (st.st_mtime_ns, st.st_size)
+        cached = self._dockerfiles.get(str(path))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        instructions = parse_dockerfile(path)
+        self._dockerfiles[str(path)] = (stamp, instructions)
+        return instructions
+
+    # ---- parents ----------------------------------------------------------------------------------------
     def prepare(self, env_dir: Path | None) -> Parent:
         """Build (once) and return the parent for ``env_dir``; safe to call from many threads."""
         return self._retrying(lambda: self._prepare(env_dir))
@@ -715,8 +768,11 @@ class LocalBackend:
         hide = list(self.hide_paths)
         if env_dir is not None:  # the task's own directory (tests, solution) is never visible
             hide += sorted({str(Path(env_dir).resolve().parent), str(task_dir_of(env_dir))})
-        internet = self.allow_internet if self.allow_internet is not None else task_allows_internet(env_dir)
-        key = self._keys.get(env_dir, json.dumps([self.base, hide, internet]))
+        instructions = self._instructions(env_dir)
+        stages = _stages(instructions)
+        bases = [self.base_for(stage.base) for stage in stages if stage.base_stage is None]
+        internet = self._build_network(env_dir)
+        key = self._keys.get(env_dir, json.dumps([self.base, [b.key for b in bases], hide, internet]))
         parent = self._zyg().parents.get(key)
         if parent is not None:
             return parent
@@ -726,42 +782,115 @@ class LocalBackend:
             zygote = self._zyg()
             parent = zygote.parents.get(key)
             if parent is None:
-                parent = self._build(zygote, env_dir, key, hide, internet)
+                parent = self._build(zygote, Path(env_dir or "."), stages, key, hide, internet)
                 with self._lock:
                     zygote.parents[key] = parent
             return parent
 
-    def _build(self, zygote: Zygote, env_dir: Path | None, key: str, hide: list[str], internet: bool) -> Parent:
-        instructions: list[Instruction] = []
-        if env_dir is not None:
-            dockerfile = Path(env_dir) / "Dockerfile"
-            if not dockerfile.is_file():
-                raise EnvBuildError(f"{env_dir}: no Dockerfile")
-            instructions = parse_dockerfile(dockerfile)
-        base = self._base(zygote)
-        base_path = rootfs.base_root(self.base)
-        dirs = zygote.request({"op": "parent_new", "key": key, "hide": hide, "base": base_path})
-        parent = Parent(key, dirs["layer"])
+    def _build_network(self, env_dir: Path | None) -> bool:
+        """Whether RUN steps get the host's network: on an image base always (package managers), unless
+        ``allow_internet=False`` was given; on host/debian as the task says."""
+        if self.allow_internet is not None:
+            return self.allow_internet
+        return self.base == "image" or task_allows_internet(env_dir)
+
+    def _build(self, zygote: Zygote, env_dir: Path, stages: list[Any], key: str, hide: list[str],
+               internet: bool) -> Parent:
+        """Build every stage in order (each earlier one only for ``COPY --from``); the last is the parent."""
+        roots: dict[str, str] = {}  # --from reference -> host path of that stage's (or image's) root
+        built: dict[int, tuple[Parent, list[str]]] = {}
+        made: list[str] = []  # parent directories in the zygote, removed if the build fails
+        exported: list[Path] = []  # stage roots written for COPY --from, removed after the build
+        wanted = {ref.lower() for stage in stages for ref in stage.copies_from}
+        keys = {k.lower() for stage in stages for k in stage.ref_keys()}
+        for ref in {ref for stage in stages for ref in stage.copies_from if ref.lower() not in keys}:
+            roots[ref] = str(self.base_for(ref).root)  # COPY --from=<image>: that image's root
         try:
-            builder = None
-            if needs_builder(instructions):
-                builder = self._spawn(zygote, self.build_limits, {
-                    "lower": [base], "upper": dirs["layer"], "work": dirs["work"], "new_net": not internet,
-                    "workdir": None, "state": ""})
-            try:
-                if builder is not None and internet and self.base != "host":
-                    builder.put_tar(_resolv_conf_tar())
-                apply_dockerfile(instructions, parent, builder, Path(env_dir or "."), self.build_timeout_s)
-            finally:
-                if builder is not None:
-                    builder.close()
+            for index in dockerfile.required_stages(stages):
+                stage = stages[index]
+                last = stage is stages[-1]
+                below: Parent | None = None
+                if stage.base_stage is not None:
+                    below, lowers = built[stage.base_stage]
+                    lowers = [below.layer, *lowers]
+                else:
+                    lowers = [self._base_lower(zygote, self.base_for(stage.base))]
+                stage_key = key if last else f"{key}-stage{stage.index}"
+                parent = self._build_stage(zygote, env_dir, stage, stage_key, hide if last else [], lowers,
+                                           internet, roots, made, below)
+                built[index] = (parent, lowers)
+                if not last and any(k.lower() in wanted for k in stage.ref_keys()):
+                    merged = self._export_stage(zygote, stages, index, stage_key, built, exported)
+                    for ref in stage.ref_keys():
+                        roots[ref] = roots[ref.lower()] = merged
         except BaseException as err:
-            with contextlib.suppress(SandboxError):  # a dead zygote took the layer with it
-                zygote.request({"op": "rmtree", "path": str(Path(dirs["layer"]).parent)})
+            for path in made:
+                with contextlib.suppress(SandboxError):  # a dead zygote took the layer with it
+                    zygote.request({"op": "rmtree", "path": path})
             infra = isinstance(err, (SandboxDied, ForkError)) and not isinstance(err, ZygoteDied)
             if infra and zygote.died_within(0.5):  # the builder died with its zygote: build again
                 raise ZygoteDied(f"sandbox zygote {zygote.pid} died while building {env_dir}: {err}") from err
             raise
+        finally:
+            for path in exported:
+                shutil.rmtree(path, ignore_errors=True)
+        parent, lowers = built[len(stages) - 1]
+        keep = {str(Path(layer).parent) for layer in [parent.layer, *lowers]}
+        for path in made:  # stages the last one does not build on are not needed any more
+            if path not in keep:
+                zygote.request({"op": "rmtree", "path": path})
+        zygote.lowers[key] = lowers
+        return parent
+
+    def _export_stage(self, zygote: Zygote, stages: list[Any], index: int, key: str,
+                      built: dict[int, tuple[Parent, list[str]]], exported: list[Path]) -> str:
+        """Write a built stage's merged root to a host directory (hard links to its base) for COPY --from."""
+        if self.base == "host":
+            raise EnvBuildError("COPY --from an earlier stage needs an image base (sandbox.base = \"image\")")
+        layers = [built[index][0].layer]
+        while stages[index].base_stage is not None:  # a stage on a stage: every layer down to the image
+            index = stages[index].base_stage
+            layers.append(built[index][0].layer)
+        dest = cache_root() / "stage-roots" / f"{key}-{os.getpid()}-{len(exported)}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        exported.append(dest)
+        zygote.request({"op": "export_root", "base": str(self.base_for(stages[index].base).root),
+                        "layers": layers[::-1], "dest": str(dest)})
+        return str(dest)
+
+    def _build_stage(self, zygote: Zygote, env_dir: Path, stage: Any, key: str, hide: list[str],
+                     lowers: list[str], internet: bool, roots: dict[str, str], made: list[str],
+                     below: Parent | None) -> Parent:
+        """Build one stage into a new layer over ``lowers``: on its image's base (its env first), or on
+        the earlier stage ``below`` (whose env and workdir it inherits, as in Docker)."""
+        base = self.base_for(stage.base) if below is None else None
+        base_root = base.root if base is not None else Path("/nonexistent")
+        dirs = zygote.request({"op": "parent_new", "key": key, "hide": hide, "base": str(base_root)})
+        made.append(str(Path(dirs["layer"]).parent))
+        parent = Parent(key, dirs["layer"])
+        parent.env.update(base.env if base is not None else below.env if below is not None else {})
+        if below is not None:
+            parent.workdir, parent.user = below.workdir, below.user
+        builder: LocalAttempt | None = None
+        caches = build_caches() if internet and self.base == "image" and needs_builder(stage.instructions) else None
+        try:
+            if needs_builder(stage.instructions):
+                binds = caches.binds if caches is not None else []
+                builder = self._spawn(zygote, self.build_limits, {
+                    "lower": lowers, "upper": dirs["layer"], "work": dirs["work"], "new_net": not internet,
+                    "workdir": None, "state": "", "binds": binds})
+                if internet and self.base != "host":
+                    builder.put_tar(_resolv_conf_tar())
+            runner = _BuildRunner(builder, stage.instructions, env_dir, caches) if builder is not None else None
+            apply_dockerfile(stage.instructions, parent, runner, env_dir, self.build_timeout_s,
+                             stages={ref: Path(root) for ref, root in roots.items()}, network=internet)
+        finally:
+            if builder is not None:
+                builder.close()
+            if caches is not None:
+                caches.release()
+        for _, inside in (caches.binds if caches is not None and builder is not None else []):
+            zygote.request({"op": "rmtree", "path": f"{dirs['layer']}{inside}", "empty_only": True})
         zygote.request({"op": "rmtree", "path": dirs["work"]})
         return parent
 
@@ -776,6 +905,167 @@ class LocalBackend:
         if zygote is not None:
             zygote.close()
         self._pool = WarmPool(self._make_attempt, self._pool.size)
+
+
+def _stages(instructions: list[Instruction]) -> list[dockerfile.Stage]:
+    """The Dockerfile's stages; a Dockerfile without FROM (or none at all) is one stage on the default base."""
+    stages = dockerfile.split_stages(instructions)
+    if not stages:
+        return [dockerfile.Stage(0, None, images.DEFAULT_REF, list(instructions))]
+    return stages
+
+
+# ---- build-time network: caches, package indexes, named failures -------------------------------------------
+
+APT_SLOTS = 4  # builders at once with an apt download cache of their own (apt locks its archive directory)
+PIP_CACHE = "/var/cache/albatross-pip"
+NPM_CACHE = "/var/cache/albatross-npm"
+CA_DIR = "/var/cache/albatross-ca"  # the host's CA bundle, for builds (a proxy's CA may be in it)
+CA_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+           "GIT_SSL_CAINFO", "npm_config_cafile")
+# What a RUN's output says when it needed a host this machine cannot reach (the host is group 1).
+_UNREACHABLE = [re.compile(p) for p in (
+    r"Could not resolve host:? '?([\w.-]+\.[a-z]{2,})",
+    r"Failed to connect to ([\w.-]+\.[a-z]{2,}) port",
+    r"unable to access '\w+://(?:[^@/']*@)?([\w.-]+)",
+    r"Could not resolve '([\w.-]+)'",
+    r"host='([\w.-]+)', port=\d+\).*(?:NameResolution|NewConnectionError|ConnectTimeout|Max retries)",
+    r"Resolving ([\w.-]+\.[a-z]{2,})[ .(].*failed",
+    r"unable to resolve host address .([\w.-]+)",
+    r"getaddrinfo (?:ENOTFOUND|EAI_AGAIN) ([\w.-]+)",
+    r"dial tcp: lookup ([\w.-]+)",
+)]
+
+
+_RESOLVER_ERRORS = ("Name or service not known", "Temporary failure in name resolution", "No address associated",
+                    "Network is unreachable", "Connection timed out", "nodename nor servname")
+_URL_HOST = re.compile(r"(?:\b[a-z+]+://(?:[^@/\s'\"]*@)?|\bgit@)([\w-]+(?:\.[\w-]+)+)")
+
+
+def needed_host(output: str, command: str = "") -> str | None:
+    """The host a failed RUN tried to reach and could not, or None: named by a resolver or connection
+    error in its output, else (the error names none) the first URL's host in the command."""
+    for line in output.splitlines():
+        for pattern in _UNREACHABLE:
+            match = pattern.search(line)
+            if match:
+                return match.group(1)
+    if any(marker in output for marker in _RESOLVER_ERRORS):
+        match = _URL_HOST.search(command)
+        if match:
+            return match.group(1)
+    return None
+
+
+class _Caches:
+    """Download caches shared by builds (``cache_root()/build-cache``): apt's archive directory (one of
+    ``APT_SLOTS``, locked while a builder uses it), pip's and npm's caches; the host's package index
+    settings and its CA bundle (TLS to the registries may go through a proxy only the host trusts).
+    A rebuild finds its packages there. All of it is mounted in the builder only, never in the image."""
+
+    def __init__(self) -> None:
+        root = cache_root() / "build-cache"
+        self._lock_file: Any = None
+        apt = None
+        for slot in range(APT_SLOTS):
+            path = root / f"apt-{slot}"
+            (path / "partial").mkdir(parents=True, exist_ok=True)
+            handle = open(root / f"apt-{slot}.lock", "w")  # noqa: SIM115 - released in release()
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.close()
+                continue
+            self._lock_file, apt = handle, path
+            break
+        self.binds: list[tuple[str, str]] = [] if apt is None else [(str(apt), "/var/cache/apt/archives")]
+        for name, inside in (("pip", PIP_CACHE), ("npm", NPM_CACHE)):
+            (root / name).mkdir(parents=True, exist_ok=True)
+            self.binds.append((str(root / name), inside))
+        self.env = {"PIP_CACHE_DIR": PIP_CACHE, "npm_config_cache": NPM_CACHE, "ALBATROSS_BUILD_NETWORK": "1",
+                    **host_package_indexes()}
+        bundle = host_ca_bundle()
+        if bundle is not None:
+            ca = root / "ca"
+            ca.mkdir(parents=True, exist_ok=True)
+            if not (ca / "ca-certificates.crt").is_file() or (ca / "ca-certificates.crt").read_bytes() != bundle:
+                tmp = ca / f".tmp-{os.getpid()}-{threading.get_ident()}"
+                tmp.write_bytes(bundle)
+                tmp.rename(ca / "ca-certificates.crt")
+            self.binds.append((str(ca), CA_DIR))
+            self.env.update({var: f"{CA_DIR}/ca-certificates.crt" for var in CA_VARS})
+
+    def release(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+
+def build_caches() -> _Caches:
+    return _Caches()
+
+
+def host_ca_bundle() -> bytes | None:
+    """The host's CA bundle (``$SSL_CERT_FILE``, else Debian's), or None."""
+    for path in (os.environ.get("SSL_CERT_FILE", ""), "/etc/ssl/certs/ca-certificates.crt"):
+        with contextlib.suppress(OSError):
+            if path:
+                return Path(path).read_bytes()
+    return None
+
+
+def host_package_indexes() -> dict[str, str]:
+    """The host's pip and npm index settings that a build can use (http(s) URLs only: a ``file://`` index
+    or ``find-links`` directory of the host is not in the image)."""
+    import configparser
+
+    found: dict[str, str] = {}
+    parser = configparser.ConfigParser()
+    parser.read([Path("/etc/pip.conf"), Path.home() / ".config/pip/pip.conf", Path.home() / ".pip/pip.conf"])
+    for option, var in (("index-url", "PIP_INDEX_URL"), ("extra-index-url", "PIP_EXTRA_INDEX_URL"),
+                        ("trusted-host", "PIP_TRUSTED_HOST")):
+        value = os.environ.get(var) or parser.get("global", option, fallback="")
+        if var != "PIP_TRUSTED_HOST":
+            value = " ".join(u for u in value.split() if u.startswith(("http://", "https://")))
+        if value:
+            found[var] = value
+    npmrc = Path.home() / ".npmrc"
+    with contextlib.suppress(OSError):
+        for line in npmrc.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "registry" and value.strip().startswith(("http://", "https://")):
+                found["npm_config_registry"] = value.strip()
+    return found
+
+
+class _BuildRunner:
+    """The builder as ``apply_dockerfile`` sees it: RUN steps get the build caches' environment, and a
+    RUN that failed for want of a host this machine cannot reach is an ``EnvBuildError`` naming it."""
+
+    def __init__(self, builder: LocalAttempt, instructions: list[Instruction], env_dir: Path,
+                 caches: _Caches | None) -> None:
+        self._builder, self._env_dir, self._caches = builder, env_dir, caches
+        self._lines = {_command_text(i.command): i.line for i in instructions if isinstance(i, Run)}
+
+    def __getattr__(self, name: str) -> Any:  # mkdirs, put_tar, is_dir, ...: the builder's own
+        return getattr(self._builder, name)
+
+    def run_argv(self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
+                 ) -> ExecResult:
+        extra = self._caches.env if self._caches is not None else {}
+        result = self._builder.run_argv(argv, {**extra, **env}, cwd, timeout_s)
+        host = needed_host(result.output, " ".join(argv)) if result.exit_code != 0 else None
+        if host is not None:
+            line = next((n for text, n in self._lines.items() if text and text in " ".join(argv)), 0)
+            where = f"{self._env_dir / 'Dockerfile'}" + (f":{line}" if line else "")
+            lines = result.output.strip().splitlines() or [""]
+            evidence = next((ln for ln in lines if host in ln), lines[-1]).strip()[:200]
+            raise EnvBuildError(f"{where}: RUN needs {host}, which this machine cannot reach ({evidence})")
+        return result
+
+
+def _command_text(command: str | list[str]) -> str:
+    return command if isinstance(command, str) else " ".join(command)
 
 
 def _resolv_conf_tar() -> bytes:

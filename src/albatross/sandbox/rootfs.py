@@ -1,7 +1,10 @@
-"""Base root file systems of the isolated backend: the host's own root, or a clean cached Debian root.
+"""Base root file systems of the isolated backend, and building one once (``build_once``).
 
-``host`` (default): the host's ``/``, read-only under every overlay; instant, but tasks see the host's
-programs and cannot rely on a distribution's package manager working as in a container.
+``image`` (default): the root the Dockerfile's ``FROM`` names, built by ``images.resolve_base``.
+
+``host`` (explicit opt-in only): the host's ``/``, read-only under every overlay; instant, but NOT
+isolated from the host's files: tasks see the host's programs, ``/etc`` (``/etc/shadow`` included) and
+installed software, and cannot rely on a distribution's package manager working as in a container.
 
 ``debian``: a Debian root built once with ``debootstrap --variant=minbase`` from the Debian package
 registry into ``$ALBATROSS_CACHE/rootfs/debian-<suite>`` (default ``~/.cache/albatross``), then used
@@ -21,10 +24,11 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from albatross.sandbox.base import SandboxError
 
-BASES = ("host", "debian")
+BASES = ("image", "host", "debian")
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 MARKER = ".albatross-base.json"
@@ -48,7 +52,8 @@ def is_built(path: Path) -> bool:
 
 
 def base_root(base: str, build: bool = True) -> str:
-    """The directory used as the bottom layer for ``base`` ("host" or "debian"); builds Debian once."""
+    """The directory used as the bottom layer for ``base`` ("host" or "debian"; "image" bases come from
+    ``images.resolve_base``, per Dockerfile); builds Debian once."""
     if base == "host":
         return "/"
     if base == "debian":
@@ -81,33 +86,44 @@ def build_debian(
     why = debootstrap_missing()
     if why and not is_built(path):
         raise BaseUnavailable(why)
+    return build_once(path, lambda tmp: _debootstrap(tmp, suite, mirror, log or (lambda line: None)), force)
+
+
+def build_once(path: Path, make: Callable[[Path], dict[str, Any]], force: bool = False) -> Path:
+    """Build the root file system ``path`` once: ``make(tmp)`` fills a temporary directory next to it and
+    returns what to record in its marker; the directory is then renamed into place. A lock file makes
+    concurrent processes build it once (the others wait and use it); a failed build leaves nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f"{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait for it
         if is_built(path) and not force:
             return path
-        _debootstrap(path, suite, mirror, log or (lambda line: None))
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            info = make(tmp)
+            (tmp / MARKER).write_text(json.dumps(info) + "\n")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        old = path.with_name(f"{path.name}.old-{os.getpid()}")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(old)
     return path
 
 
-def _debootstrap(path: Path, suite: str, mirror: str, log: Callable[[str], None]) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+def _debootstrap(tmp: Path, suite: str, mirror: str, log: Callable[[str], None]) -> dict[str, Any]:
     start = time.monotonic()
     log(f"debootstrap --variant=minbase {suite} {tmp} {mirror} (a few minutes, once)")
     argv = ["debootstrap", "--variant=minbase", suite, str(tmp), mirror]
     proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
         tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
         raise BaseUnavailable(f"debootstrap {suite} from {mirror} failed (exit {proc.returncode}): {tail}")
     info = {"suite": suite, "mirror": mirror, "built": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "seconds": round(time.monotonic() - start, 1)}
-    (tmp / MARKER).write_text(json.dumps(info) + "\n")
-    old = path.with_name(f"{path.name}.old-{os.getpid()}")
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    with contextlib.suppress(OSError):
-        shutil.rmtree(old)
-    log(f"debian base ready in {info['seconds']} s: {path}")
+    log(f"debian base ready in {info['seconds']} s")
+    return info

@@ -198,13 +198,72 @@ def _handle(state: _State, msg: dict[str, Any], fds: list[int]) -> dict[str, Any
         return {"lower": _mount_base(state, msg["name"], msg["path"])}
     if op == "parent_new":
         return _parent_new(state, msg["key"], msg["hide"], msg["base"])
+    if op == "export_root":
+        _export_root(msg["base"], msg["layers"], msg["dest"])
+        return {"root": msg["dest"]}
     if op == "rmtree":
         path = os.path.realpath(msg["path"])
         if not path.startswith(f"{state.root}/parents/"):
             raise ValueError(f"refusing to remove {path}")
+        if msg.get("empty_only"):  # a mount point a build left behind: only if nothing was put in it
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            return {"ok": True}
         shutil.rmtree(path, ignore_errors=True)
         return {"ok": True}
     raise ValueError(f"unknown zygote request {op!r}")
+
+
+def _export_root(base: str, layers: list[str], dest: str) -> None:
+    """Write the merged root of a built stage to ``dest``, a host directory (for ``COPY --from``; the
+    host cannot see our mounts): the base hard-linked (same file system: no copy), then each overlay
+    layer, bottom to top, with its whiteouts and opaque directories applied. A file a layer changes
+    replaces the link, so the base is never written to."""
+    if os.path.exists(dest):
+        raise ValueError(f"refusing to export over {dest}")
+    proc = subprocess.run(["cp", "-al", "--", base, dest], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise OSError(f"cp -al {base} {dest}: {proc.stderr.strip()[-300:]}")
+    for layer in layers:
+        _apply_overlay_layer(layer, dest)
+
+
+def _apply_overlay_layer(layer: str, dest: str) -> None:
+    for top, dirs, files in os.walk(layer):
+        rel = os.path.relpath(top, layer)
+        target_dir = os.path.normpath(os.path.join(dest, rel))
+        if rel != "." and _is_opaque(top) and os.path.isdir(target_dir):
+            for child in os.listdir(target_dir):
+                _remove_path(os.path.join(target_dir, child))
+        for name in [*dirs, *files]:
+            src, dst = os.path.join(top, name), os.path.join(target_dir, name)
+            st = os.lstat(src)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # whiteout: deleted in this layer
+                _remove_path(dst)
+            elif stat.S_ISDIR(st.st_mode):
+                if not os.path.isdir(dst) or os.path.islink(dst):
+                    _remove_path(dst)
+                    os.mkdir(dst, stat.S_IMODE(st.st_mode))
+            else:
+                _remove_path(dst)
+                if stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(src), dst)
+                elif stat.S_ISREG(st.st_mode):
+                    shutil.copy2(src, dst)
+
+
+def _is_opaque(path: str) -> bool:
+    try:
+        return os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _remove_path(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 def _mount_base(state: _State, name: str, path: str) -> str:
@@ -311,14 +370,15 @@ class ZygoteDied(ForkError):
 
 
 class Zygote:
-    """Starts the zygote process and sends it requests (one at a time). ``parents`` and ``base_lower``
-    are the host's record of what lives in this zygote's mount namespace (they die with it)."""
+    """Starts the zygote process and sends it requests (one at a time). ``parents``, ``lowers`` and
+    ``base_lowers`` are the host's record of what lives in this zygote's mount namespace (they die with it)."""
 
     def __init__(self, id_base: int) -> None:
         import albatross
 
         self.parents: dict[str, Any] = {}  # env key -> build.Parent whose layer this zygote holds
-        self.base_lower: str | None = None  # the lower directory of the base root, once mounted
+        self.lowers: dict[str, list[str]] = {}  # env key -> the lower directories under its parent's layer
+        self.base_lowers: dict[str, str] = {}  # base key -> its lower directory here, once mounted
         self.dead = False  # a request found it gone
         self.root = tempfile.mkdtemp(prefix="albatross-zygote-")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

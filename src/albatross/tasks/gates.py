@@ -7,8 +7,10 @@
 4 noop         the untouched environment scores below 1; the tests it already passes are recorded
                (``TaskReport.untouched``: weight 0 in partial credit)
 5 determinism  oracle and no-op give the same result over ``reruns`` runs each (default 3)
-6 leakage      tests/ and solution/ are invisible to the agent: not in environment/, not copied to
-               /tests or /solution by the Dockerfile, not readable in the built environment
+6 leakage      tests/ and solution/ are invisible to the agent: no file the Dockerfile copies into the
+               image, and no file readable in an untouched attempt of the built image, equals a test,
+               expected-output or solution file (inputs the instruction hands over are allowed;
+               ``tasks.leakage``), and nothing is copied to /tests or /solution
 7 resources    the oracle and the verifier finish within the task's time and memory limits
 8 offline      the environment builds and the oracle passes with no network
 9 reward       every verifier run wrote a finite reward in [0, 1] whose per-test breakdown agrees
@@ -414,9 +416,83 @@ def load_test_weights(path: str | Path) -> dict[str, dict[str, float]]:
 
 
 def reports_json(reports: list[TaskReport]) -> dict[str, Any]:
+    failed = {g: sum(r.gates[g].status == FAIL for r in reports) for g in GATES}
     return {"gates": list(GATES), "tasks": [r.to_dict() for r in reports],
-            "summary": {"tasks": len(reports), "passed": sum(r.passed for r in reports)},
+            "summary": {"tasks": len(reports), "passed": sum(r.passed for r in reports),
+                        "failures_by_gate": failed, "failures_by_reason": reason_summary(reports)},
             "test_weights": partial_credit_weights(reports)}
+
+
+# (gate or "*", pattern, category): the first match names a failure's reason category; "{0}" is the
+# pattern's first group. Network evidence is named by the host it needed.
+_CATEGORIES: tuple[tuple[str, str, str], ...] = (
+    ("*", r"/dev/kvm|\bKVM\b", "needs KVM"),
+    ("*", r"(?i)nvidia|\bCUDA\b|\bGPU\b", "needs a GPU"),
+    ("*", r"(?:needs|resolve host:?|resolve '?|connect to|Failed to connect to)\s*'?([a-z0-9.-]+\.[a-z]{2,})",
+     "needs {0}"),
+    ("*", r".*needs the network: ([\w.-]+(?: (?:install|clone|add|get|download))?)", "needs the network: {0}"),
+    ("*", r"needs the network", "needs the network"),
+    ("*", r"sandbox error", "sandbox error"),
+    ("schema", r"solve\.sh: missing", "no oracle solution/solve.sh"),
+    ("schema", r".", "invalid task files"),
+    ("build", r"unsupported (instruction|RUN flag|COPY flag|ADD flag) (\S+)", "unsupported {0} {1}"),
+    ("build", r"FROM \S+:", "no base for the FROM image"),
+    ("build", r"RUN timed out|over build_timeout_sec", "build too slow"),
+    ("build", r"RUN exited", "a RUN step fails"),
+    ("build", r"source .* not found|no source files", "COPY/ADD source missing"),
+    ("build", r"USER|--chown", "unknown user or group"),
+    ("oracle", r"solve\.sh exited", "solve.sh fails"),
+    ("oracle", r"scored", "oracle scores below 1"),
+    ("noop", r"already scores 1", "the untouched environment passes"),
+    ("determinism", r"^(\w+) results differ", "{0} results differ between runs"),
+    ("leakage", r"readable in the image", "a test or solution file is readable in the image"),
+    ("leakage", r"exists before verification", "/tests or /solution exists before verification"),
+    ("leakage", r"visible inside the sandbox", "the task directory is visible"),
+    ("leakage", r"where the verifier's files go", "the Dockerfile copies into /tests or /solution"),
+    ("resources", r"\[agent\] timeout_sec", "the oracle needs more time"),
+    ("resources", r"\[verifier\] timeout_sec", "the verifier needs more time"),
+    ("resources", r"memory", "the oracle needs more memory"),
+    ("reward", r".", "malformed reward"),
+)
+
+
+def reason_category(gate: str, reason: str) -> str:
+    """A short category for a failure's reason ("needs github.com", "a RUN step fails", ...), so a
+    task set's failures can be counted by cause."""
+    for where, pattern, category in _CATEGORIES:
+        if where not in ("*", gate):
+            continue
+        match = re.search(pattern, reason)
+        if match:
+            return category.format(*[g or "" for g in match.groups()])
+    first = re.split(r"[:;(]", reason, maxsplit=1)[0]
+    return re.sub(r"\d+(\.\d+)?", "N", first).strip()[:60] or "no reason given"
+
+
+def reason_summary(reports: list[TaskReport]) -> list[dict[str, Any]]:
+    """Failing tasks counted per (gate, reason category), most frequent first (a task counts once per
+    gate it fails)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in reports:
+        for g in GATES:
+            gate = r.gates.get(g)
+            if gate is not None and gate.status == FAIL:
+                groups.setdefault((g, reason_category(g, gate.reason)), []).append(r.task)
+    rows = [{"gate": g, "reason": reason, "count": len(tasks), "tasks": sorted(tasks)}
+            for (g, reason), tasks in groups.items()]
+    return sorted(rows, key=lambda row: (-row["count"], GATES.index(row["gate"]), row["reason"]))
+
+
+def format_reason_table(rows: list[dict[str, Any]], examples: int = 3) -> str:
+    """The per-reason summary as a table: gate, count of tasks, reason category, a few task ids."""
+    if not rows:
+        return ""
+    width = max(len(row["gate"]) for row in rows)
+    lines = [f"{'gate':<{width}}  tasks  reason"]
+    for row in rows:
+        shown = ", ".join(row["tasks"][:examples]) + (", ..." if len(row["tasks"]) > examples else "")
+        lines.append(f"{row['gate']:<{width}}  {row['count']:>5}  {row['reason']} ({shown})")
+    return "\n".join(lines)
 
 
 def format_table(reports: list[TaskReport]) -> str:
@@ -436,6 +512,9 @@ def format_table(reports: list[TaskReport]) -> str:
                if r.gates[g].status != PASS]
     if reasons:
         lines += ["", "reasons:", *reasons]
+    by_reason = format_reason_table(reason_summary(reports))
+    if by_reason:
+        lines += ["", "failures by reason:", by_reason]
     lines += ["", summary_line(reports)]
     return "\n".join(lines)
 

@@ -47,7 +47,7 @@ TEST_RESULTS = "/logs/verifier/albatross-tests.json"
 _TOOLKIT_FORMAT = "1"
 _ENV_DIR = ".albatross-offline"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_SKIPPED_DISTS = {"pygments", "colorama"}  # optional for pytest (highlighting, Windows)
+_SKIPPED_DISTS = {"colorama"}  # Windows only (pygments stays: pytest >= 8.4 imports it unconditionally)
 _TOOLS = re.compile(r"(?<![\w./-])(apt-get|apt|pip3?|uvx?|curl|wget|pytest|py\.test)(?![\w.-])")
 _NETWORK_ERRORS = (
     NEEDS_NETWORK,
@@ -61,13 +61,9 @@ _NETWORK_ERRORS = (
     "getaddrinfo failed",
     "unable to resolve host address",
 )
-# FROM images that the local base (a Debian-family root file system with python3) can stand in for.
-_BASE_IMAGES = re.compile(
-    r"^(docker\.io/)?(library/)?(debian|ubuntu|python|buildpack-deps)(:[\w.-]+)?(@sha256:[0-9a-f]+)?$"
-    r"|^ghcr\.io/laude-institute/t-bench/(python-3-\d+|ubuntu-\d+-\d+)(:[\w.-]+)?$"
-)
 _lock = threading.Lock()
 _toolkits: dict[Path, Path] = {}  # cache root -> built toolkit
+_pruned: list[int] = []  # adapted environments removed by this process's one pruning pass
 
 
 # ------------------------------------------------------------------------------------------- evidence
@@ -87,43 +83,46 @@ def network_evidence(output: str) -> str | None:
 
 
 def base_image_problem(image: str) -> str | None:
-    """Why ``FROM image`` cannot be mapped to the local base, or None when it can."""
-    if _BASE_IMAGES.match(image.strip()):
-        return None
-    return (f"FROM {image}: cannot be built offline on the local base "
-            "(only Debian, Ubuntu and python images map to it)")
+    """Why ``FROM image`` has no base here (``sandbox.images``: no recipe, not imported), or None."""
+    from albatross.sandbox.images import base_problem
 
-
-_ARCHIVE = re.compile(r"\.(tar|tgz|tbz2?|txz|tar\.(gz|bz2|xz|zst))$")
+    return base_problem(image)
 
 
 def dockerfile_problem(task: Task) -> str:
     """Why the Dockerfile cannot be built here (unparseable, unsupported instruction, unmappable
-    FROM image, ADD of an archive Docker would extract), or ""."""
-    from albatross.sandbox.dockerfile import Copy, DockerfileError, From, parse_dockerfile
+    FROM image), or "". A FROM naming an earlier stage of a multi-stage build is no image."""
+    from albatross.sandbox.dockerfile import DockerfileError, From, parse_dockerfile
 
     try:
         instructions = parse_dockerfile(task.dockerfile)
     except DockerfileError as e:
         return str(e)
+    stages: set[str] = set()
     for ins in instructions:
-        problem = base_image_problem(ins.image) if isinstance(ins, From) else ""
-        if isinstance(ins, Copy) and ins.keyword == "ADD" and any(_ARCHIVE.search(s) for s in ins.sources):
-            problem = "ADD of a local archive: Docker extracts it, the local sandbox would only copy it"
+        if not isinstance(ins, From):
+            continue
+        problem = None if ins.image.lower() in stages else base_image_problem(ins.image)
         if problem:
             return f"{task.dockerfile}:{ins.line}: {problem}"
+        stages.update([ins.name] if ins.name else [])
     return ""
 
 
 def dockerfile_notes(task: Task) -> list[str]:
-    """The instructions the local sandbox ignores (CMD, USER, EXPOSE, ...), each with its line and why."""
-    from albatross.sandbox.dockerfile import DockerfileError, Ignored, parse_dockerfile
+    """The instructions the local sandbox ignores (CMD, USER, EXPOSE, ...), each with its line and why,
+    and how each FROM image's base differs from the image (``images.base_notes``)."""
+    from albatross.sandbox.dockerfile import DockerfileError, From, Ignored, parse_dockerfile
+    from albatross.sandbox.images import base_notes
 
     try:
         instructions = parse_dockerfile(task.dockerfile)
     except DockerfileError:
         return []
-    return [f"line {i.line} {i.keyword} ignored ({i.note})" for i in instructions if isinstance(i, Ignored)]
+    stages = {i.name.lower() for i in instructions if isinstance(i, From) and i.name}
+    notes = [n for i in instructions if isinstance(i, From) and i.image.lower() not in stages
+             for n in base_notes(i.image)]
+    return notes + [f"line {i.line} {i.keyword} ignored ({i.note})" for i in instructions if isinstance(i, Ignored)]
 
 
 def is_python_image(image: str) -> bool:
@@ -268,6 +267,8 @@ def adapt_environment(env_dir: Path) -> OfflineEnv | None:
     if not needs_adapting(env_dir):
         return None
     toolkit = toolkit_dir()
+    if not _pruned:
+        _pruned.append(prune_adapted())
     # the source path is part of the key: the copy names its task directory for the sandbox to hide
     digest = hashlib.sha256(f"{toolkit.name}\0{env_dir.resolve()}\0".encode())
     for path in sorted(env_dir.rglob("*")):
@@ -306,7 +307,7 @@ def _write_adapted(env_dir: Path, final: Path, toolkit: Path, text: str, after: 
     try:
         shutil.copytree(env_dir, tmp, symlinks=True, dirs_exist_ok=True)
         _make_writable(tmp)  # a read-only task directory gives read-only copies
-        shutil.copytree(toolkit, tmp / _ENV_DIR, symlinks=True)
+        _link_tree(toolkit, tmp / _ENV_DIR)
         rows = text.splitlines()
         (tmp / "Dockerfile").write_text("\n".join(rows[:after] + lines + rows[after:]) + "\n")
         (tmp / SOURCE_MARKER).write_text(f"{env_dir.resolve().parent}\n")
@@ -315,6 +316,34 @@ def _write_adapted(env_dir: Path, final: Path, toolkit: Path, text: str, after: 
         shutil.rmtree(tmp, ignore_errors=True)
         if not final.is_dir():
             raise
+
+
+def _link_tree(source: Path, dest: Path) -> None:
+    """Copy ``source`` to ``dest`` as hard links (the toolkit is read-only and shared by every adapted
+    environment, so hundreds of tasks cost its inodes, not hundreds of copies); a real copy across devices."""
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, dest, symlinks=True, copy_function=link_or_copy)
+
+
+def prune_adapted(root: Path | None = None) -> int:
+    """Delete adapted environments whose task directory is gone (run directories, temporary task sets);
+    returns how many. Runs at most once per process, from :func:`adapt_environment`."""
+    base = (root or cache_root()) / "offline-env"
+    removed = 0
+    for entry in base.glob("*"):
+        try:
+            source = Path((entry / SOURCE_MARKER).read_text(encoding="utf-8").strip())
+        except OSError:
+            continue  # being written, or not ours
+        if source and not source.exists():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def _make_writable(root: Path) -> None:

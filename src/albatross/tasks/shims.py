@@ -25,6 +25,11 @@ real_tool() {  # the first $1 on PATH that is not one of ours
   return 1
 }
 python_bin() { real_tool python3 || real_tool python; }
+with_build_network() {  # an image build has the network (package registries): the real tool, if any
+  [ -n "${ALBATROSS_BUILD_NETWORK:-}" ] || return 0
+  local real; real=$(real_tool "$1") || return 0
+  shift; exec "$real" "$@"
+}
 missing_dists() {  # $1: "toolkit" or "system"; prints the requirements that are not installed
   local where=$1 py; shift
   py=$(python_bin) || { printf '%s\n' "$@"; return 0; }
@@ -84,9 +89,11 @@ install_requirements() {  # as check_requirements, and the environment's python 
 
 APT_GET = r"""#!/bin/bash
 # albatross offline shim: apt-get / apt. update is skipped; install succeeds when every package is
-# already installed on the local base, else it needs the network.
+# already installed on the local base (or is curl / wget, which the toolkit stands in for: the uv
+# installer is served locally, other downloads need the network), else it needs the network.
 _self=$(readlink -f "$0"); . "${_self%/bin/*}/lib/common.sh"
 tool=$(basename "$0")
+with_build_network "$tool" "$@"
 sub="" ; pkgs=() ; skip=0
 for a in "$@"; do
   if [ "$skip" = 1 ]; then skip=0; continue; fi
@@ -104,6 +111,7 @@ case "$sub" in
     for p in "${pkgs[@]}"; do
       case "$p" in */*|*.deb) exec "$(real_tool "$tool")" "$@" ;; esac
       name=${p%%=*}; name=${name%%:*}
+      case "$name" in curl|wget) [ -x "$TK/bin/$name" ] && continue ;; esac  # the toolkit's stands in
       status=$(dpkg-query -W -f='${Status}' "$name" 2>/dev/null)
       case "$status" in *"ok installed"*) ;; *) missing+=("$name") ;; esac
     done
@@ -120,6 +128,7 @@ PIP = r"""#!/bin/bash
 # albatross offline shim: pip / pip3. install succeeds when every requirement is installed locally
 # (the toolkit's pytest counts), else it needs the network; other commands go to the real pip.
 _self=$(readlink -f "$0"); . "${_self%/bin/*}/lib/common.sh"
+with_build_network "$(basename "$0")" "$@"
 sub="" ; reqs=() ; files=() ; skip=0 ; want_file=0 ; local_path=0
 for a in "$@"; do
   if [ "$skip" = 1 ]; then skip=0; continue; fi

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from albatross.errors import UserError
+
 
 def load_model(directory: str | Path, dtype=None):
-    """Load a causal LM from a local directory (never from a hub); ``glm5_next`` loads as its VLM."""
+    """Load a causal LM from a local directory (never from a hub); ``glm5_next`` loads as its VLM.
+
+    A checkpoint with multi-token-prediction weights gets its MTP head as ``model.mtp`` (``models/mtp.py``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}/config.json: not a model directory")
-    if _model_type(path) == "glm5_next":  # ships only as a vision-language model
+    if _model_type(path) == "glm5_next":  # ships only as a vision-language model (load_any reads its MTP head)
         from albatross.models.tiny import load_any
 
         return load_any(path, dtype)
+    from albatross.models.mtp import load_mtp
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
+    load_mtp(model, path, required=False)  # transformers drops MTP weights; ``trainer.mtp`` decides their use
     return model
 
 
@@ -50,6 +57,65 @@ def freeze(model, patterns) -> list[str]:
     for name in frozen:
         params[name].requires_grad_(False)
     return frozen
+
+
+class ModelOptionError(UserError, ValueError):
+    """A model-specific trainer option the model cannot use (a user error: one line, exit code 2)."""
+
+
+HOST_PARTS = ("ngram",)
+
+
+def keep_on_host(model, parts) -> int:
+    """Move the parameters of the named ``parts`` (``ngram``) to host memory; returns their bytes.
+
+    transformers' n-gram embedding already gathers its rows on the device its table lives on and moves
+    the result to the ids' device, so a table on the host is read there and only the gathered rows
+    (and, in the backward, their gradients) cross to the accelerator: no device copy of the table, its
+    gradient or its optimizer state. On a CPU run host and device are one, so this changes nothing.
+    """
+    from albatross.models.parts import PARTS
+
+    modules = []
+    for part in parts:
+        if part not in HOST_PARTS:
+            raise ModelOptionError(f"trainer.host_params: {part!r}: expected one of {list(HOST_PARTS)}")
+        found = [m for name, m in model.named_modules() if name and PARTS[part](name, m)]
+        if not found:
+            raise ModelOptionError(f"trainer.host_params: {part!r}: this {type(model).__name__} has no {part} "
+                                   "parameters")
+        modules += found
+    for module in modules:
+        module.to("cpu")
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+def apply_model_options(model, *, grouped_experts: bool = False, fast_indexer: bool = False,
+                        fused_hyper: bool = False, host_params=()) -> dict[str, int]:
+    """Install the model-specific kernels the trainer options ask for; returns what each touched.
+
+    ``grouped_experts`` (``models/experts.py``), ``fast_indexer`` (``models/indexer.py``, QSA), ``fused_hyper``
+    (``models/hyper.py``), ``host_params`` (``keep_on_host``). Each is exact (same log-probs and gradients
+    to fp32 rounding) and off by default; one the model has nothing for is an error, not a silent no-op.
+    Run before ``prepare_for_packing`` (``TokenLogprobs``), which leaves the layers installed here alone.
+    """
+    from albatross.models.experts import install_grouped_experts
+    from albatross.models.hyper import install_fused_hyper
+    from albatross.models.indexer import install_fast_indexer
+
+    done: dict[str, int] = {}
+    for option, wanted, install, what in (
+        ("grouped_experts", grouped_experts, install_grouped_experts, "MoE experts"),
+        ("fast_indexer", fast_indexer, install_fast_indexer, "QSA indexed attention (qwen4_exp)"),
+        ("fused_hyper", fused_hyper, install_fused_hyper, "qwen4_exp hyper-connections"),
+    ):
+        if wanted:
+            done[option] = install(model)
+            if not done[option]:
+                raise ModelOptionError(f"trainer.{option}: this {type(model).__name__} has no {what}")
+    if host_params:
+        done["host_param_bytes"] = keep_on_host(model, host_params)
+    return done
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -21,17 +21,25 @@ from torch import Tensor, nn
 
 from albatross.config import RunConfig, default
 from albatross.records import Batch, Sample, TrainSample
-from albatross.rl.losses import LossFn, entropy_bonus, get_loss_fn, kl_penalty, loss_knobs, sft_loss
+from albatross.rl.losses import (
+    LossFn,
+    entropy_bonus,
+    get_loss_fn,
+    kl_penalty,
+    loss_knobs,
+    mismatch_kl,
+    sft_loss,
+)
 from albatross.trainer import distributed as dist
 from albatross.trainer.checkpoint import load_state, save_state
 from albatross.trainer.logprobs import TokenLogprobs
-from albatross.trainer.model import enable_activation_checkpointing, freeze
+from albatross.trainer.model import apply_model_options, enable_activation_checkpointing, freeze
 from albatross.trainer.offload import HostOffloadAdamW
 from albatross.trainer.packing import MicroBatch, attention_inputs, pack
 
 # How per-micro-batch loss metrics combine into batch metrics; anything else is a mean weighted by tokens.
 SUM_KEYS = frozenset({"loss", "tokens", "active_tokens", "stale_tokens_dropped", "floored_tokens",
-                      "kl_penalty", "entropy_bonus"})
+                      "kl_penalty", "entropy_bonus", "mtp_tokens"})
 SUM_PREFIXES = ("staleness_hist/",)
 MAX_KEYS = frozenset({"staleness_max", "ratio_max"})
 
@@ -103,6 +111,29 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _prepare_mtp(model: nn.Module, mode: str, freeze: Sequence[str]) -> nn.Module | None:
+    """Apply ``trainer.mtp`` to the model's MTP head (``model.mtp``, loaded by ``load_model``); return the
+    head when it stays. ``train`` needs one; ``frozen`` keeps it without gradients; ``off`` drops it."""
+    from albatross.config import ConfigError
+    from albatross.models import family
+    from albatross.models.mtp import detach_mtp, get_mtp
+
+    if mode not in ("off", "train", "frozen"):
+        raise ConfigError(f"trainer.mtp: expected 'off', 'train' or 'frozen', got {mode!r}")
+    if mode == "off":
+        detach_mtp(model)
+        return None
+    head = get_mtp(model)
+    if mode == "train" and head is None:
+        raise ConfigError(f"trainer.mtp = \"train\": the model ({family(model)}) has no MTP head "
+                          "(no mtp.* / MTP-layer weights in model.path, or a family without one)")
+    if mode == "train" and "mtp" in freeze:
+        raise ConfigError("trainer.mtp = \"train\" but trainer.freeze has \"mtp\": use trainer.mtp = \"frozen\"")
+    if head is not None and mode == "frozen":
+        head.requires_grad_(False)
+    return head
+
+
 class Trainer:
     """AdamW over a causal LM's trainable parameters; ``step`` for RL, ``sft_step`` for the warm start.
 
@@ -113,7 +144,9 @@ class Trainer:
     backward (None: when a micro-batch's [T, V] log-probs would pass 512 MiB); ``attention`` document
     masking (``auto``, ``varlen``, ``flash``, ``dense``); ``activation_checkpointing``; ``freeze`` glob
     patterns of parameter names; ``offload_optimizer`` optimizer state in host memory; ``precision``
-    (``auto``: bf16 on GPU, fp32 on CPU); ``fsdp`` shard across the ranks of an initialised group.
+    (``auto``: bf16 on GPU, fp32 on CPU); ``fsdp`` shard across the ranks of an initialised group;
+    ``grouped_experts`` / ``fast_indexer`` / ``fused_hyper`` / ``host_params`` model-specific kernels and
+    host-resident parts (``trainer.model.apply_model_options``).
     """
 
     def __init__(
@@ -136,12 +169,28 @@ class Trainer:
         activation_checkpointing: bool = default("trainer", "activation_checkpointing"),
         freeze: Sequence[str] = (),
         offload_optimizer: bool = default("trainer", "offload_optimizer"),
+        host_params: Sequence[str] = (),
+        grouped_experts: bool = default("trainer", "grouped_experts"),
+        fast_indexer: bool = default("trainer", "fast_indexer"),
+        fused_hyper: bool = default("trainer", "fused_hyper"),
         precision: str = default("trainer", "precision"),
         fsdp: bool = False,
         seed: int = 0,
+        mtp: str = default("trainer", "mtp"),
+        mtp_loss_weight: float = default("trainer", "mtp_loss_weight"),
     ) -> None:
         torch.manual_seed(seed)
         self.model = model.train()
+        self.mtp = _prepare_mtp(model, mtp, freeze)
+        if fsdp and mtp == "train":
+            from albatross.config import ConfigError
+
+            raise ConfigError("trainer.mtp = \"train\" is not supported with FSDP (trainer.gpus > 1) yet")
+        self.mtp_loss_weight = mtp_loss_weight
+        if host_params and fsdp:
+            raise ValueError("trainer.host_params is not supported with FSDP (gpus > 1) yet")
+        self.model_options = apply_model_options(model, grouped_experts=grouped_experts, fast_indexer=fast_indexer,
+                                                 fused_hyper=fused_hyper, host_params=host_params)
         self.frozen = self._prepare_model(freeze, activation_checkpointing)
         self.attention = attention_inputs(model, attention)
         self.device = next(model.parameters()).device
@@ -155,9 +204,15 @@ class Trainer:
             dist.shard(self.policy, model, bf16=bf16, offload=offload_optimizer)
         self.grad_scale = float(dist.world_size()) if fsdp else 1.0  # FSDP averages over ranks; we sum
         self.autocast = self._autocast(bf16 and not fsdp)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # the MTP head's parameters are clipped apart from the policy's, so its loss never rescales them
+        mtp_ids = {id(p) for p in self.mtp.parameters()} if self.mtp is not None else set()
+        self.params = [p for p in model.parameters() if p.requires_grad and id(p) not in mtp_ids]
+        self.mtp_params = [p for p in model.parameters() if p.requires_grad and id(p) in mtp_ids]
+        self._hidden: list[Tensor] = []
+        if self.mtp_params:
+            model.get_decoder().register_forward_hook(self._keep_hidden)
         # under FSDP the optimizer state is offloaded by FSDP's own CPUOffloadPolicy
-        self.optimizer = _optimizer(self.params, offload_optimizer and not fsdp, lr=lr,
+        self.optimizer = _optimizer(self.params + self.mtp_params, offload_optimizer and not fsdp, lr=lr,
                                     weight_decay=weight_decay, betas=betas)
         self.loss_fn: LossFn = get_loss_fn(loss, **(loss_kwargs or {}))
         self.regularizers = _regularizers(kl_coef, entropy_coef)
@@ -178,7 +233,9 @@ class Trainer:
             kl_coef=rl.kl_coef, entropy_coef=rl.entropy_coef, logprob_chunk=tc.logprob_chunk or None,
             temperature=sampling_temperature(cfg.sampling.temperature), attention=tc.attention,
             activation_checkpointing=tc.activation_checkpointing, freeze=tc.freeze,
-            offload_optimizer=tc.offload_optimizer, precision=tc.precision, fsdp=fsdp, seed=cfg.seed,
+            offload_optimizer=tc.offload_optimizer, host_params=tc.host_params, grouped_experts=tc.grouped_experts,
+            fast_indexer=tc.fast_indexer, fused_hyper=tc.fused_hyper, precision=tc.precision, fsdp=fsdp,
+            seed=cfg.seed, mtp=tc.mtp, mtp_loss_weight=tc.mtp_loss_weight,
         )
 
     def _prepare_model(self, patterns: Sequence[str], checkpointing: bool) -> list[str]:
@@ -201,27 +258,61 @@ class Trainer:
             return self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d), **attn)
 
     # gradients -----------------------------------------------------------------------------------
-    def _micro_step(self, mb: MicroBatch, loss_of: LossOf, n_batch: int) -> dict[str, float]:
+    def _keep_hidden(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Decoder forward hook (``trainer.mtp = "train"``): keep the final hidden states for the MTP loss."""
+        self._hidden[:] = [output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]]
+
+    def _mtp_loss(self, mb: MicroBatch, n_batch: int) -> tuple[Tensor, dict[str, float]]:
+        """The MTP head's auxiliary loss on the micro-batch's DETACHED hidden states (``models/mtp.py``)."""
+        from albatross.models.mtp import mtp_loss
+
+        hidden, self._hidden[:] = self._hidden[0], []
+        with self.autocast():
+            loss, metrics = mtp_loss(self.mtp, hidden, mb.input_ids.to(self.device), list(mb.seq_lens),
+                                     mb.loss_mask.to(self.device), n_batch)
+        return self.mtp_loss_weight * loss, metrics
+
+    def live_mismatch_kl(self, mb: MicroBatch) -> float:
+        """Routing replay's counterfactual: the mismatch KL of ``mb``'s loss tokens with live routing and indexer
+        selections (a no-grad forward without the recorded ones). Run before the micro-batch's own forward, so
+        what that forward leaves for its backward (forced routing, hidden states) is its own."""
+        d = self.device
+        attn = {k: v for k, v in self.attention(mb, torch.float32, d).items() if k != "routing"}
+        with torch.no_grad(), self.autocast():
+            logprobs, _ = self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d), **attn)
+        return mismatch_kl(logprobs - mb.logprobs.to(d), mb.loss_mask.to(d))
+
+    def _micro_step(self, mb: MicroBatch, loss_of: LossOf, n_batch: int, live_kl: bool = False) -> dict[str, float]:
+        no_replay = self.live_mismatch_kl(mb) if live_kl else None
         logprobs, entropy = self.forward_logprobs(mb)
         loss, metrics = loss_of(mb, logprobs, entropy, n_batch)
         for reg in self.regularizers:
             extra, m = reg(mb, logprobs, entropy, n_batch)
             loss = loss + extra
             metrics.update(m)
+        if self.mtp_params:
+            extra, m = self._mtp_loss(mb, n_batch)
+            loss = loss + extra
+            metrics.update(m)
         (loss * self.grad_scale).backward()
         mask = mb.loss_mask.to(entropy.device)
         tokens = float(mask.sum())
         metrics["entropy"] = float((entropy.detach() * mask).sum()) / tokens if tokens else 0.0
+        if no_replay is not None:
+            metrics["mismatch_kl_no_replay"] = no_replay
         return metrics
 
-    def accumulate(self, micro_batches: Sequence[MicroBatch], loss_of: LossOf) -> dict[str, float]:
-        """Zero grads, then forward/backward this rank's micro-batches, each normalised by the batch's tokens."""
+    def accumulate(self, micro_batches: Sequence[MicroBatch], loss_of: LossOf,
+                   live_kl: bool = False) -> dict[str, float]:
+        """Zero grads, then forward/backward this rank's micro-batches, each normalised by the batch's tokens.
+
+        ``live_kl``: also log ``mismatch_kl_no_replay`` (every micro-batch, so FSDP ranks stay in step)."""
         self.optimizer.zero_grad(set_to_none=True)
         n_batch = sum(mb.num_loss_tokens for mb in micro_batches)
         mine = dist.assign(micro_batches, dist.world_size(), dist.rank())
         parts = []
         for mb in mine:
-            metrics = self._micro_step(mb or padding_micro_batch(), loss_of, n_batch)
+            metrics = self._micro_step(mb or padding_micro_batch(), loss_of, n_batch, live_kl)
             if mb is not None:
                 parts.append(metrics)
         parts = [p for rank_parts in dist.gather(parts) for p in rank_parts]
@@ -235,12 +326,16 @@ class Trainer:
             return self.loss_fn(logprobs, mb.logprobs.to(d), mb.advantages.to(d), mb.loss_mask.to(d),
                                 mb.versions.to(d), current_version=current_version, num_batch_tokens=n)
 
-        return self.accumulate(pack(batch.samples, self.micro_batch_tokens), loss_of)
+        micro_batches = pack(batch.samples, self.micro_batch_tokens)
+        replayed = any(mb.routing is not None for mb in micro_batches)  # routing replay: KL without it too
+        return self.accumulate(micro_batches, loss_of, live_kl=replayed)
 
     def _apply(self, metrics: dict[str, float], t0: float, tokens: int) -> dict[str, float]:
         """Clip, step the optimizer, and add the step-level metrics."""
         clip = self.grad_clip if self.grad_clip else float("inf")
         grad_norm = dist.full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        if self.mtp_params:
+            torch.nn.utils.clip_grad_norm_(self.mtp_params, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1

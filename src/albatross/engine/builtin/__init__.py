@@ -2,8 +2,9 @@
 
 ``BuiltinEngine`` implements ``albatross.engine.base.Engine``: the runner (``runner.py``) runs the batch with a
 KV grid and a prefix cache kept across turns (``kvcache.py``), n-gram speculative decoding
-(``speculative.py``) and sampling (``sampling.py``); the scheduler (``scheduler.py``) admits requests from
-many threads at every step and applies weight swaps between forward passes.
+(``speculative.py``) and sampling (``sampling.py``); hybrid-cache models run on ``hybrid.py``, with MTP
+speculative decoding on ``mtp_runner.py``; the scheduler (``scheduler.py``) admits requests from many threads
+at every step and applies weight swaps between forward passes.
 """
 
 from __future__ import annotations
@@ -58,10 +59,38 @@ def _default_decode(path: str) -> Decode | None:
         return None
 
 
+def _mtp_runner(module: torch.nn.Module, source: torch.nn.Module | str, device: str, version: int,
+                prefix_cache_tokens: int, spec: SpecConfig, decode: Decode | None, record_routing: bool) -> ModelRunner:
+    """The runner of MTP speculative decoding; a model directory's MTP weights are loaded first."""
+    from albatross.engine.builtin.mtp_runner import MtpRunner
+    from albatross.models.mtp import get_mtp, load_mtp
+
+    if record_routing:
+        raise ValueError("routing replay (record_routing) with MTP speculative decoding is not supported yet")
+    if isinstance(source, str) and get_mtp(module) is None:
+        load_mtp(module, source)
+    return MtpRunner(module, device, version, prefix_cache_tokens, spec.draft_tokens, decode)
+
+
+def _match_mtp(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A trainer's weights for this engine's model: its MTP head's tensors (``mtp.*``) are dropped when the
+    engine has no head, and the head keeps its own weights when the trainer sends none (``trainer.mtp = off``)."""
+    from albatross.models.mtp import get_mtp
+
+    head = get_mtp(model)
+    if head is None:
+        return {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
+    if any(k.startswith("mtp.") for k in state_dict):
+        return state_dict
+    return {**state_dict, **{f"mtp.{k}": v for k, v in head.state_dict().items()}}
+
+
 class BuiltinEngine(SingleEngine):
     """In-process engine. ``model`` is a transformers causal LM or the path of a directory holding one.
 
-    ``speculative``: draft tokens per row and step of n-gram speculative decoding (0 = off; or a ``SpecConfig``).
+    ``speculative``: draft tokens per row and step of n-gram speculative decoding (0 = off), or a ``SpecConfig``
+    (``method="mtp"``: drafts from the model's MTP head, ``mtp_runner.MtpRunner``; a model directory's MTP
+    weights are loaded for it).
     ``prefix_cache_tokens``: token budget of the KV kept from finished requests for the next turn (0 = off).
     ``decode``: ids -> text, needed for stop strings (loaded from a model directory's tokenizer when there is one).
     ``fast_forward``: use ``fastpath.py``'s lean forward for Qwen2 / Llama models (else ``transformers``').
@@ -90,7 +119,12 @@ class BuiltinEngine(SingleEngine):
         if decode is None and isinstance(model, str):
             decode = _default_decode(model)
         spec = speculative if isinstance(speculative, SpecConfig) else SpecConfig(draft_tokens=speculative)
-        if record_routing or needs_hybrid(module):
+        if spec.method not in ("ngram", "mtp"):
+            raise ValueError(f"speculative method must be 'ngram' or 'mtp', got {spec.method!r}")
+        if spec.method == "mtp" and spec.draft_tokens > 0:
+            self.runner = _mtp_runner(module, model, device, version, prefix_cache_tokens, spec, decode,
+                                      record_routing)
+        elif record_routing or needs_hybrid(module):
             self.runner: ModelRunner = HybridRunner(
                 module, device, version, prefix_cache_tokens, spec, decode, record_routing
             )
@@ -140,6 +174,7 @@ class BuiltinEngine(SingleEngine):
 
         Raises ``ValueError`` and keeps the old weights when the checkpoint does not match the model.
         Must not be called from the engine's own worker thread (e.g. from ``scheduler.step_hook``)."""
+        state_dict = _match_mtp(self.runner.model, state_dict)
         check_state_dict(self.runner.model, state_dict)
         self.scheduler.swap_weights(state_dict, version).result()
 

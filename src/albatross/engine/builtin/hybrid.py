@@ -12,7 +12,8 @@ step runs one forward pass per running request.
 Prefix reuse across turns: when a request finishes, its cache (prompt + completion but the last token) is kept
 as a snapshot keyed by those token ids; a later prompt that extends a snapshot's ids continues from a copy of it
 and prefills only the new tokens. Unlike KV, a recurrent state cannot be cut back, so only exact prefixes reuse
-a snapshot. ``routing.py`` (``RoutingRecorder``) records each generated token's experts when asked.
+a snapshot. ``routing.py`` (``RoutingRecorder``) records each generated token's experts, and the keys its
+sparse-attention indexers selected (DSA positions, QSA blocks), when asked.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class _HybridSeq(_Seq):
 class HybridRunner(ModelRunner):
     """A ``ModelRunner`` for hybrid-cache models: per-request caches and forward passes (see the module docstring).
 
-    ``record_routing``: record each generated token's chosen experts per MoE layer in ``Completion.routing``.
+    ``record_routing``: record each generated token's chosen experts per MoE layer, then its indexers' selected
+    keys per sparse-attention layer, in ``Completion.routing``.
     """
 
     def __init__(

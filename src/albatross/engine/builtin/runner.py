@@ -115,11 +115,13 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
 
 @dataclass
 class SpecConfig:
-    """n-gram speculative decoding: ``draft_tokens`` per row and step (0 = off), suffix n-grams ``n_min..n_max``."""
+    """Speculative decoding: ``draft_tokens`` per row and step (0 = off). ``method``: ``ngram`` (prompt lookup,
+    suffix n-grams ``n_min..n_max``; plain-KV models) or ``mtp`` (the model's MTP head; ``mtp_runner.py``)."""
 
     draft_tokens: int = 0
     n_min: int = 1
     n_max: int = 3
+    method: str = "ngram"
 
 
 _FREE = _Seq(Request([0], SamplingParams(temperature=0.0, max_tokens=1)), lambda _: None, torch.zeros(2, 1))

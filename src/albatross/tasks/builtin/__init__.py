@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 SPLITS = ("train", "validation", "heldout")
-DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\n"
+DOCKERFILE = "FROM python:3.11-slim-bookworm\nWORKDIR /app\nCOPY app/ /app/\n"
 SETUP = "COPY setup.sh /albatross-setup.sh\nRUN bash /albatross-setup.sh && rm -f /albatross-setup.sh\n"
 DEMO_FAMILIES: tuple[str, ...] = tuple(_DEMO)
 FAMILIES: dict[str, Family] = {

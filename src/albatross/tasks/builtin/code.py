@@ -144,7 +144,11 @@ class GitRepair(Family):
 
 
 def _git_setup(steps: list[tuple[str, str, str]]) -> str:
-    lines = ["#!/bin/bash", "set -e", "mkdir -p /app/repo && cd /app/repo", "git init -q -b main",
+    lines = ["#!/bin/bash", "set -e",
+             # the python image has no git: install it at build time (the build may use the Debian archive)
+             "command -v git >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install "
+             "-y -qq --no-install-recommends git >/dev/null && rm -rf /var/lib/apt/lists/*; }",
+             "mkdir -p /app/repo && cd /app/repo", "git init -q -b main",
              "git config user.name developer", "git config user.email developer@example.com"]
     for i, (message, name, content) in enumerate(steps):
         stamp = f"2024-01-{1 + i:02d}T10:00:00+00:00"

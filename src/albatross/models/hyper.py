@@ -1,0 +1,83 @@
+"""Fused hyper-connection (gated residual) ops for ``qwen4_exp``.
+
+Each ``qwen4_exp`` decoder layer keeps ``hc_count`` residual streams. Around the token mixer and around the
+MLP, ``Qwen4ExpTextGatedResidual`` normalises the streams, computes a low-rank sigmoid mix that reads them
+into the block's input, and a per-stream injection weight; after the block, transformers writes the block
+output back into every stream with three separate ops (unsqueeze-multiply, flatten, add). As shipped the
+two projections that read the normalised streams (mix-down and inject) are two matmuls over the same
+input, and each step materialises its own intermediate.
+
+Here (same weights, same math, fp32-rounding equal; tests/unit/test_trainer_study.py):
+
+- the mix-down and inject projections are one matmul over the normalised streams (weights concatenated);
+- the stream mix is one multiply and one mean over the stream axis;
+- the write-back is one ``addcmul`` (streams + block output x injection weights), whose backward is a
+  single fused pass as well.
+
+On a CPU with small widths this saves little (the matmuls dominate); on a GPU, where these ops are
+memory-bound elementwise kernels, fewer passes over the [T, hc x H] streams is what pays.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LAYER_CLASSES = ("Qwen4ExpTextDecoderLayer",)
+RESIDUAL_CLASSES = ("Qwen4ExpTextGatedResidual",)
+
+
+def gated_residual(hc: nn.Module, streams: Tensor) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """``Qwen4ExpTextGatedResidual.forward``: (block input, streams, injection weights), or the input alone."""
+    n, h = hc.hc_count, hc.hidden_size
+    normed = hc.hc_norm(streams)
+    down = hc.input_mix_weight_down.weight
+    inject = hc.block_inject_weight
+    weight = down if inject is None else torch.cat([down, inject.weight])
+    z = F.linear(normed, weight) / n
+    mix = torch.sigmoid(hc.input_mix_weight_up(F.silu(z[..., : down.shape[0]])))
+    mixed = (mix * normed).unflatten(-1, (n, h)).mean(dim=-2)
+    if inject is None:
+        return mixed
+    return mixed, streams, 2 * torch.sigmoid(z[..., down.shape[0]:])
+
+
+def write_back(streams: Tensor, block_out: Tensor, weights: Tensor) -> Tensor:
+    """streams + block output x per-stream injection weight, in one op: [..., hc x H]."""
+    return torch.addcmul(streams.unflatten(-1, (weights.shape[-1], -1)), block_out.unsqueeze(-2),
+                         weights.unsqueeze(-1)).flatten(-2)
+
+
+def fused_layer_forward(layer: nn.Module, hidden_states: Tensor, position_embeddings: Any,
+                        attention_mask: Any = None, conv_mask: Any = None, cache: Any = None,
+                        ple_input_ids: Any = None, **kwargs: Any) -> Tensor:
+    """``Qwen4ExpTextDecoderLayer.forward`` with the fused residual ops (its submodules called as shipped)."""
+    if layer.ple is not None:
+        hidden_states = hidden_states + layer.ple(hidden_states, ple_input_ids, cache, conv_mask=conv_mask)
+    x, streams, weights = gated_residual(layer.attn_hyper_connection, hidden_states)
+    if layer.layer_type == "linear_attention":
+        x = layer.linear_attn(x, cache=cache, attention_mask=conv_mask, **kwargs)
+    else:
+        x, _ = layer.self_attn(x, position_embeddings, attention_mask=attention_mask, cache=cache, **kwargs)
+    hidden_states = write_back(streams, x, weights)
+    x, streams, weights = gated_residual(layer.mlp_hyper_connection, hidden_states)
+    return write_back(streams, layer.mlp(x), weights)
+
+
+def install_fused_hyper(model: nn.Module) -> int:
+    """Swap the ``qwen4_exp`` decoder layers' and final mixer's forwards for the fused ones; returns how many
+    modules changed (0: the model has no such hyper-connections). An MTP head is left as it is."""
+    count = 0
+    for module in model.get_decoder().modules():  # an MTP head keeps its own forward
+        name = type(module).__name__
+        if name in LAYER_CLASSES:
+            module.forward = functools.partial(fused_layer_forward, module)
+            count += 1
+        elif name in RESIDUAL_CLASSES and module.block_inject_weight is None:  # the final stream mixer
+            module.forward = functools.partial(gated_residual, module)
+            count += 1
+    return count

@@ -1,0 +1,578 @@
+"""Base images of the isolated sandbox: the root file system a Dockerfile's ``FROM`` names, built here.
+
+No image is pulled from a container registry (none is reachable here). A ``FROM`` reference maps to a
+*recipe* (a Debian release, the packages of the image's runtime, the Debian mirror this machine uses),
+and the recipe is built once with ``mmdebstrap`` (``debootstrap`` where mmdebstrap is missing) into
+``cache_root()/images/<sha>``, the sha being that of the recipe: content-addressed, built atomically
+under a lock file (``rootfs.build_once``), read-only afterwards. Images a user has (an OCI image layout
+or a ``docker save`` archive) are imported with ``import_image`` (``albatross sandbox image import PATH
+--tag REF``, or every one found in ``[sandbox] images``); a ``FROM`` naming an imported tag uses it.
+
+Mapping (anything else is refused with ``EnvBuildError("no base for <ref>")``):
+
+========================================  ===========================================================
+``debian:<release>[-slim]``, ``debian:N``  that release, minbase
+``python:3.X[-slim][-<release>]``         the release (without one: the Debian release whose python3
+                                          is closest to 3.X) + python3, pip, venv; pip is not
+                                          "externally managed"; ``python`` and ``pip`` on PATH
+``ubuntu:<ver>``                          the closest Debian release (24.04 -> trixie, 22.04 ->
+                                          bookworm, 20.04 -> bullseye)
+``node``/``rust``/``golang``/``gcc``/...  the closest Debian release + that runtime's Debian packages
+========================================  ===========================================================
+
+Every difference from what was asked (Python 3.11 for ``python:3.13``, Debian for Ubuntu, ...) is a
+line of ``Base.notes``, which the build report shows. ``resolve_base`` is the stable entry point (the
+isolated backend and the container-engine backend both call it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import lzma
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from albatross.cache import cache_root
+from albatross.sandbox import rootfs
+from albatross.sandbox.build import EnvBuildError
+
+DEFAULT_REF = "python:3.11-slim-bookworm"  # the base of an environment without a Dockerfile
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+RECIPE_FORMAT = "1"
+RELEASES = {"bullseye": 11, "bookworm": 12, "trixie": 13}  # what deb.debian.org serves
+DEBIAN_NUMBERS = {v: k for k, v in RELEASES.items()}
+OLDER = {"buster": "bullseye", "stretch": "bullseye", "jessie": "bullseye"}  # archived: the oldest served
+NEWEST = "trixie"
+PYTHON3 = {"bullseye": (3, 9), "bookworm": (3, 11), "trixie": (3, 13)}  # the release's python3
+UBUNTU = {"20.04": "bullseye", "focal": "bullseye", "22.04": "bookworm", "jammy": "bookworm",
+          "24.04": "trixie", "noble": "trixie", "latest": "trixie", "rolling": "trixie"}
+# Other runtimes: their Debian packages.
+RUNTIMES: dict[str, tuple[str, ...]] = {
+    "node": ("nodejs", "npm", "ca-certificates"),
+    "rust": ("rustc", "cargo", "gcc", "libc6-dev", "ca-certificates"),
+    "golang": ("golang-go", "gcc", "libc6-dev", "git", "ca-certificates"),
+    "gcc": ("gcc", "g++", "make", "libc6-dev", "ca-certificates"),
+    "openjdk": ("default-jdk-headless", "ca-certificates"),
+    "eclipse-temurin": ("default-jdk-headless", "ca-certificates"),
+    "maven": ("maven", "default-jdk-headless", "ca-certificates"),
+    "ruby": ("ruby", "ruby-dev", "ca-certificates"),
+    "php": ("php-cli", "ca-certificates"),
+    "perl": ("perl", "ca-certificates"),
+    "r-base": ("r-base-core", "ca-certificates"),
+    "buildpack-deps": ("ca-certificates", "curl", "wget", "gnupg", "git", "build-essential", "procps",
+                        "xz-utils", "bzip2", "unzip"),
+}
+# The python images' runtime, plus procps (ps, pgrep, kill: agents and task scripts expect them; the
+# python slim images lack them, a deviation stated in docs/sandbox.md).
+PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3", "ca-certificates", "netbase",
+                   "tzdata", "procps")
+_TBENCH = re.compile(r"^ghcr\.io/laude-institute/t-bench/(python-3-(\d+)|ubuntu-(\d+)-(\d+))(:.*)?$")
+MARKER = rootfs.MARKER
+
+
+@dataclass(frozen=True)
+class Base:
+    """A built base image: ``root`` (a read-only directory, the bottom layer of every parent built
+    on it), the image's ``env`` (PATH, LANG, PYTHON_VERSION, ...), ``notes`` naming each difference
+    from what ``ref`` asked for, and ``key`` (the cache entry's name, stable per recipe)."""
+
+    ref: str
+    root: Path
+    env: dict[str, str]
+    notes: tuple[str, ...]
+    key: str
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a base is built from; its hash names the cache entry."""
+
+    release: str
+    packages: tuple[str, ...] = ()
+    mirror: str = rootfs.DEFAULT_MIRROR
+    python: bool = False  # pip not externally managed, python/pip on PATH
+    env: dict[str, str] = field(default_factory=dict)
+
+    def key(self) -> str:
+        text = json.dumps([RECIPE_FORMAT, self.release, sorted(self.packages), self.mirror, self.python,
+                           sorted(self.env.items())])
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def images_dir() -> Path:
+    return cache_root() / "images"
+
+
+# ---- resolving a FROM reference ------------------------------------------------------------------------
+
+
+def resolve_base(image_ref: str | None, log: Callable[[str], None] | None = None,
+                 search: Path | None = None) -> Base:
+    """The base for ``FROM image_ref`` (``None``: ``DEFAULT_REF``), built once and cached.
+
+    Stable API (used by the local and the container-engine backends). An imported image tagged
+    ``image_ref`` wins (``import_image``; ``search``: a directory of OCI layouts / ``docker save``
+    archives imported on first use, ``[sandbox] images``); otherwise the reference maps to a Debian
+    recipe (module docstring) built with mmdebstrap from this machine's Debian mirror. Raises
+    ``EnvBuildError`` for a reference with no base, ``rootfs.BaseUnavailable`` when the build cannot run."""
+    ref = (image_ref or DEFAULT_REF).strip()
+    imported = _imported(ref, search, log)
+    if imported is not None:
+        return imported
+    recipe, notes = recipe_for(ref)
+    root = build_recipe(recipe, log)
+    return Base(ref, root, _image_env(recipe, root), tuple(notes), recipe.key())
+
+
+def base_problem(ref: str, search: Path | None = None) -> str | None:
+    """Why ``FROM ref`` has no base here (no recipe maps it and no image is imported under it), or None.
+    Cheap: builds nothing."""
+    if _tag_file(ref).is_file():
+        return None
+    if search is not None and Path(search).is_dir():
+        for candidate in sorted(Path(search).iterdir()):
+            with contextlib.suppress(EnvBuildError, OSError, tarfile.TarError):
+                if normalise_ref(ref) in [normalise_ref(t) for t in image_tags(candidate)]:
+                    return None
+    try:
+        recipe_for(ref)
+    except EnvBuildError as err:
+        return f"FROM {ref}: cannot be built here: {err}"
+    return None
+
+
+def base_notes(ref: str) -> list[str]:
+    """How the base for ``FROM ref`` differs from that image (builds nothing; [] when it has none)."""
+    if _tag_file(ref).is_file():
+        return [f"{ref}: an imported image"]
+    try:
+        return recipe_for(ref)[1]
+    except EnvBuildError:
+        return []
+
+
+def normalise_ref(ref: str) -> tuple[str, str]:
+    """(name, tag) of an image reference: registry ``docker.io/library/`` and any digest dropped."""
+    ref = ref.split("@", 1)[0]
+    for prefix in ("docker.io/", "index.docker.io/", "registry-1.docker.io/"):
+        if ref.startswith(prefix):
+            ref = ref[len(prefix):]
+    ref = ref.removeprefix("library/")
+    name, _, tag = ref.rpartition(":") if ":" in ref.rsplit("/", 1)[-1] else (ref, "", "latest")
+    return name, tag or "latest"
+
+
+def recipe_for(ref: str) -> tuple[Recipe, list[str]]:
+    """The recipe standing in for ``ref`` and the notes naming how it differs."""
+    mirror = host_mirror()
+    tbench = _TBENCH.match(ref)
+    if tbench:  # Terminal-Bench's own base images: a python or ubuntu image with tmux
+        inner = f"python:3.{tbench.group(2)}-slim" if tbench.group(2) else f"ubuntu:{tbench.group(3)}.{tbench.group(4)}"
+        recipe, notes = recipe_for(inner)
+        return Recipe(recipe.release, (*recipe.packages, "tmux"), mirror, recipe.python, recipe.env), \
+            [f"{ref}: built as {inner} + tmux", *notes]
+    name, tag = normalise_ref(ref)
+    if name == "debian":
+        release, notes = _debian_release(tag, ref)
+        return Recipe(release, (), mirror), notes
+    if name == "python":
+        return _python_recipe(tag, ref, mirror)
+    if name == "ubuntu":
+        release = UBUNTU.get(tag.split("-")[0])
+        if release is None:
+            raise EnvBuildError(f"no base for {ref}: unknown Ubuntu version {tag!r}")
+        return Recipe(release, ("ca-certificates", "python3"), mirror), \
+            [f"{ref}: Debian {release} stands in for Ubuntu {tag} (same package names for most tools); with "
+             "python3, which the offline verifier's pytest runs on (uv would download a Python)"]
+    if name in RUNTIMES:
+        release, notes = _release_in_tag(tag, ref)
+        packages = RUNTIMES[name]
+        return Recipe(release, packages, mirror), \
+            [*notes, f"{ref}: Debian {release} with {' '.join(packages[:2])} from Debian (its version, not "
+                     f"necessarily {tag})"]
+    raise EnvBuildError(f"no base for {ref}: only debian, python, ubuntu, {', '.join(sorted(RUNTIMES))} images "
+                        "map to a Debian-built base here (or import the image: albatross sandbox image import)")
+
+
+def _debian_release(tag: str, ref: str) -> tuple[str, list[str]]:
+    word = tag.removesuffix("-slim").split("-")[0].split(".")[0]
+    if word in ("latest", "stable", "slim"):
+        word = "bookworm" if word == "stable" else NEWEST
+    if word.isdigit():
+        word = DEBIAN_NUMBERS.get(int(word), "")
+    if word in RELEASES:
+        return word, []
+    if word in OLDER:
+        return OLDER[word], [f"{ref}: Debian {word} is archived; built as {OLDER[word]}"]
+    raise EnvBuildError(f"no base for {ref}: unknown Debian release {tag!r}")
+
+
+def _release_in_tag(tag: str, ref: str) -> tuple[str, list[str]]:
+    """The Debian release a tag names (``...-bookworm``, ``...-slim-trixie``), else the newest."""
+    for part in reversed(tag.split("-")):
+        if part in RELEASES:
+            return part, []
+        if part in OLDER:
+            return OLDER[part], [f"{ref}: Debian {part} is archived; built on {OLDER[part]}"]
+    return NEWEST, []
+
+
+def _python_recipe(tag: str, ref: str, mirror: str) -> tuple[Recipe, list[str]]:
+    """A python image's base: the Debian release the tag names (its packages are what the Dockerfile's
+    apt-get and tools expect: openssl's output format, library versions), else the release whose
+    python3 is closest to the version asked for, else the newest. A python3 other than 3.X is noted."""
+    match = re.match(r"^(\d+)\.(\d+)", tag)
+    want = (int(match.group(1)), int(match.group(2))) if match else None
+    if any(p in RELEASES or p in OLDER for p in tag.split("-")):
+        release, notes = _release_in_tag(tag, ref)
+    elif want is not None:
+        release = min(PYTHON3, key=lambda r: (abs(PYTHON3[r][1] - want[1]), -RELEASES[r]))
+        notes = []
+    else:
+        release, notes = NEWEST, []
+    have = PYTHON3[release]
+    if want is not None and want != have:
+        notes.append(f"{ref}: Python {have[0]}.{have[1]} (Debian {release}'s python3) stands in for "
+                     f"Python {want[0]}.{want[1]}")
+    env = {"LANG": "C.UTF-8", "PYTHON_VERSION": f"{have[0]}.{have[1]}"}
+    return Recipe(release, PYTHON_PACKAGES, mirror, True, env), notes
+
+
+def host_mirror() -> str:
+    """The Debian mirror this machine's apt uses (/etc/apt/sources.list(.d)), else deb.debian.org."""
+    for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
+        with contextlib.suppress(OSError):
+            for url in _source_urls(path.read_text(encoding="utf-8", errors="replace"), path.suffix):
+                if "/debian" in url and "security" not in url:
+                    return url.rstrip("/")
+    return rootfs.DEFAULT_MIRROR
+
+
+def _source_urls(text: str, suffix: str) -> Iterator[str]:
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if suffix == ".sources" and words[:1] == ["URIs:"]:
+            yield from words[1:]
+        elif words[:1] == ["deb"]:
+            yield next((w for w in words[1:] if not w.startswith("[")), "")
+
+
+# ---- building a recipe ---------------------------------------------------------------------------------
+
+
+def build_recipe(recipe: Recipe, log: Callable[[str], None] | None = None, force: bool = False) -> Path:
+    """The root directory of ``recipe``, built once (mmdebstrap, else debootstrap) and cached."""
+    path = images_dir() / recipe.key()
+    return rootfs.build_once(path, lambda tmp: _bootstrap(recipe, tmp, log or (lambda _: None)), force)
+
+
+def bootstrap_tool() -> str:
+    """mmdebstrap (installed with apt-get if missing and possible), else debootstrap, else ""."""
+    if shutil.which("mmdebstrap") is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "mmdebstrap"], capture_output=True,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, check=False, timeout=600)
+    return next((tool for tool in ("mmdebstrap", "debootstrap") if shutil.which(tool)), "")
+
+
+def _bootstrap(recipe: Recipe, tmp: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    if os.geteuid() != 0:
+        raise rootfs.BaseUnavailable("building a base image needs root")
+    tool = bootstrap_tool()
+    if not tool:
+        raise rootfs.BaseUnavailable("neither mmdebstrap nor debootstrap is installed (apt-get install mmdebstrap)")
+    include = ",".join(recipe.packages)
+    if tool == "mmdebstrap":
+        argv = ["mmdebstrap", "--variant=minbase", "--mode=root", "--format=directory",
+                "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+                "--dpkgopt=path-include=/usr/share/doc/*/copyright", "--dpkgopt=path-exclude=/usr/share/locale/*"]
+        argv += [f"--include={include}"] if include else []
+        argv += [recipe.release, str(tmp), recipe.mirror]
+    else:
+        argv = ["debootstrap", "--variant=minbase", *([f"--include={include}"] if include else []),
+                recipe.release, str(tmp), recipe.mirror]
+    if shutil.which("unshare"):  # its mounts (/proc, /dev of the new root) stay out of the host's table
+        argv = ["unshare", "--mount", "--propagation", "private", *argv]
+    log(f"{' '.join(argv)} (a minute or two, once per base)")
+    start = time.monotonic()
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+        raise rootfs.BaseUnavailable(f"{tool} {recipe.release} from {recipe.mirror} failed "
+                                     f"(exit {proc.returncode}): {tail}")
+    _finish_root(tmp, recipe)
+    seconds = round(time.monotonic() - start, 1)
+    log(f"base {recipe.release} {include} built in {seconds} s")
+    return {"recipe": {"release": recipe.release, "packages": list(recipe.packages), "mirror": recipe.mirror,
+                       "python": recipe.python}, "tool": tool, "seconds": seconds,
+            "built": time.strftime("%Y-%m-%dT%H:%M:%S"), "env": recipe.env}
+
+
+def _finish_root(root: Path, recipe: Recipe) -> None:
+    """What a container image has that a bootstrap leaves out: its own hostname, hosts and no resolv.conf;
+    for python images a pip that is not externally managed and ``python``/``pip`` on PATH."""
+    etc = root / "etc"
+    (etc / "hostname").write_text("sandbox\n")
+    (etc / "hosts").write_text("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                               "127.0.1.1\tsandbox\n")
+    resolv = etc / "resolv.conf"
+    if resolv.is_symlink() or resolv.exists():
+        resolv.unlink()
+    resolv.write_text("")
+    for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):  # as Docker's debian images ship them
+        for entry in (root / cache).glob("*"):
+            if entry.is_file() and entry.name not in ("lock",):
+                entry.unlink()
+    if recipe.python:
+        for marker in root.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):
+            marker.unlink()
+        bindir = root / "usr/local/bin"
+        bindir.mkdir(parents=True, exist_ok=True)
+        for name, target in (("python", "/usr/bin/python3"), ("pip", "/usr/bin/pip3"), ("pip3", "/usr/bin/pip3")):
+            if not (bindir / name).exists() and (root / target.lstrip("/")).exists():
+                (bindir / name).symlink_to(target)
+
+
+def _image_env(recipe: Recipe, root: Path) -> dict[str, str]:
+    env = {"PATH": DEFAULT_PATH, **recipe.env}
+    with contextlib.suppress(OSError, ValueError):
+        env.update(json.loads((root / MARKER).read_text()).get("env", {}))
+    return env
+
+
+# ---- imported images (OCI image layouts, docker save archives) -----------------------------------------
+
+
+def tags_dir() -> Path:
+    return images_dir() / "tags"
+
+
+def _tag_file(ref: str) -> Path:
+    name, tag = normalise_ref(ref)
+    return tags_dir() / (hashlib.sha256(f"{name}:{tag}".encode()).hexdigest()[:24] + ".json")
+
+
+def _imported(ref: str, search: Path | None, log: Callable[[str], None] | None) -> Base | None:
+    path = _tag_file(ref)
+    if not path.is_file() and search is not None and Path(search).is_dir():
+        for candidate in sorted(Path(search).iterdir()):
+            with contextlib.suppress(EnvBuildError):
+                if normalise_ref(ref) in [normalise_ref(t) for t in image_tags(candidate)]:
+                    import_image(candidate, ref, log)
+                    break
+    if not path.is_file():
+        return None
+    entry = json.loads(path.read_text())
+    root = images_dir() / entry["key"]
+    if not rootfs.is_built(root):
+        return None
+    env = {"PATH": DEFAULT_PATH, **entry.get("env", {})}
+    return Base(ref, root, env, (f"{ref}: imported from {entry.get('source', '?')}",), entry["key"])
+
+
+class _Archive:
+    """Read files of an OCI layout or a docker save archive, as a directory or a tar file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.tar = None if self.path.is_dir() else tarfile.open(self.path, "r:*")
+
+    def read(self, name: str) -> bytes:
+        if self.tar is None:
+            return (self.path / name).read_bytes()
+        member = self.tar.extractfile(name.removeprefix("./"))
+        if member is None:
+            raise EnvBuildError(f"{self.path}: {name} is not a file")
+        return member.read()
+
+    def exists(self, name: str) -> bool:
+        if self.tar is None:
+            return (self.path / name).is_file()
+        return name in self.tar.getnames()
+
+    def open(self, name: str) -> IO[bytes]:
+        return io.BytesIO(self.read(name))
+
+    def close(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+
+
+def _blob(digest: str) -> str:
+    algo, _, hexd = digest.partition(":")
+    return f"blobs/{algo}/{hexd}"
+
+
+def _read_image(archive: _Archive) -> tuple[dict[str, Any], list[str], list[str], str]:
+    """(config, layer member names, tags, id) of the image in an OCI layout or docker save archive."""
+    try:
+        if archive.exists("manifest.json"):  # docker save (also written next to index.json by newer dockers)
+            entry = json.loads(archive.read("manifest.json"))[0]
+            config = json.loads(archive.read(entry["Config"]))
+            return config, list(entry["Layers"]), list(entry.get("RepoTags") or []), entry["Config"]
+        index = json.loads(archive.read("index.json"))
+        manifest, tags = _pick_manifest(archive, index)
+        config = json.loads(archive.read(_blob(manifest["config"]["digest"])))
+        layers = [_blob(layer["digest"]) for layer in manifest["layers"]]
+        return config, layers, tags, manifest["config"]["digest"]
+    except (KeyError, IndexError, ValueError, OSError) as err:
+        raise EnvBuildError(f"{archive.path}: not an OCI image layout or docker save archive ({err})") from err
+
+
+def _pick_manifest(archive: _Archive, index: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    entries = index.get("manifests", [])
+    for entry in entries:
+        doc = json.loads(archive.read(_blob(entry["digest"])))
+        tags = [t for t in [entry.get("annotations", {}).get("org.opencontainers.image.ref.name", "")] if t]
+        if "manifests" in doc:  # an image index: the linux/amd64 (or first) manifest in it
+            inner = doc["manifests"]
+            arch = os.uname().machine.replace("x86_64", "amd64").replace("aarch64", "arm64")
+            chosen = next((m for m in inner if m.get("platform", {}).get("architecture") == arch), inner[0])
+            return json.loads(archive.read(_blob(chosen["digest"]))), tags
+        return doc, tags
+    raise KeyError("index.json lists no manifest")
+
+
+def image_tags(path: Path) -> list[str]:
+    """The tags an OCI layout (``org.opencontainers.image.ref.name``) or docker save archive names."""
+    archive = _Archive(path)
+    try:
+        return _read_image(archive)[2]
+    finally:
+        archive.close()
+
+
+def import_image(path: Path, tag: str, log: Callable[[str], None] | None = None) -> Base:
+    """Unpack the image at ``path`` (OCI layout directory or tar, or docker save archive) into the cache
+    and tag it ``tag``: layers in order, whiteouts honoured, env from the image config."""
+    archive = _Archive(Path(path))
+    try:
+        config, layers, _tags, image_id = _read_image(archive)
+        key = "imported-" + hashlib.sha256(image_id.encode()).hexdigest()[:20]
+        env = dict(e.split("=", 1) for e in (config.get("config") or {}).get("Env") or [] if "=" in e)
+
+        def unpack(tmp: Path) -> dict[str, Any]:
+            tmp.mkdir(parents=True, exist_ok=True)
+            for name in layers:
+                apply_layer(tmp, archive.open(name))
+            return {"source": str(path), "env": env, "image": image_id}
+
+        root = rootfs.build_once(images_dir() / key, unpack)
+    finally:
+        archive.close()
+    tags_dir().mkdir(parents=True, exist_ok=True)
+    entry = {"ref": tag, "key": key, "source": str(path), "env": env}
+    tmp = _tag_file(tag).with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(entry) + "\n")
+    tmp.rename(_tag_file(tag))
+    if log:
+        log(f"imported {path} as {tag}: {root}")
+    return Base(tag, root, {"PATH": DEFAULT_PATH, **env}, (f"{tag}: imported from {path}",), key)
+
+
+def _decompress(stream: IO[bytes]) -> IO[bytes]:
+    head = stream.read(6)
+    stream.seek(0)
+    if head[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=stream)  # type: ignore[return-value]
+    if head == b"\xfd7zXZ\x00":
+        return lzma.LZMAFile(stream)  # type: ignore[return-value]
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        raise EnvBuildError("zstd-compressed layers are not supported (re-export the image with gzip)")
+    return stream
+
+
+def apply_layer(root: Path, stream: IO[bytes]) -> None:
+    """Apply one layer tar to ``root``: whiteouts first (``.wh.NAME`` deletes NAME, ``.wh..wh..opq``
+    empties the directory of what lower layers put there), then the entries, never outside ``root``."""
+    data = io.BytesIO(_decompress(stream).read())
+    with tarfile.open(fileobj=data, mode="r:") as tar:
+        members = tar.getmembers()
+        for member in members:
+            base = os.path.basename(member.name.rstrip("/"))
+            if not base.startswith(".wh."):
+                continue
+            parent = _inside(root, os.path.dirname(member.name.rstrip("/")))
+            if base == ".wh..wh..opq":
+                if parent.is_dir() and not parent.is_symlink():
+                    for child in parent.iterdir():
+                        _remove(child)
+            else:
+                _remove(parent / base[len(".wh."):])
+        for member in members:
+            if not os.path.basename(member.name.rstrip("/")).startswith(".wh."):
+                _extract(root, member, tar)
+
+
+def _inside(root: Path, name: str) -> Path:
+    """``root/name``, refusing names that climb out or pass through a link leading out of ``root``."""
+    parts = [p for p in Path(name.lstrip("/")).parts if p not in (".", "")]
+    if ".." in parts:
+        raise EnvBuildError(f"layer entry {name!r} climbs out of the image")
+    path = root.joinpath(*parts) if parts else root
+    real_parent = os.path.realpath(path.parent) if parts else str(root)
+    if not (real_parent + "/").startswith(str(root.resolve()) + "/") and real_parent != str(root.resolve()):
+        raise EnvBuildError(f"layer entry {name!r} passes through a link out of the image")
+    return path
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
+def _extract(root: Path, member: tarfile.TarInfo, tar: tarfile.TarFile) -> None:
+    path = _inside(root, member.name)
+    if path == root:
+        return
+    if os.path.lexists(path) and not (member.isdir() and path.is_dir() and not path.is_symlink()):
+        _remove(path)
+    uid, gid, mode = member.uid, member.gid, stat.S_IMODE(member.mode)
+    if member.isdir():
+        path.mkdir(parents=True, exist_ok=True)
+    elif member.issym():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(member.linkname, path)
+    elif member.islnk():
+        os.link(_inside(root, member.linkname), path)
+    elif member.isfile():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        source = tar.extractfile(member)
+        with open(path, "wb") as out:
+            shutil.copyfileobj(source, out)  # type: ignore[misc]
+    elif member.ischr() or member.isblk() or member.isfifo():
+        kind = stat.S_IFCHR if member.ischr() else stat.S_IFBLK if member.isblk() else stat.S_IFIFO
+        os.mknod(path, mode | kind, os.makedev(member.devmajor, member.devminor))
+    else:
+        return
+    if os.geteuid() == 0:
+        os.lchown(path, uid, gid)
+    if not member.issym():
+        os.chmod(path, mode)
+
+
+# ---- the cache -----------------------------------------------------------------------------------------
+
+
+def list_images() -> list[dict[str, Any]]:
+    """Every built base in the cache: its key, path and what it was built from (its marker)."""
+    found = []
+    for path in sorted(images_dir().glob("*")):
+        if rootfs.is_built(path):
+            with contextlib.suppress(OSError, ValueError):
+                found.append({"key": path.name, "path": str(path), **json.loads((path / MARKER).read_text())})
+    return found
