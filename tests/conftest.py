@@ -22,3 +22,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
                       max_positions=256)
     return save_model(build_tiny(cfg, tok), tok, tmp_path_factory.mktemp("tiny-model") / "tiny")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and it keeps tests quick on a loaded 2-core machine
+    (modules use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

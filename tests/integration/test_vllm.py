@@ -88,14 +88,6 @@ def vllm_url(vllm_pool) -> str:
     return vllm_pool.urls()[0]
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def teacher_forced(model: torch.nn.Module, prompt: list[int], ids: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()

@@ -35,13 +35,7 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A tiny model is fastest on one thread, and it keeps the tests quick on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -21,12 +21,7 @@ HYBRID = {"qwen3_next", "qwen4_exp", "glm_moe_dsa", "glm5_next"}
 NEW = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def reference(model: torch.nn.Module, prompt: list[int], new: int = NEW) -> list[int]:

@@ -15,13 +15,7 @@ from albatross.engine.builtin.speculative import verify
 from albatross.models.mtp import MTP_LAYOUT, get_mtp
 from albatross.models.tiny import TEXT_VOCAB, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

@@ -18,6 +18,7 @@ from albatross.sandbox.build import EnvBuildError
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ALBATROSS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ALBATROSS_IMAGES", str(tmp_path / "cache"))  # imported test images stay private
 
 
 # ---- recipes -------------------------------------------------------------------------------------------

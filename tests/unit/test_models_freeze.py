@@ -11,13 +11,7 @@ from albatross.records import Batch, Sample, TrainSample
 from albatross.trainer.model import freeze
 from albatross.trainer.step import Trainer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,7 @@ from albatross.models.tiny import tiny_model
 LENGTHS = [70, 5, 129, 1, 64]  # past one 64-token chunk, shorter than the conv, exactly one chunk
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_positions_in_documents():

@@ -25,12 +25,7 @@ from albatross.trainer.step import Trainer
 FAMILIES = sorted(MTP_LAYOUT)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _ids(n: int, seed: int = 0) -> torch.Tensor:

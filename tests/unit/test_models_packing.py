@@ -13,13 +13,7 @@ TOL = 1e-5
 HYBRID = [f for f in FAMILIES if PACKED_PARTS[f]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run ~10x faster on one thread on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -22,13 +22,7 @@ from albatross.trainer.step import Trainer
 pytest.importorskip("transformers")
 from albatross.models.tiny import tiny_model  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def rollouts(model: torch.nn.Module, n: int = 4, new: int = 16, prompt_step: int = 3) -> list[Sample]:

@@ -3,7 +3,7 @@
 No image is pulled from a container registry (none is reachable here). A ``FROM`` reference maps to a
 *recipe* (a Debian release, the packages of the image's runtime, the Debian mirror this machine uses),
 and the recipe is built once with ``mmdebstrap`` (``debootstrap`` where mmdebstrap is missing) into
-``cache_root()/images/<sha>``, the sha being that of the recipe: content-addressed, built atomically
+``images_root()/images/<sha>`` (``$ALBATROSS_IMAGES``), the sha being that of the recipe: content-addressed, built atomically
 under a lock file (``rootfs.build_once``), read-only afterwards. Images a user has (an OCI image layout
 or a ``docker save`` archive) are imported with ``import_image`` (``albatross sandbox image import PATH
 --tag REF``, or every one found in ``[sandbox] images``); a ``FROM`` naming an imported tag uses it.
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from albatross.cache import cache_root
+from albatross.cache import images_root
 from albatross.sandbox import rootfs
 from albatross.sandbox.build import EnvBuildError
 
@@ -113,7 +113,7 @@ class Recipe:
 
 
 def images_dir() -> Path:
-    return cache_root() / "images"
+    return images_root() / "images"
 
 
 # ---- resolving a FROM reference ------------------------------------------------------------------------

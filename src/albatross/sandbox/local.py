@@ -73,7 +73,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from albatross.cache import cache_root
+from albatross.cache import cache_root, images_root
 from albatross.sandbox import cgroups, dockerfile, images, rootfs, wire
 from albatross.sandbox.base import (
     LIMIT_ATTEMPT_TIMEOUT,
@@ -958,13 +958,13 @@ def needed_host(output: str, command: str = "") -> str | None:
 
 
 class _Caches:
-    """Download caches shared by builds (``cache_root()/build-cache``): apt's archive directory (one of
+    """Download caches shared by builds (``images_root()/build-cache``): apt's archive directory (one of
     ``APT_SLOTS``, locked while a builder uses it), pip's and npm's caches; the host's package index
     settings and its CA bundle (TLS to the registries may go through a proxy only the host trusts).
     A rebuild finds its packages there. All of it is mounted in the builder only, never in the image."""
 
     def __init__(self) -> None:
-        root = cache_root() / "build-cache"
+        root = images_root() / "build-cache"
         self._lock_file: Any = None
         apt = None
         for slot in range(APT_SLOTS):

@@ -7,7 +7,7 @@ isolated from the host's files: tasks see the host's programs, ``/etc`` (``/etc/
 installed software, and cannot rely on a distribution's package manager working as in a container.
 
 ``debian``: a Debian root built once with ``debootstrap --variant=minbase`` from the Debian package
-registry into ``$ALBATROSS_CACHE/rootfs/debian-<suite>`` (default ``~/.cache/albatross``), then used
+registry into ``$ALBATROSS_IMAGES/rootfs/debian-<suite>`` (default ``~/.cache/albatross``), then used
 read-only like the host root. Tasks whose Dockerfile installs packages (``RUN apt-get install ...``,
 with ``allow_internet = true``) work without touching the host. The build is atomic (a temporary
 directory renamed into place) and guarded by a lock file, so concurrent processes build it once.
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from albatross.cache import images_root
 from albatross.sandbox.base import SandboxError
 
 BASES = ("image", "host", "debian")
@@ -39,8 +40,8 @@ class BaseUnavailable(SandboxError):
 
 
 def cache_dir() -> Path:
-    """``$ALBATROSS_CACHE`` or ``~/.cache/albatross``."""
-    return Path(os.environ.get("ALBATROSS_CACHE", Path.home() / ".cache" / "albatross"))
+    """``$ALBATROSS_IMAGES`` or ``~/.cache/albatross`` (machine-wide: see ``albatross.cache.images_root``)."""
+    return images_root()
 
 
 def debian_path(suite: str = DEFAULT_SUITE) -> Path:
