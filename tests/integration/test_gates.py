@@ -62,8 +62,11 @@ BROKEN: dict[str, tuple[dict, set[str]]] = {
     "needs-network": ({"allow_internet": True,
                        "solve_sh": "#!/bin/bash\ncurl -fsS https://example.com/answer.txt -o answer.txt\n"},
                       {"offline"}),
-    "build-needs-network": ({"dockerfile": DOCKERFILE + "RUN apt-get install -y albatross-no-such-package\n"},
-                            {"offline"}),
+    # builds may use the package registries, but a step that needs a host this machine cannot reach (here: the
+    # words git prints when github.com does not resolve) is named, and fails the offline gate
+    "build-needs-github": ({"dockerfile": DOCKERFILE + "RUN echo \"fatal: unable to access "
+                            "'https://github.com/example/repo.git/': Could not resolve host: github.com\" >&2; "
+                            "exit 128\n"}, {"offline"}),
     "nan-reward": ({"test_sh": "#!/bin/bash\nmkdir -p /logs/verifier\necho nan > /logs/verifier/reward.txt\n"},
                    {"reward"}),
 }
@@ -121,7 +124,7 @@ def test_each_broken_task_fails_exactly_the_gate_it_breaks(broken: dict[str, Tas
     ("name", "gate", "reason"),
     [
         ("no-oracle", "schema", "solution/solve.sh: missing (the oracle gates need it)"),
-        ("alpine-image", "build", "Dockerfile:1: FROM alpine:3.19: cannot be built offline on the local base"),
+        ("alpine-image", "build", "Dockerfile:1: FROM alpine:3.19: cannot be built here"),
         ("unknown-instruction", "build", "Dockerfile:4: unsupported instruction FROBNICATE"),
         ("oracle-fails", "oracle", "scored 0.5, failing answer_correct"),
         ("noop-passes", "noop", "the untouched environment already scores 1 (reward=1)"),
@@ -130,8 +133,9 @@ def test_each_broken_task_fails_exactly_the_gate_it_breaks(broken: dict[str, Tas
         ("readable-tests", "leakage", "tests/test.sh is readable in the image at /app/tests/test.sh"),
         ("tests-in-image", "leakage", "/tests exists before verification"),
         ("slow-oracle", "resources", "the oracle needs more than [agent] timeout_sec 1 s"),
-        ("needs-network", "offline", "the oracle needs the network: curl: (6) Could not resolve host: example.com"),
-        ("build-needs-network", "offline", "needs the network: apt-get install albatross-no-such-package"),
+        ("needs-network", "offline", "the oracle needs the network: albatross-offline: needs the network: "
+         "curl https://example.com/answer.txt"),
+        ("build-needs-github", "offline", "Dockerfile:4: RUN needs github.com, which this machine cannot reach"),
         ("nan-reward", "reward", "reward.txt: nan is not a finite number in [0, 1]"),
     ],
 )
