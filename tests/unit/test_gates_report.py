@@ -61,7 +61,7 @@ def test_clean_task_has_no_static_problem(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("dockerfile", "problem"),
     [
-        ("FROM alpine:3.19\nWORKDIR /app\n", ":1: FROM alpine:3.19: cannot be built offline on the local base"),
+        ("FROM alpine:3.19\nWORKDIR /app\n", ":1: FROM alpine:3.19: cannot be built here"),
         ("FROM debian:bookworm\nFROBNICATE true\n", ":2: unsupported instruction FROBNICATE"),
         ("FROM debian:bookworm\nSHELL /bin/bash -c\n", ":2: SHELL takes the JSON form"),
         ("FROM debian:bookworm AS build\nFROM build\nFROM alpine:3.19\n", ":3: FROM alpine:3.19: "),
