@@ -10,7 +10,9 @@ infrastructure failure raises ``SandboxError`` (``ForkError``, ``SandboxDied``);
 
 from __future__ import annotations
 
+import atexit
 import math
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -153,3 +155,16 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release every cached parent."""
         ...
+
+
+def closed_at_exit() -> weakref.WeakSet[Any]:
+    """A set of live backends that are all closed when the interpreter exits, so no holder, mount or
+    container of ours outlives the process that started it (backends add themselves when they start)."""
+    live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def close_all() -> None:
+        for backend in list(live):
+            backend.close()
+
+    atexit.register(close_all)
+    return live

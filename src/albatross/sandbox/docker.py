@@ -38,7 +38,6 @@ own (an engine's default may exceed what an unprivileged-resource caller may set
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import json
@@ -51,7 +50,6 @@ import shutil
 import subprocess
 import threading
 import time
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +67,7 @@ from albatross.sandbox.base import (
     Output,
     SandboxDied,
     SandboxError,
+    closed_at_exit,
     pick_limit,
 )
 from albatross.sandbox.build import DEFAULT_PATH, EnvBuildError, EnvKeys, dir_tar, state_script
@@ -569,13 +568,7 @@ class DockerParent:
     notes: list[str] = field(default_factory=list)
 
 
-_LIVE: weakref.WeakSet[DockerBackend] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_backends() -> None:
-    for backend in list(_LIVE):
-        backend.close()
+_LIVE = closed_at_exit()  # closed when the interpreter exits
 
 
 class DockerBackend:

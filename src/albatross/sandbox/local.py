@@ -48,7 +48,6 @@ named by FROM is not pulled from a registry: it is built from Debian packages (`
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import fcntl
@@ -65,7 +64,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import astuple, dataclass
@@ -88,6 +86,7 @@ from albatross.sandbox.base import (
     Output,
     SandboxDied,
     SandboxError,
+    closed_at_exit,
     pick_limit,
 )
 from albatross.sandbox.build import (
@@ -546,13 +545,7 @@ class WarmPool:
 
 # ---- the backend -----------------------------------------------------------------------------------------
 
-_LIVE: weakref.WeakSet[LocalBackend] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_backends() -> None:
-    for backend in list(_LIVE):
-        backend.close()
+_LIVE = closed_at_exit()  # closed when the interpreter exits
 
 
 class LocalBackend:
