@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+GIB = 1 << 30
 
 
 def machine() -> dict[str, Any]:
@@ -31,3 +35,45 @@ def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**data, "machine": machine()}, indent=2) + "\n")
     print(f"written: {path}")
+
+
+def status_bytes(pid: int, field: str) -> int:
+    """A memory field of /proc/PID/status (VmRSS: resident now, VmHWM: peak resident), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_watched(cmd: list[str], limit_gib: float | None, timeout_s: float, watch_rss: bool = True,
+                poll_s: float = 0.1, oom_marker: str | None = None, tail_chars: int = 200) -> dict[str, Any]:
+    """Run a benchmark child that prints one JSON line last; with ``watch_rss``, kill it when its resident set
+    passes ``limit_gib`` (None: no limit). ``status`` is ``ok`` (with the child's keys), ``over N GiB`` (also when ``oom_marker``
+    is in its stderr), ``timed out after Ns`` or ``failed: <last stderr line>``."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    over = threading.Event()
+
+    def watch() -> None:
+        while proc.poll() is None and watch_rss and limit_gib:
+            try:
+                if status_bytes(proc.pid, "VmRSS") > limit_gib * GIB:
+                    over.set()
+                    proc.kill()
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            time.sleep(poll_s)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"status": f"timed out after {timeout_s:.0f}s"}
+    watcher.join()
+    if over.is_set() or (oom_marker is not None and oom_marker in err):
+        return {"status": f"over {limit_gib:g} GiB"}
+    if proc.returncode != 0:
+        return {"status": "failed: " + (err.strip().splitlines() or ["?"])[-1][:tail_chars]}
+    return {"status": "ok", **json.loads(out.strip().splitlines()[-1])}

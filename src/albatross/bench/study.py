@@ -41,13 +41,12 @@ import math
 import os
 import random
 import resource
-import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
-GIB = 1 << 30
+from albatross.bench.common import GIB, run_watched, status_bytes
+
 MEMORY_LIMIT_GIB = 2.0
 VOCAB = 16_384
 STUDY_MODEL: dict[str, Any] = {
@@ -263,10 +262,8 @@ def row_child(spec: dict[str, Any]) -> dict[str, Any]:
             "base_gib": base / GIB, "flops": matmul_flops(model, lengths)}
 
 
-def _status_bytes(field: str, pid: int | None = None) -> int:
-    from albatross.bench.trainer import _status_bytes as status
-
-    return status(pid or os.getpid(), field)
+def _status_bytes(field: str) -> int:
+    return status_bytes(os.getpid(), field)
 
 
 def _cpu_seconds() -> float:
@@ -328,34 +325,9 @@ def matmul_flops(model: Any, lengths: list[int]) -> float:
 def run_child(spec: dict[str, Any], limit_gib: float | None, timeout_s: float) -> dict[str, Any]:
     """``row_child`` in a fresh process; killed when its resident set passes ``limit_gib`` (CPU) or when it
     asks for more device memory than that (GPU: a per-process memory fraction)."""
-    cmd = [sys.executable, "-m", "albatross.bench.study", "--child", json.dumps({**spec, "limit_gib": limit_gib})]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    over = threading.Event()
-
-    def watch() -> None:
-        while proc.poll() is None and limit_gib and spec["device"] == "cpu":
-            try:
-                if _status_bytes("VmRSS", proc.pid) > limit_gib * GIB:
-                    over.set()
-                    proc.kill()
-            except (FileNotFoundError, ProcessLookupError):
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"status": f"timed out after {timeout_s:.0f}s"}
-    watcher.join()
-    if over.is_set() or "OutOfMemoryError" in err:
-        return {"status": f"over {limit_gib:g} GiB"}
-    if proc.returncode != 0:
-        return {"status": "failed: " + (err.strip().splitlines() or ["?"])[-1][:300]}
-    return {"status": "ok", **json.loads(out.strip().splitlines()[-1])}
+    return run_watched([sys.executable, "-m", "albatross.bench.study", "--child",
+                        json.dumps({**spec, "limit_gib": limit_gib})],
+                       limit_gib, timeout_s, watch_rss=spec["device"] == "cpu", poll_s=0.05, oom_marker="OutOfMemoryError", tail_chars=300)
 
 
 def _child_main(spec: dict[str, Any]) -> None:

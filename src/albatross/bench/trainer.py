@@ -40,14 +40,12 @@ import math
 import os
 import random
 import resource
-import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
+from albatross.bench.common import GIB, run_watched, status_bytes
+
 THROUGHPUT_MODEL = {"vocab_size": 8192, "hidden_size": 128, "num_layers": 4}
 MEMORY_MODEL = {"vocab_size": 151_936, "hidden_size": 64, "num_layers": 4}
 MEMORY_CONFIGS = {  # name -> (logprob_chunk, activation_checkpointing)
@@ -251,51 +249,17 @@ def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = Trainer(model, micro_batch_tokens=spec["seq_len"], logprob_chunk=spec["chunk"],
                       activation_checkpointing=spec["ckpt"])
     batch = synthetic_batch([spec["seq_len"] + 1], cfg["vocab_size"])
-    base = _status_bytes(os.getpid(), "VmRSS")
+    base = status_bytes(os.getpid(), "VmRSS")
     seconds, metrics = _timed(lambda: trainer.step(batch))
-    peak = _status_bytes(os.getpid(), "VmHWM")
+    peak = status_bytes(os.getpid(), "VmHWM")
     assert math.isfinite(metrics["loss"]) and torch.isfinite(next(model.parameters())).all()
     return {"base_gib": base / GIB, "peak_gib": peak / GIB, "seconds": seconds}
 
 
-def _status_bytes(pid: int, field: str) -> int:
-    """A memory field of /proc/PID/status (VmRSS: resident now, VmHWM: peak resident), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_child(spec: dict[str, Any], limit_gib: float, timeout_s: float) -> dict[str, Any]:
     """``memory_child`` in a subprocess, killed if its resident set passes ``limit_gib``."""
-    cmd = [sys.executable, "-m", "albatross.bench.trainer", "--child", json.dumps(spec)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    over = threading.Event()
-
-    def watch() -> None:
-        while proc.poll() is None:
-            try:
-                if _status_bytes(proc.pid, "VmRSS") > limit_gib * GIB:
-                    over.set()
-                    proc.kill()
-            except (FileNotFoundError, ProcessLookupError):
-                return
-            time.sleep(0.1)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"status": f"timed out after {timeout_s:.0f}s"}
-    watcher.join()
-    if over.is_set():
-        return {"status": f"over {limit_gib:g} GiB"}
-    if proc.returncode != 0:
-        return {"status": "failed: " + (err.strip().splitlines() or ["?"])[-1][:200]}
-    return {"status": "ok", **json.loads(out.strip().splitlines()[-1])}
+    return run_watched([sys.executable, "-m", "albatross.bench.trainer", "--child", json.dumps(spec)],
+                       limit_gib, timeout_s)
 
 
 def _project(points: list[dict[str, Any]], seq_len: int) -> tuple[float, float]:

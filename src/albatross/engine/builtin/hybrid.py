@@ -22,6 +22,7 @@ import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -119,6 +120,9 @@ class _HybridSeq(_Seq):
         return done
 
 
+_S = TypeVar("_S", bound=_HybridSeq)
+
+
 class HybridRunner(ModelRunner):
     """A ``ModelRunner`` for hybrid-cache models: per-request caches and forward passes (see the module docstring).
 
@@ -189,18 +193,26 @@ class HybridRunner(ModelRunner):
         seq.last_id = int(ids_1[0])
         return self._append(seq, [seq.last_id], [float(logprobs_1[0])])
 
+    def _start(self, request: Request, done: Any, seq_type: type[_S]) -> _S | None:
+        """Count the request and make its sequence with its sampling tensors; None (finished at once) when it
+        asks for no tokens."""
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(request.prompt_ids)
+        if request.params.max_tokens == 0:
+            done(Completion([], [], [], "length"))
+            return None
+        uniforms = request_uniforms(request.params, self._seed_source)
+        seq = seq_type(request, done, uniforms)
+        seq.st = build_sampling_tensors([request.params], [uniforms], self.vocab_size, self.device)
+        return seq
+
     def admit(self, items: Sequence[tuple[Request, object]]) -> None:
         """Prefill each request on its own cache (from a snapshot when one holds a prefix), sample its first token."""
         with torch.inference_mode():
             for request, done in items:
-                self.stats.requests += 1
-                self.stats.prompt_tokens += len(request.prompt_ids)
-                if request.params.max_tokens == 0:
-                    done(Completion([], [], [], "length"))
+                seq = self._start(request, done, _HybridSeq)
+                if seq is None:
                     continue
-                uniforms = request_uniforms(request.params, self._seed_source)
-                seq = _HybridSeq(request, done, uniforms)  # type: ignore[arg-type]
-                seq.st = build_sampling_tensors([request.params], [uniforms], self.vocab_size, self.device)
                 seq.cache, seq.cached = self.prefix_cache.lookup(request.prompt_ids, self.version)
                 seq.cache = seq.cache if seq.cache is not None else new_hybrid_cache(self.model)
                 self.stats.cached_prompt_tokens += seq.cached

@@ -24,13 +24,10 @@ from typing import Any
 
 import torch
 
-from albatross.engine.base import Completion
 from albatross.engine.builtin.hybrid import HybridRunner, _HybridSeq, new_hybrid_cache
 from albatross.engine.builtin.runner import Decode, Request
 from albatross.engine.builtin.sampling import (
-    build_sampling_tensors,
     log_distribution,
-    request_uniforms,
     sample,
 )
 from albatross.engine.builtin.speculative import verify
@@ -168,14 +165,9 @@ class MtpRunner(HybridRunner):
         """Prefill each request (from a snapshot when one holds a prefix), sample its first token, draft."""
         with torch.inference_mode():
             for request, done in items:
-                self.stats.requests += 1
-                self.stats.prompt_tokens += len(request.prompt_ids)
-                if request.params.max_tokens == 0:
-                    done(Completion([], [], [], "length"))
+                seq = self._start(request, done, _MtpSeq)
+                if seq is None:
                     continue
-                uniforms = request_uniforms(request.params, self._seed_source)
-                seq = _MtpSeq(request, done, uniforms)  # type: ignore[arg-type]
-                seq.st = build_sampling_tensors([request.params], [uniforms], self.vocab_size, self.device)
                 found, seq.cached = self.prefix_cache.lookup(request.prompt_ids, self.version)
                 if isinstance(found, _SpecCache):
                     seq.cache, seq.mtp_cache, seq.last_hidden = found.target, found.mtp, found.last_hidden
