@@ -412,6 +412,16 @@ def test_user_is_resolved_in_the_images_passwd() -> None:
         resolve_user("ghost", PASSWD, GROUP)
 
 
+def test_attempts_get_the_users_home_unless_env_sets_one() -> None:
+    # docker exec: HOME from the USER's passwd entry (/ for a uid with none), unless ENV sets HOME
+    parent = Parent("k", "/l", env={"A": "1"}, user="app", ids=resolve_user("app", PASSWD, GROUP))
+    assert parent.attempt_env()["HOME"] == "/home/app" and parent.attempt_env()["A"] == "1"
+    assert Parent("k", "/l", ids=resolve_user("4242", PASSWD, GROUP)).attempt_env()["HOME"] == "/"
+    assert Parent("k", "/l", env={"HOME": "/h"}, ids=resolve_user("app", PASSWD, GROUP)).attempt_env()["HOME"] == "/h"
+    assert Parent("k", "/l").attempt_env()["HOME"] == "/root"
+    assert resolve_user("root", PASSWD, GROUP).root and not resolve_user("app", PASSWD, GROUP).root
+
+
 def test_chown_without_a_group_uses_the_uid_as_gid() -> None:
     assert resolve_chown("app", PASSWD, GROUP) == (1000, 1000)  # Docker's rule, not app's primary group
     assert resolve_chown("app:staff", PASSWD, GROUP) == (1000, 50)

@@ -44,11 +44,23 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["DEFAULT_PATH", "EnvBuildError", "Parent", "apply_dockerfile", "copy_tar", "resolve_user"]
+__all__ = ["DEFAULT_PATH", "EnvBuildError", "Parent", "UserIds", "apply_dockerfile", "copy_tar", "resolve_user"]
 
 
 class EnvBuildError(SandboxError):
     """A Dockerfile instruction failed while building an environment (e.g. RUN exited non-zero)."""
+
+
+@dataclass(frozen=True)
+class UserIds:
+    uid: int
+    gid: int
+    groups: tuple[int, ...]  # supplementary groups (from /etc/group)
+    home: str
+
+    @property
+    def root(self) -> bool:
+        return (self.uid, self.gid, self.groups) == (0, 0, ())
 
 
 @dataclass
@@ -61,6 +73,13 @@ class Parent:
     user: str | None = None  # the last USER ("name", "uid", "name:group"); None: root, Docker's default
     entrypoint: list[str] | None = None  # ENTRYPOINT / CMD as Docker records them (argv; recorded only)
     cmd: list[str] | None = None
+    ids: UserIds | None = None  # ``user`` resolved in the built image: what every attempt command runs as
+
+    def attempt_env(self) -> dict[str, str]:
+        """The environment attempts start with: PATH, HOME (the USER's, as ``docker exec`` sets it, unless
+        ENV sets one), then the image's ENV."""
+        home = self.ids.home if self.ids is not None else "/root"
+        return {"PATH": DEFAULT_PATH, "HOME": home, **self.env}
 
 
 class Builder(Protocol):
@@ -163,14 +182,6 @@ def apply_dockerfile(
         raise EnvBuildError(f"{env_dir / 'Dockerfile'}:{froms[1].line}: a multi-stage build: apply each stage "
                             "of dockerfile.split_stages() on its own, passing the earlier ones as `stages`")
     _Applier(parent, builder, env_dir, timeout_s, stages or {}, network).apply(instructions)
-
-
-@dataclass(frozen=True)
-class UserIds:
-    uid: int
-    gid: int
-    groups: tuple[int, ...]  # supplementary groups (from /etc/group)
-    home: str
 
 
 def _table(text: str) -> list[list[str]]:
@@ -292,7 +303,7 @@ class _Applier:
             ids = resolve_user(self.parent.user, *self._accounts())
         except EnvBuildError as err:
             raise EnvBuildError(f"{self.where(line)}: {err}") from None
-        return None if (ids.uid, ids.gid, ids.groups) == (0, 0, ()) else ids
+        return None if ids.root else ids
 
     # ---- instructions -----------------------------------------------------------------------------
     def workdir(self, ins: Workdir) -> None:

@@ -18,7 +18,10 @@ default capabilities minus NET_RAW and MKNOD, ``no-new-privileges``, and a bash 
 reaps orphans (so ``kill -9 -1`` inside ends everything else). Commands run with ``<engine> exec``
 through a small ``sh`` wrapper that reports the command's pid (its session), changes directory and runs
 the command with exactly the given environment (``env -i``); ``exec`` keeps cwd and exported variables
-in ``/run/albatross/state`` (a tmpfs of the container), as the local backend does.
+in ``/run/albatross/state`` (a tmpfs of the container), as the local backend does. An image with a
+``User`` in its config (a Dockerfile ``USER``) has every command run as it (``exec --user``, with the
+user's HOME unless ENV sets one, resolved once per image in its /etc/passwd); the container's process 1,
+tars, reads and kills run as root, and the shell state and ``/logs`` belong to the user.
 
 Limits are outcomes (``ExecResult.limit``), as with ``local``: a timeout kills the command's process
 group inside the container (exit code -1, ``timed_out``); the memory and process limits are read from the
@@ -70,7 +73,15 @@ from albatross.sandbox.base import (
     closed_at_exit,
     pick_limit,
 )
-from albatross.sandbox.build import DEFAULT_PATH, EnvBuildError, EnvKeys, dir_tar, state_script
+from albatross.sandbox.build import (
+    DEFAULT_PATH,
+    EnvBuildError,
+    EnvKeys,
+    UserIds,
+    dir_tar,
+    resolve_user,
+    state_script,
+)
 from albatross.sandbox.faults import FAULT_DIE, FAULT_FORK, FaultInjector
 
 __all__ = [
@@ -112,6 +123,13 @@ _PROLOGUE = (
 _KILL_ALL = (
     "kill -9 -1 2>/dev/null; sleep 0.2; n=0; for d in /proc/[0-9]*; do p=${d#/proc/}; "
     '[ "$p" = 1 ] || [ "$p" = $$ ] || n=$((n+1)); done; echo $n'
+)
+# The starting directory and the shell state, as root; a non-root USER ($2, "uid:gid") owns the state and
+# /logs (the verifier makes /logs/verifier afresh there), as on the local backend.
+_START = (
+    f'mkdir -p -- "$1" && (umask 077 && cat > {STATE_FILE}) && if [ -n "$2" ]; then '
+    f'chown -- "$2" {STATE_DIR} {STATE_FILE} && {{ [ -d /logs ] && [ ! -L /logs ] || '
+    '{ rm -f /logs && mkdir /logs; }; } && chown -h -- "$2" /logs; fi'
 )
 _READ = '[ -f "$1" ] && [ ! -L "$1" ] || exit 3; exec cat -- "$1"'
 _FROM = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", re.I | re.M)
@@ -275,6 +293,8 @@ class DockerAttempt:
         self._cgroup: _HostCgroup | None = None
         self.deadline: float | None = None
         self.image_env: dict[str, str] = {"PATH": DEFAULT_PATH, "HOME": "/root"}  # for exec_clean
+        self.user: str | None = None  # the image's User commands run as (``exec --user``); None: root
+        self.owner = ""  # "uid:gid" of that user, who owns the shell state and /logs
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self, state: str, workdir: str) -> None:
@@ -284,10 +304,7 @@ class DockerAttempt:
         found = self._engine_call(["inspect", "--format", fmt, self.name]).stdout.split()
         if len(found) == 2 and found[0].isdigit() and int(found[0]) > 0:
             self._cgroup = _HostCgroup(int(found[0]), found[1])
-        self._stdin_call(
-            ["/bin/sh", "-c", f'mkdir -p -- "$1" && umask 077 && cat > {STATE_FILE}', "sh", workdir],
-            state.encode(),
-        )
+        self._stdin_call(["/bin/sh", "-c", _START, "sh", workdir, self.owner], state.encode())
 
     def activate(self) -> None:
         """Start the attempt's wall-time budget."""
@@ -421,8 +438,9 @@ class DockerAttempt:
 
     def _exchange(self, argv: list[str], deadline: float) -> _Exchange:
         try:
+            user = ["--user", self.user] if self.user else []
             proc = subprocess.Popen(
-                [*self._engine, "exec", self.name, *argv],
+                [*self._engine, "exec", *user, self.name, *argv],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -566,6 +584,8 @@ class DockerParent:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
     notes: list[str] = field(default_factory=list)
+    user: str | None = None  # the image's User (None: root)
+    owner: str = ""  # "uid:gid" of that user ("" for root)
 
 
 _LIVE = closed_at_exit()  # closed when the interpreter exits
@@ -722,13 +742,42 @@ class DockerBackend:
             self._call(["image", "inspect", "--format", "{{json .Config}}", image]).stdout or "{}"
         )
         env = dict(item.split("=", 1) for item in (config.get("Env") or []) if "=" in item)
+        user = config.get("User") or None
+        ids = self._user_ids(image, user) if user else None
+        root = ids is None or ids.root
         return DockerParent(
             key,
             image,
-            {"PATH": DEFAULT_PATH, "HOME": "/root", **env},
+            {"PATH": DEFAULT_PATH, "HOME": "/root" if ids is None else ids.home, **env},
             config.get("WorkingDir") or None,
             notes,
+            None if root else user,
+            "" if ids is None or root else f"{ids.uid}:{ids.gid}",
         )
+
+    def _user_ids(self, image: str, user: str) -> UserIds:
+        """The image's User resolved in its own /etc/passwd and /etc/group (``build.resolve_user``: the
+        engine's rules), read once per image by a throwaway container."""
+        script = "cat /etc/passwd; echo '#albatross-group'; cat /etc/group 2>/dev/null; true"
+        run = self._call(
+            [
+                "run",
+                "--rm",
+                *_limit_args(Limits()),
+                "--user",
+                "0",
+                "--entrypoint",
+                "/bin/sh",
+                image,
+                "-c",
+                script,
+            ]
+        )
+        passwd, _, group = run.stdout.partition("#albatross-group\n")
+        try:
+            return resolve_user(user, passwd, group)
+        except EnvBuildError as err:
+            raise EnvBuildError(f"{image}: {err} (attempts run as the image's User)") from None
 
     # ---- attempts -----------------------------------------------------------------------------------------
     def fork(
@@ -747,6 +796,7 @@ class DockerBackend:
         try:
             self._run_container(name, parent.image, limits)
             start = parent.workdir or workdir
+            attempt.user, attempt.owner = parent.user, parent.owner
             attempt.start(state_script(parent.env, start), start)
         except BaseException as err:
             attempt.close()
@@ -770,6 +820,8 @@ class DockerBackend:
             "--label",
             f"{LABEL}={self.token}",
             *_limit_args(limits),
+            "--user",
+            "0",
             "--entrypoint",
             "/bin/bash",
             image,

@@ -7,6 +7,10 @@ and then (user-namespace mode) joins the attempt's own user namespace as its uid
 unprivileged uid on the host. It joins a new session keyring, sets no_new_privs and loads the seccomp
 filter (``seccomp.py``), which every command inherits. From then on it serves the host over a Unix socket: run a command (posix_spawn in its
 own session and its own pids sub-cgroup), open an interactive terminal, write a tar, read a file.
+When the image has a ``USER`` (``cfg["user"]``: uid, gid, supplementary groups), every command runs as
+that user: the holder forks, the child sets its groups, gid and uid (dropping every capability) and
+execs, so the image needs no ``setpriv``; the holder itself stays root (tars, reads, cgroups). The shell
+state file and ``/logs`` (where Harbor mounts the agent's and the verifier's logs) belong to the user.
 When the holder dies, the kernel kills every process of the pid namespace and frees every mount.
 """
 
@@ -77,7 +81,8 @@ def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote
         os._exit(1)
     try:
         send(sock, {"ready": True})
-        Holder(sock, *fds).serve()
+        user = cfg.get("user")
+        Holder(sock, *fds, user=(user[0], user[1], tuple(user[2])) if user else None).serve()
     finally:
         os._exit(0)
 
@@ -109,8 +114,22 @@ def setup_root(cfg: dict[str, Any], userns_fd: int | None) -> tuple[int, int | N
     Path(STATE_FILE).write_text(cfg["state"])
     if cfg["workdir"]:
         os.makedirs(cfg["workdir"], exist_ok=True)
+    if cfg.get("user"):
+        _give_to_user(cfg["user"][0], cfg["user"][1])
     linux.prctl(linux.PR_SET_DUMPABLE, 0)  # commands cannot open /proc/1/fd (our socket, cgroup dir)
     return cgroup_fd, scratch_fd
+
+
+def _give_to_user(uid: int, gid: int) -> None:
+    """What a non-root USER must be able to write in every attempt: its shell state (cwd and exports
+    kept across commands) and ``/logs`` (the verifier makes ``/logs/verifier`` afresh there)."""
+    for path in (os.path.dirname(STATE_FILE), STATE_FILE):
+        os.chown(path, uid, gid)
+    if not os.path.isdir("/logs") or os.path.islink("/logs"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink("/logs")
+        os.mkdir("/logs", 0o755)
+    os.chown("/logs", uid, gid, follow_symlinks=False)
 
 
 def _mount_overlay(cfg: dict[str, Any]) -> str:
@@ -210,8 +229,10 @@ class Holder:
     leaves background processes behind, the holder steps into a fresh cgroup for the next one. Each
     command's reply names the next command's cgroup; the host never kills the holder with a command."""
 
-    def __init__(self, sock: socket.socket, cgroup_fd: int, scratch_fd: int | None) -> None:
+    def __init__(self, sock: socket.socket, cgroup_fd: int, scratch_fd: int | None,
+                 user: tuple[int, int, tuple[int, ...]] | None = None) -> None:
         self.sock, self.cgroup_fd, self.scratch_fd = sock, cgroup_fd, scratch_fd
+        self.user = user  # (uid, gid, supplementary groups) every command runs as; None: root
         self.running: dict[int, str] = {}  # pid -> its pids cgroup name
         self.current = "c0"  # the cgroup the holder is in: where the next command starts
         self.forkfails_seen: dict[str, int] = {}
@@ -368,10 +389,49 @@ class Holder:
             os.chdir(msg["cwd"])
         try:
             path = shutil.which(argv[0], path=env.get("PATH", DEFAULT_PATH)) or argv[0]
-            return os.posix_spawn(path, argv, env, file_actions=actions, setsid=True,
-                                  setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT))
+            if self.user is not None:
+                return _fork_exec_as(self.user, path, argv, env, actions)
+            return os.posix_spawn(path, argv, env, file_actions=actions, setsid=True, setsigdef=_SIGDEF)
         finally:
             os.chdir("/")
+
+
+_SIGDEF = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT)
+
+
+def _fork_exec_as(user: tuple[int, int, tuple[int, ...]], path: str, argv: list[str], env: dict[str, str],
+                  actions: list[tuple[Any, ...]]) -> int:
+    """What ``posix_spawn`` does (new session, the file actions, default signals), then become the
+    image's USER (groups, gid, uid: every capability goes) and exec. A program that cannot run exits
+    127 (not found) or 126 with a line on stderr, as a shell would."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 126
+    try:
+        os.setsid()
+        for action in actions:
+            if action[0] == os.POSIX_SPAWN_OPEN:
+                fd = os.open(action[2], action[3], action[4])
+                if fd != action[1]:
+                    os.dup2(fd, action[1])
+                    os.close(fd)
+            else:
+                os.dup2(action[1], action[2])
+        for sig in _SIGDEF:
+            signal.signal(sig, signal.SIG_DFL)
+        uid, gid, groups = user
+        os.setgroups(list(groups))
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        os.execve(path, argv, env)
+    except OSError as err:
+        code = 127 if isinstance(err, FileNotFoundError) else 126
+        with contextlib.suppress(OSError):
+            os.write(2, f"albatross: cannot run {argv[0]}: {err.strerror}\n".encode())
+    finally:
+        os._exit(code)
+    raise AssertionError("unreachable")
 
 
 def _exit_code(status: int) -> int:

@@ -18,7 +18,10 @@ counts such as inotify instances are per attempt): root inside can own files and
 processes, but cannot mount, reconfigure the network, or touch anything on the host as root. Every
 command runs under the seccomp filter of ``seccomp.py`` and in a session keyring of its attempt.
 Before verification ``kill_all`` ends every process of the attempt and ``exec_clean`` runs the
-verifier as a fresh process with the image's environment only. Without user namespaces, commands run
+verifier as a fresh process with the image's environment only. When the image has a ``USER`` (the last
+stage's, resolved once per environment in the built image's /etc/passwd and /etc/group), every command
+of an attempt (agent, oracle, verifier) runs as that user, with its groups and HOME, as ``docker exec``
+does; builds, tars and reads stay root. Without user namespaces, commands run
 as host root with a reduced capability bounding set and no_new_privs. Either way the capability
 bounding set is Docker's default minus MKNOD.
 
@@ -94,9 +97,11 @@ from albatross.sandbox.build import (
     EnvBuildError,
     EnvKeys,
     Parent,
+    UserIds,
     apply_dockerfile,
     dir_tar,
     needs_builder,
+    resolve_user,
     state_script,
     task_allows_internet,
     task_dir_of,
@@ -162,6 +167,7 @@ class LocalAttempt:
         self.deadline: float | None = None
         self.first_output_at: float | None = None  # perf_counter() when the last command first wrote
         self.image_env: dict[str, str] = {"PATH": DEFAULT_PATH, "HOME": "/root"}  # for exec_clean
+        self.user: UserIds | None = None  # the image's USER every command runs as (None: root)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def activate(self) -> None:
@@ -386,7 +392,8 @@ class LocalAttempt:
     def terminal(self, argv: list[str], relay: Callable[[int], None]) -> int:
         """Run ``argv`` on a new terminal of the attempt; ``relay(master_fd)`` drives it until the
         command closes it. Returns the command's exit code."""
-        env = {"TERM": os.environ.get("TERM", "xterm"), "PATH": DEFAULT_PATH, "HOME": "/root"}
+        home = self.image_env.get("HOME", "/root")
+        env = {"TERM": os.environ.get("TERM", "xterm"), "PATH": DEFAULT_PATH, "HOME": home}
         with self._lock:
             self._check_open()
             self._send({"op": "pty", "argv": argv, "env": env, "cwd": "/"})
@@ -672,12 +679,13 @@ class LocalBackend:
         parent = zygote.parents.get(spec.parent_key)
         if parent is None:  # built by a zygote that has died since: the next fork rebuilds it
             raise ZygoteDied(f"environment {spec.parent_key[:12]} is not built on the fresh sandbox zygote")
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", **parent.env}
+        env, ids = parent.attempt_env(), parent.ids
         lower = [parent.layer, *zygote.lowers[spec.parent_key]]
+        user = None if ids is None else [ids.uid, ids.gid, list(ids.groups)]
         attempt = self._spawn(zygote, spec.limits, {"lower": lower, "upper": None, "work": None, "new_net": True,
-                                                    "workdir": spec.workdir,
+                                                    "workdir": spec.workdir, "user": user,
                                                     "state": state_script(env, spec.workdir)})
-        attempt.image_env = env
+        attempt.image_env, attempt.user = env, ids
         return attempt
 
     def _spawn(self, zygote: Zygote, limits: Limits, cfg: dict[str, Any]) -> LocalAttempt:
@@ -816,6 +824,9 @@ class LocalBackend:
                     merged = self._export_stage(zygote, stages, index, stage_key, built, exported)
                     for ref in stage.ref_keys():
                         roots[ref] = roots[ref.lower()] = merged
+            last_parent, last_lowers = built[len(stages) - 1]
+            if last_parent.user:
+                last_parent.ids = self._resolve_user(zygote, last_parent, last_lowers, env_dir)
         except BaseException as err:
             for path in made:
                 with contextlib.suppress(SandboxError):  # a dead zygote took the layer with it
@@ -834,6 +845,22 @@ class LocalBackend:
                 zygote.request({"op": "rmtree", "path": path})
         zygote.lowers[key] = lowers
         return parent
+
+    def _resolve_user(self, zygote: Zygote, parent: Parent, lowers: list[str], env_dir: Path) -> UserIds | None:
+        """The ids of the image's USER in the built image (Docker's lookup, ``resolve_user``), read by a
+        throwaway attempt of it; None for root. A USER the image does not know is an ``EnvBuildError``."""
+        reader = self._spawn(zygote, self.build_limits, {"lower": [parent.layer, *lowers], "upper": None,
+                                                         "work": None, "new_net": True, "workdir": None,
+                                                         "state": ""})
+        try:
+            passwd, group = (reader.read_file(path) or b"" for path in ("/etc/passwd", "/etc/group"))
+        finally:
+            reader.close()
+        try:
+            ids = resolve_user(parent.user or "", passwd.decode(errors="replace"), group.decode(errors="replace"))
+        except EnvBuildError as err:
+            raise EnvBuildError(f"{env_dir / 'Dockerfile'}: {err} (attempts run as the last USER)") from None
+        return None if ids.root else ids
 
     def _export_stage(self, zygote: Zygote, stages: list[Any], index: int, key: str,
                       built: dict[int, tuple[Parent, list[str]]], exported: list[Path]) -> str:
@@ -1096,6 +1123,12 @@ try:
     found["userns"] = os.stat(f"{root}/b/usr").st_uid == os.stat("/usr").st_uid + int(sys.argv[2])
 except OSError as err:
     found["why"] = str(err)
+finally:  # the mounts end with this namespace; the directory is the host's /tmp: remove it
+    try:
+        L.umount(root, 2)  # MNT_DETACH
+    except OSError:
+        pass
+    os.rmdir(root)
 print(json.dumps(found))
 """
 

@@ -1,0 +1,213 @@
+"""The image's USER applies to attempts, as ``docker exec`` (no ``--user``) applies it: every command of
+an attempt (agent, oracle, verifier) runs as the last stage's USER, with its uid, primary gid,
+supplementary groups and HOME, in WORKDIR; files the build made as root stay root's. On the local
+backend (python:3.11-slim-bookworm, the base the image tests already build) and on Podman.
+
+Needs root and the local sandbox; the Podman tests need podman (CI sets ALBATROSS_REQUIRE_PODMAN=1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from albatross.sandbox import EnvBuildError, LocalBackend, local_available
+from albatross.sandbox.docker import DockerBackend, engine_argv, engine_missing
+from albatross.sandbox.images import resolve_base
+from albatross.tasks import load_task, write_task
+from albatross.tasks.verify import run_oracle, verify
+
+needs_local = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroups, namespaces")
+PODMAN_MISSING = engine_missing("podman")
+if PODMAN_MISSING and os.environ.get("ALBATROSS_REQUIRE_PODMAN") == "1":
+    raise RuntimeError(f"ALBATROSS_REQUIRE_PODMAN=1 but {PODMAN_MISSING} (apt-get install podman runc)")
+needs_podman = pytest.mark.skipif(bool(PODMAN_MISSING), reason=f"no container engine: {PODMAN_MISSING}")
+
+BASE = "python:3.11-slim-bookworm"
+PODMAN_BASE = "albatross-base:bookworm"  # imported from the cached debian:bookworm root (test_sandbox_docker)
+USER_DOCKERFILE = """\
+FROM {base}
+RUN echo built > /opt/built.txt && groupadd -g 2345 extra && useradd -m agent && usermod -aG extra agent
+USER agent
+WORKDIR /home/agent/work
+"""
+# errno name of opening a path for writing, as the command's user
+WRITE_ERRNO = ("python3 -c 'import errno, sys\ntry:\n open(sys.argv[1], \"w\")\n print(\"ok\")\n"
+               "except OSError as e:\n print(errno.errorcode[e.errno])' ")
+ANSWER = "forty-two"
+TEST_SH = f"""#!/bin/bash
+u=0; a=0
+[ "$(id -un)" = agent ] && [ "$HOME" = /home/agent ] && u=1
+[ "$(cat /home/agent/answer.txt 2>/dev/null)" = "{ANSWER}" ] && a=1
+echo "{{\\"as_user\\": $u, \\"answer\\": $a}}" > /logs/verifier/reward.json
+"""
+
+
+def write_env(tmp: Path, dockerfile: str) -> Path:
+    root = tmp / "task" / "environment"
+    root.mkdir(parents=True)
+    (root / "Dockerfile").write_text(dockerfile)
+    return root
+
+
+def out(attempt, command: str) -> str:
+    result = attempt.exec(command, timeout_s=60)
+    assert result.exit_code == 0, result.output
+    return result.output.strip()
+
+
+def groups_of(attempt, user: str) -> set[int]:
+    """The gids ``user`` belongs to by the image's own /etc/passwd and /etc/group (read as root)."""
+    passwd = (attempt.read_file("/etc/passwd") or b"").decode().splitlines()
+    group = (attempt.read_file("/etc/group") or b"").decode().splitlines()
+    primary = {int(r.split(":")[3]) for r in passwd if r.split(":")[0] == user}
+    return primary | {int(r.split(":")[2]) for r in group if user in r.split(":")[3].split(",")}
+
+
+def user_task(root: Path, base: str) -> Path:
+    """A task whose image has a USER; its workdir is the user's home (buildah makes a WORKDIR as root,
+    BuildKit as the USER)."""
+    dockerfile = USER_DOCKERFILE.format(base=base).replace("/home/agent/work", "/home/agent")
+    toml = {"agent": {"timeout_sec": 60}, "verifier": {"timeout_sec": 60},
+            "environment": {"memory_mb": 512, "storage_mb": 256}}
+    return write_task(root / "as-user", instruction=f"Write {ANSWER} to answer.txt.\n", task_toml=toml,
+                      env_files={}, dockerfile=dockerfile, solve_sh=f"#!/bin/bash\necho {ANSWER} > answer.txt\n",
+                      test_sh=TEST_SH)
+
+
+def check_verifier_as_user(backend, task_dir: Path) -> None:
+    """The oracle and test.sh run as the image's USER, and the reward is scored; an untouched fork
+    scores 0 on the answer (the test can fail)."""
+    task = load_task(task_dir)
+    with backend.fork(task.env_dir, task.workdir) as attempt:
+        assert run_oracle(attempt, task).exit_code == 0
+        assert attempt.exec("stat -c %U /home/agent/answer.txt").output.strip() == "agent"
+        assert verify(attempt, task).metrics == {"as_user": 1.0, "answer": 1.0}
+    with backend.fork(task.env_dir, task.workdir) as attempt:
+        assert verify(attempt, task).metrics == {"as_user": 1.0, "answer": 0.0}
+
+
+# ---- local -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[LocalBackend]:
+    backend = LocalBackend(warm=0)
+    yield backend
+    backend.close()
+
+
+@needs_local
+def test_attempt_runs_as_the_images_user(local: LocalBackend, tmp_path: Path) -> None:
+    env = write_env(tmp_path, USER_DOCKERFILE.format(base=BASE))
+    with local.fork(env) as attempt:
+        assert out(attempt, "id -un; id -u") != "root\n0"
+        assert out(attempt, "id -un") == "agent"
+        assert {int(g) for g in out(attempt, "id -G").split()} == groups_of(attempt, "agent")
+        assert 2345 in groups_of(attempt, "agent")
+        assert out(attempt, "echo $HOME; pwd") == "/home/agent\n/home/agent/work"
+        assert out(attempt, "echo hi > notes.txt && stat -c %U notes.txt") == "agent"
+        assert out(attempt, WRITE_ERRNO + "/root/x") == "EACCES"
+        assert out(attempt, WRITE_ERRNO + "/etc/x") == "EACCES"
+        assert out(attempt, WRITE_ERRNO + "/opt/built.txt") == "EACCES"  # the build's file stays root's
+        assert out(attempt, "stat -c %U /opt/built.txt /etc/passwd") == "root\nroot"
+        assert out(attempt, "cd /tmp && export KEPT=1") == ""  # the shell state persists for the user
+        assert out(attempt, "pwd; echo $KEPT") == "/tmp\n1"
+        clean = attempt.exec_clean("id -un; echo $HOME; pwd", "/home/agent/work", timeout_s=30)
+        assert clean.output.split() == ["agent", "/home/agent", "/home/agent/work"]
+
+
+@needs_local
+def test_no_user_is_root(local: LocalBackend, tmp_path: Path) -> None:
+    with local.fork(write_env(tmp_path, f"FROM {BASE}\nWORKDIR /app\n")) as attempt:
+        assert out(attempt, "id -u; echo $HOME") == "0\n/root"
+        assert out(attempt, WRITE_ERRNO + "/etc/x") == "ok"
+
+
+@needs_local
+def test_numeric_user_without_passwd_entry(local: LocalBackend, tmp_path: Path) -> None:
+    # Docker's rule: a uid the image does not know gets gid 0 and HOME=/; no setpriv needed in the image
+    dockerfile = f"FROM {BASE}\nRUN rm /usr/bin/setpriv\nUSER 1234\n"
+    with local.fork(write_env(tmp_path, dockerfile), "/") as attempt:
+        assert out(attempt, "id -u; id -g; id -G; echo $HOME") == "1234\n0\n0\n/"
+        assert out(attempt, "command -v setpriv || echo none") == "none"
+
+
+@needs_local
+def test_env_home_wins_and_unknown_user_is_a_build_error(local: LocalBackend, tmp_path: Path) -> None:
+    dockerfile = f"FROM {BASE}\nRUN useradd -m agent\nENV HOME=/srv/h\nUSER agent\n"
+    with local.fork(write_env(tmp_path / "a", dockerfile), "/") as attempt:
+        assert out(attempt, "id -un; echo $HOME") == "agent\n/srv/h"
+    with pytest.raises(EnvBuildError, match=r"Dockerfile: USER ghost: no user 'ghost'"):
+        local.prepare(write_env(tmp_path / "b", f"FROM {BASE}\nUSER ghost\n"))
+
+
+@needs_local
+def test_verifier_runs_as_the_user_and_scores(local: LocalBackend, tmp_path: Path) -> None:
+    check_verifier_as_user(local, user_task(tmp_path, BASE))
+
+
+# ---- podman ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def podman() -> Iterator[DockerBackend]:
+    backend = DockerBackend("podman")
+    exists = subprocess.run([*engine_argv("podman"), "image", "exists", PODMAN_BASE], capture_output=True)
+    if exists.returncode != 0:
+        base = resolve_base("debian:bookworm")
+        backend.import_root(base.root, PODMAN_BASE, base.env)
+    yield backend
+    backend.close()
+
+
+@needs_local
+@needs_podman
+def test_podman_attempt_runs_as_the_images_user(podman: DockerBackend, tmp_path: Path) -> None:
+    env = write_env(tmp_path, USER_DOCKERFILE.format(base=PODMAN_BASE).replace("/opt/built.txt", "/built.txt"))
+    parent = podman.prepare(env)
+    config = subprocess.run([*engine_argv("podman"), "image", "inspect", "--format", "{{json .Config}}",
+                             parent.image], capture_output=True, text=True, check=True)
+    assert json.loads(config.stdout)["User"] == "agent"
+    with podman.fork(env) as attempt:
+        assert out(attempt, "id -un; echo $HOME; pwd") == "agent\n/home/agent\n/home/agent/work"
+        assert {int(g) for g in out(attempt, "id -G").split()} == groups_of(attempt, "agent") != set()
+        # buildah makes a WORKDIR as root (BuildKit as the USER): write in the user's home
+        assert out(attempt, "echo hi > ~/notes.txt && stat -c %U ~/notes.txt /built.txt") == "agent\nroot"
+        assert out(attempt, "touch /etc/x 2>&1 || true").endswith("Permission denied")
+        assert out(attempt, "cd /tmp && export KEPT=1; pwd; echo $KEPT") == "/tmp\n1"
+        assert out(attempt, "pwd; echo $KEPT") == "/tmp\n1"
+        clean = attempt.exec_clean("id -un; echo $HOME", "/", timeout_s=30)
+        assert clean.output.split() == ["agent", "/home/agent"]
+
+
+@needs_local
+@needs_podman
+def test_podman_verifier_runs_as_the_user_and_scores(podman: DockerBackend, tmp_path: Path) -> None:
+    check_verifier_as_user(podman, user_task(tmp_path, PODMAN_BASE))
+
+
+@needs_local
+def test_terminal_runs_as_the_user(local: LocalBackend, tmp_path: Path) -> None:
+    seen = bytearray()
+
+    def relay(master: int) -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the command closed the terminal
+                return
+            if not data:
+                return
+            seen.extend(data)
+
+    env = write_env(tmp_path, USER_DOCKERFILE.format(base=BASE))
+    with local.fork(env) as attempt:
+        code = attempt.terminal(["/bin/sh", "-c", "id -un; echo $HOME; tty"], relay)
+    assert code == 0
+    assert seen.decode().split()[:2] == ["agent", "/home/agent"]
+    assert seen.decode().split()[2].startswith("/dev/pts/")  # the terminal is its controlling tty
