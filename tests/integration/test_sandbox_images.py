@@ -63,6 +63,8 @@ def test_attempt_sees_the_image_not_the_host(backend: LocalBackend, tmp_path: Pa
             probe = attempt.exec(f"test -e {path} && ls -A {path} | head -3")
             assert probe.exit_code != 0 or probe.output.strip() == "", (path, probe.output)
         assert attempt.exec("python --version").output.strip() == "Python 3.11.2"
+        # nothing of the host is there to hide: the image's own /root and /home stay (Docker's view)
+        assert attempt.read_file("/root/.bashrc") == (image.root / "root/.bashrc").read_bytes()
 
 
 def test_pip_install_in_run_step_and_attempt_has_no_network(backend: LocalBackend, tmp_path: Path) -> None:

@@ -1,16 +1,22 @@
 """The image's USER applies to attempts, as ``docker exec`` (no ``--user``) applies it: every command of
 an attempt (agent, oracle, verifier) runs as the last stage's USER, with its uid, primary gid,
 supplementary groups and HOME, in WORKDIR; files the build made as root stay root's. On the local
-backend (python:3.11-slim-bookworm, the base the image tests already build) and on Podman.
+backend (python:3.11-slim-bookworm, the base the image tests already build) and on Podman. A stage FROM an
+imported image (OCI layout, docker save archive) starts with that image's config User and WorkingDir.
 
 Needs root and the local sandbox; the Podman tests need podman (CI sets ALBATROSS_REQUIRE_PODMAN=1)."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import shutil
 import subprocess
+import tarfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -211,3 +217,165 @@ def test_terminal_runs_as_the_user(local: LocalBackend, tmp_path: Path) -> None:
     assert code == 0
     assert seen.decode().split()[:2] == ["agent", "/home/agent"]
     assert seen.decode().split()[2].startswith("/dev/pts/")  # the terminal is its controlling tty
+
+
+# ---- an imported image's configured User and WorkingDir --------------------------------------------------
+# Docker starts a stage FROM an image with that image's config User and WorkingDir: a Dockerfile without
+# USER builds (RUN) and runs (docker exec) as the image's user. The images are made here from the cached
+# debian:bookworm root (no new base is built): an OCI layout whose config has a uid the image does not
+# know, and a docker save archive whose config names a user its second layer adds to /etc/passwd.
+
+NUMERIC_REF = "albatross-test/numeric-user:1"
+NAMED_REF = "albatross-test/named-user:1"
+AGENT_UID = 1500
+
+
+def _tar_member(tar: tarfile.TarFile, name: str, data: bytes | None, uid: int = 0, mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.uid = info.gid = uid
+    if data is None:
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(info)
+    else:
+        info.size, info.mode = len(data), mode
+        tar.addfile(info, io.BytesIO(data))
+
+
+def _user_layer(root: Path, path: Path) -> None:
+    """A layer adding user ``agent`` (uid/gid 1500, home /opt/agent with a project directory it owns),
+    as a ``useradd`` step of the image's own build would (not under /home: the local backend empties
+    /home, /root, /srv, /tmp, ... of every parent layer, "Hidden paths" in docs/sandbox.md)."""
+    passwd = (root / "etc/passwd").read_text() + f"agent:x:{AGENT_UID}:{AGENT_UID}::/opt/agent:/bin/sh\n"
+    group = (root / "etc/group").read_text() + f"agent:x:{AGENT_UID}:\n"
+    with tarfile.open(path, "w") as tar:
+        _tar_member(tar, "etc/passwd", passwd.encode())
+        _tar_member(tar, "etc/group", group.encode())
+        _tar_member(tar, "opt/agent", None, AGENT_UID)
+        _tar_member(tar, "opt/agent/proj", None, AGENT_UID)
+
+
+def _digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _oci_layout(dest: Path, layers: list[Path], config: dict[str, object], tag: str) -> None:
+    blobs = dest / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def blob(data: bytes) -> dict[str, object]:
+        (blobs / hashlib.sha256(data).hexdigest()).write_bytes(data)
+        return {"digest": f"sha256:{hashlib.sha256(data).hexdigest()}", "size": len(data)}
+
+    described = []
+    for layer in layers:
+        digest = _digest(layer)
+        os.link(layer, blobs / digest)
+        described.append({"digest": f"sha256:{digest}", "size": layer.stat().st_size})
+    manifest = blob(json.dumps({"schemaVersion": 2, "config": blob(json.dumps(config).encode()),
+                                "layers": described}).encode())
+    manifest["annotations"] = {"org.opencontainers.image.ref.name": tag}
+    (dest / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [manifest]}))
+    (dest / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+
+
+def _docker_save(dest: Path, layers: list[Path], config: dict[str, object], tag: str) -> None:
+    with tarfile.open(dest, "w") as tar:
+        for index, layer in enumerate(layers):
+            tar.add(layer, f"{index}/layer.tar")
+        data = json.dumps(config).encode()
+        name = f"{hashlib.sha256(data).hexdigest()}.json"  # docker save names the config by its digest
+        _tar_member(tar, name, data)
+        manifest = [{"Config": name, "RepoTags": [tag], "Layers": [f"{i}/layer.tar" for i in range(len(layers))]}]
+        _tar_member(tar, "manifest.json", json.dumps(manifest).encode())
+
+
+@dataclass
+class Imported:
+    backend: LocalBackend  # its bases for both references already resolved
+    search: Path  # the OCI layout and the docker save archive ([sandbox] images)
+    cache: Path  # the private image cache they are imported into ($ALBATROSS_IMAGES)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Imported]:
+    """A local backend over both images, imported on first use into a private image cache (removed
+    afterwards); ``$ALBATROSS_IMAGES`` points there only while they are resolved."""
+    work = tmp_path_factory.mktemp("imported")
+    debian = resolve_base("debian:bookworm").root  # the cached root (the Podman tests use it too)
+    layers = [work / "debian.tar", work / "user.tar"]
+    subprocess.run(["tar", "-C", str(debian), "--numeric-owner", "--exclude", "./.albatross-base.json",
+                    "-cf", str(layers[0]), "."], check=True)
+    _user_layer(debian, layers[1])
+    search = work / "images"
+    search.mkdir()
+    env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "IMAGE_SAYS=hi"]
+    _oci_layout(search / "numeric", layers[:1], {"config": {"Env": env, "User": "1234", "WorkingDir": "/data/work"}},
+                NUMERIC_REF)
+    _docker_save(search / "named.tar", layers,
+                 {"config": {"Env": env, "User": "agent", "WorkingDir": "/opt/agent/proj"}}, NAMED_REF)
+    for layer in layers:
+        layer.unlink()
+    backend = LocalBackend(warm=0, allow_internet=False, images_dir=search)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("ALBATROSS_IMAGES", str(work / "cache"))
+            for ref in (NUMERIC_REF, NAMED_REF):
+                backend.base_for(ref)
+        yield Imported(backend, search, work / "cache")
+    finally:
+        backend.close()
+        shutil.rmtree(work, ignore_errors=True)  # two unpacked roots and the archives
+
+
+@needs_local
+def test_imported_images_numeric_user_and_workdir_apply(imported: Imported, tmp_path: Path) -> None:
+    backend = imported.backend
+    with backend.fork(write_env(tmp_path, f"FROM {NUMERIC_REF}\nENV MORE=1\n")) as attempt:  # no USER, no WORKDIR
+        assert out(attempt, "id -u; id -g; echo $HOME; pwd") == "1234\n0\n/\n/data/work"
+        assert out(attempt, "echo $IMAGE_SAYS$MORE; stat -c %U /data/work") == "hi1\nroot"  # made at import, root's
+        assert out(attempt, "touch /etc/x 2>&1 || true").endswith("Permission denied")  # no python3 here
+
+
+@needs_local
+def test_imported_images_named_user_builds_and_runs(imported: Imported, tmp_path: Path) -> None:
+    backend = imported.backend
+    dockerfile = f"FROM {NAMED_REF}\nRUN id -un > built-by.txt\n"  # RUN runs as the image's user, in its WorkingDir
+    with backend.fork(write_env(tmp_path, dockerfile)) as attempt:
+        assert out(attempt, "id -un; id -u; echo $HOME; pwd") == f"agent\n{AGENT_UID}\n/opt/agent\n/opt/agent/proj"
+        assert out(attempt, "cat built-by.txt; stat -c %U built-by.txt") == "agent\nagent"
+        assert out(attempt, "touch /root/x 2>&1 || true").endswith("Permission denied")  # no python3 here
+
+
+@needs_local
+def test_dockerfile_user_and_workdir_override_the_images(imported: Imported, tmp_path: Path) -> None:
+    backend = imported.backend
+    dockerfile = f"FROM {NAMED_REF}\nUSER root\nWORKDIR sub\nRUN id -un > by.txt\n"  # WORKDIR relative to the image's
+    with backend.fork(write_env(tmp_path / "a", dockerfile)) as attempt:
+        assert out(attempt, "id -u; pwd; cat by.txt") == "0\n/opt/agent/proj/sub\nroot"
+    staged = f"FROM {NUMERIC_REF} AS first\nFROM first\nUSER 4321\n"  # a stage FROM a stage keeps the chain
+    with backend.fork(write_env(tmp_path / "b", staged)) as attempt:
+        assert out(attempt, "id -u; pwd") == "4321\n/data/work"
+
+
+@needs_local
+@needs_podman
+def test_podman_imported_images_user_and_workdir_apply(imported: Imported, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the engine has no such image: the backend imports the unpacked root with the config's USER and WORKDIR
+    monkeypatch.setenv("ALBATROSS_IMAGES", str(imported.cache))
+    podman = DockerBackend("podman", images_dir=imported.search)
+    made = [NAMED_REF]
+    try:
+        subprocess.run([*engine_argv("podman"), "rmi", "-f", NAMED_REF], capture_output=True)
+        env = write_env(tmp_path, f"FROM {NAMED_REF}\nRUN id -un > built-by.txt\n")
+        made.append(podman.prepare(env).image)
+        with podman.fork(env) as attempt:
+            assert out(attempt, "id -un; echo $HOME; pwd") == "agent\n/opt/agent\n/opt/agent/proj"
+            assert out(attempt, "cat built-by.txt") == "agent"
+    finally:
+        podman.close()
+        subprocess.run([*engine_argv("podman"), "rmi", "-f", *made], capture_output=True)

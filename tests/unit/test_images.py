@@ -101,7 +101,8 @@ def _layer(entries: list[tuple[str, bytes | None, str]]) -> bytes:
     return buf.getvalue()
 
 
-def _oci_layout(root: Path, layers: list[bytes], env: list[str], tag: str) -> Path:
+def _oci_layout(root: Path, layers: list[bytes], env: list[str], tag: str, **config_fields: str) -> Path:
+    """An OCI image layout of ``layers``; ``config_fields`` (User, WorkingDir) go into its config."""
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True)
 
@@ -110,7 +111,7 @@ def _oci_layout(root: Path, layers: list[bytes], env: list[str], tag: str) -> Pa
         (blobs / digest).write_bytes(data)
         return {"digest": f"sha256:{digest}", "size": len(data)}
 
-    config = blob(json.dumps({"config": {"Env": env}, "rootfs": {"type": "layers"}}).encode())
+    config = blob(json.dumps({"config": {"Env": env, **config_fields}, "rootfs": {"type": "layers"}}).encode())
     manifest = blob(json.dumps({"schemaVersion": 2, "config": config,
                                 "layers": [blob(layer) for layer in layers]}).encode())
     manifest["annotations"] = {"org.opencontainers.image.ref.name": tag}
@@ -159,6 +160,46 @@ def test_docker_save_archive_from_search_dir(tmp_path: Path) -> None:
             tar.addfile(info, io.BytesIO(data))
     base = images.resolve_base("saved", search=archive.parent)
     assert base.env["FOO"] == "bar" and (base.root / "opt/app/stale").read_text() == "stale"
+
+
+def test_import_records_the_configs_user_and_workdir(tmp_path: Path) -> None:
+    plain = images.import_image(_oci_layout(tmp_path / "plain", [LOWER], [], "plain:1"), "plain:1")
+    assert (plain.user, plain.workdir) == (None, None) and "User" not in plain.notes[0]
+    layout = _oci_layout(tmp_path / "img", [LOWER, UPPER], [], "as-user:1", User="agent:staff",
+                         WorkingDir="srv/app/")
+    base = images.import_image(layout, "as-user:1")
+    assert (base.user, base.workdir) == ("agent:staff", "/srv/app")
+    assert (base.root / "srv/app").is_dir() and (base.root / "opt/app/fresh").is_file()  # made, as Docker does
+    assert "User agent:staff" in base.notes[0] and "WorkingDir /srv/app" in base.notes[0]
+    again = images.resolve_base("as-user:1")  # from the tag's entry, without reading the layout
+    assert (again.user, again.workdir, again.key) == ("agent:staff", "/srv/app", base.key) != (None, None, plain.key)
+
+
+def test_tag_recorded_before_user_and_workdir_reads_them_from_its_source(tmp_path: Path) -> None:
+    layout = _oci_layout(tmp_path / "img", [LOWER], [], "old:1", User="1234", WorkingDir="/w")
+    images.import_image(layout, "old:1")
+    tag_file = images._tag_file("old:1")
+    entry = json.loads(tag_file.read_text())
+    legacy = {k: v for k, v in entry.items() if k not in ("user", "workdir")}  # as an older import wrote it
+    tag_file.write_text(json.dumps(legacy))
+    assert (images.resolve_base("old:1").user, images.resolve_base("old:1").workdir) == ("1234", "/w")
+    other = _oci_layout(tmp_path / "other", [LOWER], [], "old:1", User="99")  # the source now holds another image
+    tag_file.write_text(json.dumps({**legacy, "source": str(other)}))
+    assert (images.resolve_base("old:1").user, images.resolve_base("old:1").workdir) == (None, None)
+
+
+def test_docker_save_archives_user_applies(tmp_path: Path) -> None:
+    config = json.dumps({"config": {"Env": [], "User": "1234", "WorkingDir": "/data"}}).encode()
+    archive = tmp_path / "saved.tar"
+    with tarfile.open(archive, "w") as tar:
+        for name, data in (("l/layer.tar", LOWER), ("c.json", config),
+                           ("manifest.json", json.dumps([{"Config": "c.json", "RepoTags": ["u:1"],
+                                                          "Layers": ["l/layer.tar"]}]).encode())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    base = images.resolve_base("u:1", search=tmp_path)
+    assert (base.user, base.workdir) == ("1234", "/data") and (base.root / "data").is_dir()
 
 
 def test_layer_cannot_write_outside_the_root(tmp_path: Path) -> None:

@@ -711,12 +711,16 @@ class DockerBackend:
         except (EnvBuildError, BaseUnavailable) as err:  # the engine pulls it, where it can
             log.info("%s: no local base for %s (%s); the engine will look for it", self.engine, ref, err)
             return []
-        self.import_root(base.root, ref, base.env)
+        self.import_root(base.root, ref, base.env, base.user, base.workdir)
         return list(base.notes)
 
-    def import_root(self, root: Path, ref: str, env: dict[str, str]) -> None:
-        """``<engine> import`` a root directory as the image ``ref`` with ``env`` as its ENV."""
+    def import_root(self, root: Path, ref: str, env: dict[str, str], user: str | None = None,
+                    workdir: str | None = None) -> None:
+        """``<engine> import`` a root directory as the image ``ref`` with ``env`` as its ENV (and ``user``,
+        ``workdir`` as its USER and WORKDIR: an imported image's config)."""
         changes = [arg for k, v in env.items() for arg in ("--change", f"ENV {k}={json.dumps(v)}")]
+        changes += [arg for word, value in (("USER", user), ("WORKDIR", workdir)) if value
+                    for arg in ("--change", f"{word} {value}")]
         tar = subprocess.Popen(
             ["tar", "-C", str(root), "--numeric-owner", "-cf", "-", "."],
             stdout=subprocess.PIPE,

@@ -34,6 +34,7 @@ import io
 import json
 import lzma
 import os
+import posixpath
 import re
 import shutil
 import stat
@@ -87,13 +88,17 @@ MARKER = rootfs.MARKER
 class Base:
     """A built base image: ``root`` (a read-only directory, the bottom layer of every parent built
     on it), the image's ``env`` (PATH, LANG, PYTHON_VERSION, ...), ``notes`` naming each difference
-    from what ``ref`` asked for, and ``key`` (the cache entry's name, stable per recipe)."""
+    from what ``ref`` asked for, ``key`` (the cache entry's name, stable per recipe), and the ``user``
+    and ``workdir`` a stage ``FROM`` it starts with (an imported image's config ``User`` and
+    ``WorkingDir``, as Docker applies them; None: root and the task's workdir)."""
 
     ref: str
     root: Path
     env: dict[str, str]
     notes: tuple[str, ...]
     key: str
+    user: str | None = None
+    workdir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -378,8 +383,46 @@ def _imported(ref: str, search: Path | None, log: Callable[[str], None] | None) 
     root = images_dir() / entry["key"]
     if not rootfs.is_built(root):
         return None
+    source = entry.get("source", "?")
+    if "user" not in entry:  # tagged before User/WorkingDir were recorded: read them from the source
+        entry.update(_config_of(Path(source), entry["key"]))
     env = {"PATH": DEFAULT_PATH, **entry.get("env", {})}
-    return Base(ref, root, env, (f"{ref}: imported from {entry.get('source', '?')}",), entry["key"])
+    user, workdir = entry.get("user"), entry.get("workdir")
+    return Base(ref, root, env, _import_notes(ref, source, user, workdir), entry["key"], user, workdir)
+
+
+def _import_notes(ref: str, source: object, user: str | None, workdir: str | None) -> tuple[str, ...]:
+    """The note of an imported base: where it came from, and the config's User and WorkingDir if set."""
+    said = [f"{name} {value}" for name, value in (("User", user), ("WorkingDir", workdir)) if value]
+    config = f" (its config's {' and '.join(said)}: a stage FROM it starts with them, as in Docker)" if said else ""
+    return (f"{ref}: imported from {source}{config}",)
+
+
+def _config_of(source: Path, key: str) -> dict[str, str | None]:
+    """``user`` and ``workdir`` of the image at ``source`` if it is still the one imported as ``key``
+    (an entry tagged before they were recorded), else {}."""
+    with contextlib.suppress(EnvBuildError, OSError, tarfile.TarError):
+        archive = _Archive(source)
+        try:
+            config, _layers, _tags, image_id = _read_image(archive)
+        finally:
+            archive.close()
+        if _imported_key(image_id) == key:
+            user, workdir = _user_and_workdir(config)
+            return {"user": user, "workdir": workdir}
+    return {}
+
+
+def _imported_key(image_id: str) -> str:
+    return "imported-" + hashlib.sha256(image_id.encode()).hexdigest()[:20]
+
+
+def _user_and_workdir(config: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The image config's ``User`` and ``WorkingDir`` (absolute, normalised); None where unset."""
+    inner = config.get("config") or {}
+    user = str(inner.get("User") or "").strip() or None
+    workdir = str(inner.get("WorkingDir") or "").strip()
+    return user, posixpath.normpath(posixpath.join("/", workdir)) if workdir else None
 
 
 class _Archive:
@@ -456,30 +499,36 @@ def image_tags(path: Path) -> list[str]:
 
 def import_image(path: Path, tag: str, log: Callable[[str], None] | None = None) -> Base:
     """Unpack the image at ``path`` (OCI layout directory or tar, or docker save archive) into the cache
-    and tag it ``tag``: layers in order, whiteouts honoured, env from the image config."""
+    and tag it ``tag``: layers in order, whiteouts honoured, env from the image config; its ``User`` and
+    ``WorkingDir`` are recorded with the tag (the WorkingDir is made, root's, if no layer has it, as
+    Docker makes it when a container starts). The key is the config's digest, which covers all three."""
     archive = _Archive(Path(path))
     try:
         config, layers, _tags, image_id = _read_image(archive)
-        key = "imported-" + hashlib.sha256(image_id.encode()).hexdigest()[:20]
+        key = _imported_key(image_id)
         env = dict(e.split("=", 1) for e in (config.get("config") or {}).get("Env") or [] if "=" in e)
+        user, workdir = _user_and_workdir(config)
 
         def unpack(tmp: Path) -> dict[str, Any]:
             tmp.mkdir(parents=True, exist_ok=True)
             for name in layers:
                 apply_layer(tmp, archive.open(name))
-            return {"source": str(path), "env": env, "image": image_id}
+            if workdir is not None:
+                _inside(tmp, workdir).mkdir(mode=0o755, parents=True, exist_ok=True)
+            return {"source": str(path), "env": env, "image": image_id, "user": user, "workdir": workdir}
 
         root = rootfs.build_once(images_dir() / key, unpack)
     finally:
         archive.close()
     tags_dir().mkdir(parents=True, exist_ok=True)
-    entry = {"ref": tag, "key": key, "source": str(path), "env": env}
+    entry = {"ref": tag, "key": key, "source": str(path), "env": env, "user": user, "workdir": workdir}
     tmp = _tag_file(tag).with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(entry) + "\n")
     tmp.rename(_tag_file(tag))
     if log:
         log(f"imported {path} as {tag}: {root}")
-    return Base(tag, root, {"PATH": DEFAULT_PATH, **env}, (f"{tag}: imported from {path}",), key)
+    return Base(tag, root, {"PATH": DEFAULT_PATH, **env}, _import_notes(tag, path, user, workdir), key, user,
+                workdir)
 
 
 def _decompress(stream: IO[bytes]) -> IO[bytes]:

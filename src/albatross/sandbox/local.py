@@ -6,8 +6,9 @@ Layout of one attempt::
                  ``limits.disk_mb`` (the disk-write limit, shared with /tmp, /run and /dev/shm)
     /proc /sys   the attempt's own procfs (pid namespace) and read-only sysfs (net namespace: only lo)
     /dev         null zero full random urandom tty, /dev/pts (new instance), /dev/shm
-    hidden       /work /root /home /tmp /var/tmp /run /mnt /media /srv /old_root /farm, every
-                 ``hide_paths`` entry and the task's own directory are empty in every parent layer
+    hidden       on the host's root (``base="host"``): /work /root /home /tmp /var/tmp /run /mnt /media
+                 /srv /old_root /farm, every ``hide_paths`` entry and the task's own directory are empty
+                 in every parent layer; an image base has nothing of the host and keeps its own
 
 Processes: ``zygote.py`` forks each attempt's holder (``holder.py``) into new mount, pid, network
 (loopback only), ipc and uts namespaces; commands run under it via posix_spawn, each in its own session
@@ -766,9 +767,7 @@ class LocalBackend:
     def _prepare(self, env_dir: Path | None) -> Parent:
         """The parent for ``env_dir`` in the current zygote (built there once: a fresh zygote after a
         restart builds it again). Raises ``ZygoteDied`` if the zygote died meanwhile."""
-        hide = list(self.hide_paths)
-        if env_dir is not None:  # the task's own directory (tests, solution) is never visible
-            hide += sorted({str(Path(env_dir).resolve().parent), str(task_dir_of(env_dir))})
+        hide = self._hidden(env_dir)
         instructions = self._instructions(env_dir)
         stages = _stages(instructions)
         bases = [self.base_for(stage.base) for stage in stages if stage.base_stage is None]
@@ -787,6 +786,17 @@ class LocalBackend:
                 with self._lock:
                     zygote.parents[key] = parent
             return parent
+
+    def _hidden(self, env_dir: Path | None) -> list[str]:
+        """Paths made empty in the parent: on the host's root, its private places, ``hide_paths`` and the
+        task's own directory (tests, solution). An image base holds nothing of the host: its /root, /home,
+        /srv ... stay the image's, as under Docker."""
+        if self.base == "image":
+            return []
+        hide = list(self.hide_paths)
+        if env_dir is not None:
+            hide += sorted({str(Path(env_dir).resolve().parent), str(task_dir_of(env_dir))})
+        return hide
 
     def _build_network(self, env_dir: Path | None) -> bool:
         """Whether RUN steps get the host's network: on an image base always (package managers), unless
@@ -891,6 +901,8 @@ class LocalBackend:
         parent.env.update(base.env if base is not None else below.env if below is not None else {})
         if below is not None:
             parent.workdir, parent.user = below.workdir, below.user
+        elif base is not None:  # an imported image's config User and WorkingDir, as Docker starts a stage
+            parent.workdir, parent.user = base.workdir, base.user
         builder: LocalAttempt | None = None
         caches = build_caches() if internet and self.base == "image" and needs_builder(stage.instructions) else None
         try:
