@@ -24,8 +24,8 @@ def test_bench_recipe_quick_writes_every_key_in_range(tmp_path):
     tiny = [arg for kv in QUICK_OVERRIDES + ["eval.trials=2"] for arg in ("--set", kv)]  # bench loop's warm start
     # 10 tasks x 4 attempts: the fault injector's seeded draws fail 2 of the first 40 forks
     cmd = [sys.executable, "-m", "albatross.cli", "bench", "recipe", "--quick", "--minutes", "0.15",
-           "--loop-minutes", "0.1", "--probe-tasks", "10", *tiny, "--json", str(path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+           "--loop-minutes", "0.1", "--probe-tasks", "10", *tiny, "--out", str(tmp_path / "out")]
+    proc = subprocess.run([*cmd, "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(path.read_text())
     assert [k for k in REQUIRED_KEYS if k not in data] == []
@@ -55,3 +55,13 @@ def test_bench_recipe_quick_writes_every_key_in_range(tmp_path):
     assert len(data["table"]) == 9 and all(len(row) == 3 for row in data["table"])
     assert "quick: a smoke test" in " ".join(data["notes"])
     assert "albatross bench recipe --quick" in proc.stdout
+    # the same command again on the same --out: every part is reused, not measured again
+    again = subprocess.run([*cmd, "--json", str(tmp_path / "again.json")], capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    reused = sorted(p.stem for p in (tmp_path / "out" / "parts").glob("*.json"))
+    assert reused == ["base", "harness", "infra", "logprob_gaps", "loop", "seed0", "zero_signal"]
+    assert all(f"[recipe] {name}: reusing" in again.stdout for name in reused)
+    second = json.loads((tmp_path / "again.json").read_text())
+    for key in REQUIRED_KEYS:
+        assert second[key] == data[key], key

@@ -194,3 +194,38 @@ def test_harness_notes_say_when_the_cost_difference_is_noise():
     assert "within noise" in noisy and "compression never triggers" in noisy
     assert "within noise" not in "\n".join(_harness_notes(configs(300.0, 30.0)))
     assert "change nothing the model sees" in "\n".join(_harness_notes(configs(560.0, 30.0)))
+
+
+def test_parts_are_saved_and_reused_only_with_the_same_settings(tmp_path):
+    from albatross.bench.recipe import Parts
+
+    calls = []
+
+    def compute(value):
+        def run():
+            calls.append(value)
+            return {"figure": value}
+        return run
+
+    parts = Parts(tmp_path / "parts", {"version": 1, "quick": False})
+    assert parts.get("zero_signal", {"probe_tasks": 96}, compute(0.05)) == {"figure": 0.05}
+    again = Parts(tmp_path / "parts", {"version": 1, "quick": False})  # a later run, same --out
+    assert again.get("zero_signal", {"probe_tasks": 96}, compute(0.5)) == {"figure": 0.05}
+    assert calls == [0.05]  # reused, not measured again
+    assert again.get("zero_signal", {"probe_tasks": 192}, compute(0.07)) == {"figure": 0.07}  # a changed setting
+    other = Parts(tmp_path / "parts", {"version": 2, "quick": False})  # another measurement version
+    assert other.get("zero_signal", {"probe_tasks": 192}, compute(0.08)) == {"figure": 0.08}
+    assert calls == [0.05, 0.07, 0.08]
+    assert not list((tmp_path / "parts").glob("*.tmp"))
+
+
+def test_a_part_that_fails_is_not_saved(tmp_path):
+    from albatross.bench.recipe import Parts
+
+    def boom():
+        raise RuntimeError("the run stopped")
+
+    parts = Parts(tmp_path / "parts", {})
+    with pytest.raises(RuntimeError):
+        parts.get("seed0", {"minutes": 3}, boom)
+    assert parts.get("seed0", {"minutes": 3}, lambda: {"ok": 1}) == {"ok": 1}

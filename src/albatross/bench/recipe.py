@@ -5,9 +5,10 @@ One warm-started demo model (the demo's recipe, ``configs/demo.toml``; ``--quick
 settings, sharing its cached warm start), one sandbox backend, the demo's train and held-out tasks. Measured:
 
 - ``zero_signal_unfiltered`` / ``zero_signal_filtered``: share of zero-signal groups of G attempts (G = the
-  training group size) when probing training tasks with the base model, before the 15-85% filter (all probed
-  tasks), and after it (the kept tasks, probed again with fresh attempts: the first probe's own groups at a kept
-  task can never be zero-signal, so reusing them would make the filter look perfect);
+  training group size) of the base model at training tasks, before the 15-85% filter (all probed tasks) and
+  after it (the kept tasks), paired: a first probe decides the filter, a second one with fresh attempts at every
+  task is measured (the first probe's own groups at a kept task can never be zero-signal, so reusing them would
+  make the filter look perfect);
 - ``infra_group_loss_without_retries`` / ``_with_retries``: the same probe on a sandbox whose forks fail at
   ``--fault-rate`` (``sandbox/faults.py``), with ``sandbox.max_infra_retries`` 0 vs the config's; a group is
   lost when it lacks an attempt;
@@ -61,6 +62,7 @@ REQUIRED_KEYS = (
 MAX_STALENESS_MEASURED = 6
 HARNESS_CONFIGS = {"off": {"redirect_output": False, "compression": "none"},
                    "on": {"redirect_output": True, "compression": "mask_summary"}}
+PARTS_VERSION = 2  # of a saved part's measurement: parts saved by another version are measured anew
 GAP_SAMPLES = 256  # samples scored per trainer version (a random subset when the run made more)
 
 
@@ -246,6 +248,32 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
+class Parts:
+    """The finished parts of a run, each saved as JSON under ``dir`` when it completes (``<out>/parts`` with
+    ``--out``). A later run with the same ``--out`` reuses a part whose settings (and ``common``: the format
+    version, ``--quick``, ``--set``) are the same, so a stopped run resumes where it stopped and a changed setting
+    re-measures only the parts it touches."""
+
+    def __init__(self, dir: Path, common: dict[str, Any]) -> None:
+        self.dir, self.common = dir, common
+
+    def get(self, name: str, settings: dict[str, Any], compute: Any) -> Any:
+        import json
+
+        path, want = self.dir / f"{name}.json", {**self.common, **settings}
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if saved.get("settings") == want:
+                _log(f"[recipe] {name}: reusing the result saved in {path}")
+                return saved["result"]
+        result = compute()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"settings": want, "result": result}, indent=1))
+        tmp.replace(path)
+        return result
+
+
 def recipe_config(args: argparse.Namespace, out_dir: Path) -> Any:
     """The demo's config (``--quick``: ``albatross demo --quick``'s, so the two share the cached warm start),
     then the ``--set`` overrides."""
@@ -306,7 +334,11 @@ def _probe_tasks(w: Workload, n: int) -> list:
 
 
 def measure_zero_signal(w: Workload, engine: Any, n_tasks: int) -> dict[str, Any]:
-    """Zero-signal share of the base model's groups at all probed tasks, and at the kept ones probed anew."""
+    """Zero-signal share of the base model's groups before and after the 15-85% filter, paired: a first probe
+    decides the filter; a second, independent probe of every task gives both figures (all tasks: unfiltered;
+    the kept ones: filtered), so the two differ only by the filter's choice of tasks. The first probe's own
+    groups at a kept task can never be zero-signal (its pass rate is strictly between 0 and 1): reusing them
+    would make the filter look perfect."""
     from albatross.tasks.filter import filter_rows, observed_zero_signal
 
     tasks = _probe_tasks(w, n_tasks)
@@ -314,18 +346,24 @@ def measure_zero_signal(w: Workload, engine: Any, n_tasks: int) -> dict[str, Any
     rows = _probe(w, engine, tasks, w.backend, w.cfg.sandbox.max_infra_retries)
     result = filter_rows(rows, group_size=g)
     kept = {r.task for r in result.kept}
-    fresh = _probe(w, engine, [t for t in tasks if t.id in kept], w.backend, w.cfg.sandbox.max_infra_retries)
-    out = {"zero_signal_unfiltered": round(observed_zero_signal(rows), 4),
-           "zero_signal_filtered": round(observed_zero_signal(fresh), 4) if fresh else None,
+    fresh = _probe(w, engine, tasks, w.backend, w.cfg.sandbox.max_infra_retries)
+    fresh_kept = [r for r in fresh if r.task in kept]
+    out = {"zero_signal_unfiltered": round(observed_zero_signal(fresh), 4),
+           "zero_signal_filtered": round(observed_zero_signal(fresh_kept), 4) if fresh_kept else None,
            "zero_signal": {"group_size": g, "tasks_probed": len(rows), "tasks_kept": len(kept),
                            "band": [result.low, result.high],
                            "rule": "all scores of the group equal (the training scorer's, partial credit included)",
-                           "outcome_unfiltered": outcome_zero_signal(rows),
-                           "outcome_filtered": outcome_zero_signal(fresh),
+                           "design": "probe 1 decides the filter; probe 2 (fresh attempts at every task) is "
+                                     "measured: all tasks (unfiltered) vs the kept tasks (filtered)",
+                           "first_probe_unfiltered": round(observed_zero_signal(rows), 4),
+                           "groups_unfiltered": sum(r.zero_signal for r in fresh if r.attempts),
+                           "groups_filtered": sum(r.zero_signal for r in fresh_kept if r.attempts),
+                           "outcome_unfiltered": outcome_zero_signal(fresh),
+                           "outcome_filtered": outcome_zero_signal(fresh_kept),
                            "expected_unfiltered": round(result.expected_before, 4),
                            "expected_filtered": round(result.expected_after, 4)}}
-    _log(f"[recipe] zero-signal groups {out['zero_signal_unfiltered']:.1%} unfiltered, "
-         f"{_pct(out['zero_signal_filtered'])} at the {len(kept)} kept tasks (fresh attempts)")
+    _log(f"[recipe] zero-signal groups {out['zero_signal_unfiltered']:.1%} at all {len(fresh)} probed tasks, "
+         f"{_pct(out['zero_signal_filtered'])} at the {len(kept)} kept tasks (second probe)")
     return out
 
 
@@ -443,21 +481,34 @@ def sft_control(w: Workload, name: str, seed: int, seconds: float) -> dict[str, 
     return out
 
 
-def seed_runs(w: Workload, seeds: int, minutes: float) -> dict[str, list[dict[str, Any]]]:
-    """Per seed: RL with the efficiency reward (the first keeps its versions), RL without it, the SFT control."""
-    from albatross.harness.agent import build_agent
-    from albatross.pipeline.warmstart import collect_demonstrations
-
-    lam = w.cfg.rl.efficiency_lambda or 0.1
-    w.demos = collect_demonstrations(build_agent(w.cfg, None, w.backend, w.tokenizer), w.train)
+def seed_runs(w: Workload, parts: Parts, seeds: int, minutes: float) -> dict[str, list[dict[str, Any]]]:
+    """Per seed: RL with the efficiency reward (the first keeps its versions), the SFT control, RL without the
+    efficiency reward; each seed one part (saved when its three runs are done)."""
     runs: dict[str, list[dict[str, Any]]] = {"rl": [], "rl_no_efficiency": [], "sft_control": []}
     for s in range(seeds):
         seed = w.cfg.seed + s
-        rl = rl_run(w, f"rl-seed{seed}", seed, minutes, lam, keep_versions=s == 0)
-        runs["rl"].append({"seed": seed, **rl})
-        runs["sft_control"].append({"seed": seed, **sft_control(w, f"sft-seed{seed}", seed, rl["wall_seconds"])})
-        runs["rl_no_efficiency"].append({"seed": seed, **rl_run(w, f"rl-noeff-seed{seed}", seed, minutes, 0.0)})
+        one = parts.get(f"seed{seed}", {"minutes": minutes, "keeps_versions": s == 0},
+                        lambda seed=seed, s=s: _one_seed(w, seed, minutes, s == 0))
+        for key, run in one.items():
+            runs[key].append(run)
     return runs
+
+
+def _one_seed(w: Workload, seed: int, minutes: float, keep_versions: bool) -> dict[str, dict[str, Any]]:
+    from albatross.harness.agent import build_agent
+    from albatross.pipeline.warmstart import collect_demonstrations
+
+    if not w.demos:
+        w.demos = collect_demonstrations(build_agent(w.cfg, None, w.backend, w.tokenizer), w.train)
+    names = (f"rl-seed{seed}", f"sft-seed{seed}", f"rl-noeff-seed{seed}")
+    for name in names:  # a run measured anew starts from nothing (not from a stopped run's directory)
+        shutil.rmtree(w.root / name, ignore_errors=True)
+    lam = w.cfg.rl.efficiency_lambda or 0.1
+    rl = rl_run(w, names[0], seed, minutes, lam, keep_versions=keep_versions)
+    sft = sft_control(w, names[1], seed, rl["wall_seconds"])
+    off = rl_run(w, names[2], seed, minutes, 0.0)
+    return {"rl": {"seed": seed, **rl}, "sft_control": {"seed": seed, **sft},
+            "rl_no_efficiency": {"seed": seed, **off}}
 
 
 def rl_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -656,33 +707,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace, root: Path, minutes: float, seeds: int) -> dict[str, Any]:
-    """Every figure: probes of the base model, the per-seed runs, the first run's figures, then bench loop."""
+    """Every figure: probes of the base model, the per-seed runs, the first run's figures, then bench loop; each
+    part saved under ``root/parts`` as it completes, and reused by a later run with the same ``--out``."""
     w = prepare(args, root)
+    parts = Parts(root / "parts", {"version": PARTS_VERSION, "quick": bool(args.quick),
+                                    "set": sorted(args.set or [])})
     data: dict[str, Any] = {"quick": bool(args.quick), "seeds": seeds, "minutes_per_run": minutes}
     try:
-        engine = w.engine(w.base_dir)
-        try:
-            data.update(measure_zero_signal(w, engine, args.probe_tasks))
-            data.update(measure_infra(w, engine, args.probe_tasks, args.fault_rate))
-            data["base"] = _eval_fields(w.evaluate(engine))  # the warm start every run begins from
-            _log(f"[recipe] base held-out pass@1 {data['base']['pass_at_1']:.3f}")
-        finally:
-            engine.close()
-        runs = seed_runs(w, seeds, minutes)
+        data.update(base_figures(w, parts, args))
+        runs = seed_runs(w, parts, seeds, minutes)
         data.update(rl_figures(runs))
         first = Path(runs["rl"][0]["run_dir"])
         data.update(run_metrics(runs["rl"] + runs["rl_no_efficiency"]))
-        data.update(logprob_gaps(w, first, first.parent / "versions"))
-        trained = first.parent / "versions" / "final"
-        _export_final(first, trained)
-        data.update(harness_cost(w, trained if trained.is_dir() else w.base_dir))
+        first_run = {"minutes": minutes, "run_dir": str(first)}
+        data.update(parts.get("logprob_gaps", first_run, lambda: logprob_gaps(w, first, first.parent / "versions")))
+        data.update(parts.get("harness", first_run, lambda: _first_run_harness(w, first)))
         data["runs"] = runs
         data["config"] = _config_meta(w)
     finally:
         w.backend.close()
-    data.update(loop_figure(args))
+    data.update(parts.get("loop", {"loop_minutes": args.loop_minutes}, lambda: loop_figure(args)))
     data["notes"] = notes(data)
     return data
+
+
+def base_figures(w: Workload, parts: Parts, args: argparse.Namespace) -> dict[str, Any]:
+    """The probes (zero-signal groups, infrastructure faults) and the held-out evaluation of the warm start every
+    run begins from; the base model's engine is started only for a part not saved already."""
+    engines: list[Any] = []
+
+    def with_engine(fn: Any) -> Any:
+        def compute() -> dict[str, Any]:
+            if not engines:
+                engines.append(w.engine(w.base_dir))
+            return fn(engines[0])
+        return compute
+
+    n, out = args.probe_tasks, {}
+    try:
+        out.update(parts.get("zero_signal", {"probe_tasks": n},
+                             with_engine(lambda e: measure_zero_signal(w, e, n))))
+        out.update(parts.get("infra", {"probe_tasks": n, "fault_rate": args.fault_rate},
+                             with_engine(lambda e: measure_infra(w, e, n, args.fault_rate))))
+        out["base"] = parts.get("base", {}, with_engine(lambda e: _eval_fields(w.evaluate(e))))
+    finally:
+        for engine in engines:
+            engine.close()
+    _log(f"[recipe] base held-out pass@1 {out['base']['pass_at_1']:.3f}")
+    return out
+
+
+def _first_run_harness(w: Workload, first: Path) -> dict[str, Any]:
+    trained = first.parent / "versions" / "final"
+    _export_final(first, trained)
+    return harness_cost(w, trained if trained.is_dir() else w.base_dir)
 
 
 def _export_final(run_dir: Path, dest: Path) -> None:
@@ -711,8 +789,11 @@ def notes(data: dict[str, Any]) -> list[str]:
         out.append(f"quick: a smoke test ({data.get('seeds')} seed(s), {cfg.get('heldout_tasks')} held-out tasks x "
                    f"{cfg.get('eval_trials')} trials, {data.get('minutes_per_run')} min per RL run); the full "
                    "mode's figures are the ones to quote")
-    out.append("zero_signal_filtered: the kept tasks probed again with fresh attempts (the first probe's groups "
-               "at a kept task are never zero-signal by construction)")
+    zs = data.get("zero_signal", {})
+    out.append(f"zero-signal, paired: a first probe chose the tasks; a second probe with fresh attempts at all "
+               f"{zs.get('tasks_probed')} tasks is measured, {zs.get('groups_unfiltered')} zero-signal groups in all, "
+               f"{zs.get('groups_filtered')} at the {zs.get('tasks_kept')} kept tasks (the first probe's groups at a "
+               "kept task are never zero-signal by construction)")
     if data.get("zero_signal_filtered") is None:
         out.append("no probed task had a pass rate in the band: zero_signal_filtered is not measured")
     rl, sft = data.get("rl_pass_at_1"), data.get("sft_control_pass_at_1")
