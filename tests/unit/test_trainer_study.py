@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from albatross.models import experts as ex
+from albatross.models import hyper as hx
 from albatross.models import indexer as ix
 from albatross.models.masks import select_keys
 from albatross.models.tiny import TEXT_VOCAB, tiny_model
@@ -34,16 +35,30 @@ def _packed_row(seed: int = 0):
     return pack(samples, 10_000)[0]
 
 
-def _logprobs_and_grads(family: str, **options):
-    """Log-probs of one packed row and the gradients of a fixed weighting of them, with ``options`` installed."""
+def _logprobs_and_grads(family: str, checkpointing: bool = False, saved: list[int] | None = None, **options):
+    """Log-probs of one packed row and the gradients of a fixed weighting of them, with ``options`` installed
+    (and activation checkpointing); ``saved`` gets the bytes the forward saved for the backward."""
+    from albatross.trainer.model import enable_activation_checkpointing
+
     model = tiny_model(family, seed=0).train()
     if family != "qwen4_exp":
         model.set_experts_implementation("eager")
     apply_model_options(model, **options)
+    if checkpointing:
+        enable_activation_checkpointing(model)
     mb = _packed_row()
     policy = TokenLogprobs(model, chunk_size=64)
     attn = attention_inputs(model, "varlen")(mb, torch.float32, torch.device("cpu"))
-    logprobs, _ = policy(mb.input_ids, mb.position_ids, mb.targets, **attn)
+    sizes = []
+
+    def keep(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logprobs, _ = policy(mb.input_ids, mb.position_ids, mb.targets, **attn)
+    if saved is not None:
+        saved.append(sum(sizes))
     (logprobs * torch.linspace(-1, 1, logprobs.numel())).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logprobs.detach(), grads
@@ -73,6 +88,16 @@ def test_all_options_together_are_exact(qwen4_reference):
                                                       fused_hyper=True))
 
 
+def test_fused_layers_keep_activation_checkpointing(qwen4_reference):
+    """transformers checkpoints each layer class's ``forward``: the fused layers (a subclass, not an instance
+    ``forward``) are still checkpointed, so their forward saves far less for the backward, and stay exact."""
+    plain, checkpointed = [], []
+    _assert_same(qwen4_reference, _logprobs_and_grads("qwen4_exp", saved=plain, fused_hyper=True))
+    _assert_same(qwen4_reference, _logprobs_and_grads("qwen4_exp", checkpointing=True, saved=checkpointed,
+                                                      fused_hyper=True, grouped_experts=True, fast_indexer=True))
+    assert checkpointed[0] < plain[0] / 3
+
+
 def test_options_change_the_computation():
     """The installed forwards are the ones that run: the swapped modules no longer call transformers'."""
     model = tiny_model("qwen4_exp", seed=0)
@@ -81,6 +106,8 @@ def test_options_change_the_computation():
     assert done == {"grouped_experts": len(ex.expert_modules(model)), "fast_indexer": 1, "fused_hyper": layers + 1}
     assert done["grouped_experts"] >= layers
     layer = model.model.layers[3]
+    assert type(layer).forward is hx.fused_class(type(layer)).forward
+    assert type(layer).__name__ == "Qwen4ExpTextDecoderLayer" and type(layer).__mro__[1].__name__ == type(layer).__name__
     assert layer.mlp.experts.forward.func is ex.grouped_experts_forward
     assert getattr(layer.self_attn, "_albatross_segmented", False)
 

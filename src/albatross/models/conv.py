@@ -12,7 +12,6 @@ import itertools
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -33,15 +32,15 @@ def causal_conv1d_packed(x_BCT: Tensor, weight_CK: Tensor, bias_C: Tensor | None
     k, t = weight_CK.shape[-1], x_BCT.shape[-1]
     if sum(lengths) != t:
         raise ValueError(f"documents of {sum(lengths)} tokens but the row has {t}")
-    x = x_BCT.to(weight_CK.dtype)
+    x = x_BCT.to(weight_CK.dtype).transpose(1, 2)  # [B, T, C]: callers' channels-last data, no copy
     pos = positions_in_documents(lengths, x.device)
-    out = x * weight_CK[:, k - 1, None]  # the tap on the token itself
+    out = x * weight_CK[:, k - 1]  # the tap on the token itself
     for j in range(k - 1):
         shift = (k - 1 - j) * dilation
         if shift >= t:
             continue
-        shifted = F.pad(x, (shift, 0))[..., :t] * (pos >= shift)
-        out = out + shifted * weight_CK[:, j, None]
+        inside = (pos[shift:] >= shift)[:, None].to(x.dtype)  # the tap stays in the token's document
+        out[:, shift:] += x[:, : t - shift] * inside * weight_CK[:, j]
     if bias_C is not None:
-        out = out + bias_C[:, None]
-    return out
+        out = out + bias_C
+    return out.transpose(1, 2)

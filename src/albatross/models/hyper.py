@@ -68,6 +68,25 @@ def fused_layer_forward(layer: nn.Module, hidden_states: Tensor, position_embedd
     return write_back(streams, layer.mlp(x), weights)
 
 
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def fused_class(cls: type) -> type:
+    """``cls`` (a decoder layer class) with ``fused_layer_forward`` as its forward, same name and module.
+
+    A subclass, not an instance ``forward``: transformers wraps each layer class's ``forward`` with its
+    activation checkpointing (``GradientCheckpointingLayer.__init_subclass__``), which an instance attribute
+    would bypass, so the layers would keep every activation however ``activation_checkpointing`` is set.
+    """
+    if getattr(cls, "_albatross_fused", False):
+        return cls
+    if cls not in _FUSED_CLASSES:
+        _FUSED_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "forward": fused_layer_forward, "_albatross_fused": True, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__doc__": fused_layer_forward.__doc__})
+    return _FUSED_CLASSES[cls]
+
+
 def install_fused_hyper(model: nn.Module) -> int:
     """Swap the ``qwen4_exp`` decoder layers' and final mixer's forwards for the fused ones; returns how many
     modules changed (0: the model has no such hyper-connections). An MTP head is left as it is."""
@@ -75,7 +94,7 @@ def install_fused_hyper(model: nn.Module) -> int:
     for module in model.get_decoder().modules():  # an MTP head keeps its own forward
         name = type(module).__name__
         if name in LAYER_CLASSES:
-            module.forward = functools.partial(fused_layer_forward, module)
+            module.__class__ = fused_class(type(module))
             count += 1
         elif name in RESIDUAL_CLASSES and module.block_inject_weight is None:  # the final stream mixer
             module.forward = functools.partial(gated_residual, module)

@@ -1,4 +1,4 @@
-"""The gated delta rule over a packed row, in plain torch, with the state reset at each document start.
+"""The gated delta rule over a packed row, in plain torch, each document from a zero state.
 
 Gated delta-net (``qwen3_next``, ``qwen4_exp``) keeps a per-head state S [d_k, d_v]; for each token,
 S <- exp(g) S, then S <- S + k (beta (v - k^T S))^T, and the output is q^T S (q, k L2-normalised, q scaled
@@ -6,17 +6,24 @@ by d_k^-1/2). Chunked form: tokens go in chunks of C; within a chunk, with gamma
 and A[i, j] = beta_i exp(gamma_i - gamma_j) k_i . k_j (j < i), the corrections are
 delta = (I + A)^-1 (beta v) - (I + A)^-1 (beta exp(gamma) k) S0, the outputs
 o_i = exp(gamma_i) q_i^T S0 + sum_{j <= i} exp(gamma_i - gamma_j) (q_i . k_j) delta_j, and the state carried
-on is exp(gamma_C) S0 + sum_j exp(gamma_C - gamma_j) k_j delta_j^T. Each document is padded to a whole
-number of chunks, so no chunk holds two documents, and the scan zeroes the state before every chunk that
-starts a document: packed, a document computes what it computes alone. KDA (Kimi delta attention,
+on is exp(gamma_C) S0 + sum_j exp(gamma_C - gamma_j) k_j delta_j^T. KDA (Kimi delta attention,
 ``glm5_next``) is the same rule with one decay per key channel instead of one per head.
-``gated_delta_net_forward`` and ``kda_forward`` run a transformers GatedDeltaNet / KDA module (its own
-weights, conv, gates, norm and projections) through this path, with ``conv.causal_conv1d_packed``.
+
+Each document is padded to a whole number of chunks, so no chunk holds two documents. Documents are
+independent, so the scan runs over the chunk index *within* a document, all documents at once: the
+chunks are laid out step-major (every document's chunk 0, then every chunk 1, ...; documents ordered by
+their number of chunks, longest first, so the documents still running at step m are a prefix), and step
+m is one batched update of the states of the documents that have an m-th chunk. A packed row of D
+documents takes as many sequential steps as its longest document has chunks, not as the row has, and
+each document starts from a zero state without any reset. Everything that does not need the state
+(the intra-chunk solves, decays and products, and the outputs from the states entering each chunk) is
+computed for all chunks at once, outside the scan. ``gated_delta_net_forward`` and ``kda_forward`` run a
+transformers GatedDeltaNet / KDA module (its own weights, conv, gates, norm and projections) through
+this path, with ``conv.causal_conv1d_packed``.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,20 +32,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from albatross.models.conv import causal_conv1d_packed
+from albatross.models.conv import causal_conv1d_packed, positions_in_documents
 
 CHUNK = 64
 
 
-def _chunk_slots(lengths: Sequence[int], chunk: int, device: torch.device) -> tuple[Tensor, Tensor, int]:
-    """Slot of each token in the chunk-padded layout [T], whether each chunk starts a document, #chunks."""
+def scan_layout(lengths: Sequence[int], chunk: int, device: torch.device | str = "cpu") -> tuple[Tensor, list[int]]:
+    """(slot of each token in the step-major chunk layout [T], documents active at each scan step).
+
+    Documents sorted by chunk count (longest first, stable); step m holds chunk m of the first
+    ``active[m]`` of them, at chunk positions ``sum(active[:m]) + rank``.
+    """
     chunks = [math.ceil(n / chunk) for n in lengths]
-    first = torch.tensor([0, *itertools.accumulate(chunks)][:-1], device=device)
-    starts = torch.zeros(sum(chunks), dtype=torch.bool, device=device)
-    starts[first] = True
-    within = torch.cat([torch.arange(n, device=device) for n in lengths])
-    doc_first = torch.repeat_interleave(first, torch.tensor(lengths, device=device))
-    return doc_first * chunk + within, starts, sum(chunks)
+    order = sorted(range(len(lengths)), key=lambda d: -chunks[d])
+    rank = [0] * len(lengths)
+    for r, d in enumerate(order):
+        rank[d] = r
+    active = [sum(1 for c in chunks if c > m) for m in range(max(chunks, default=0))]
+    step_start = torch.tensor([0, *active], device=device).cumsum(0)[:-1]
+    within = positions_in_documents(lengths, device)
+    rank_t = torch.repeat_interleave(torch.tensor(rank, device=device), torch.tensor(lengths, device=device))
+    slots = (step_start[within // chunk] + rank_t) * chunk + within % chunk
+    return slots, active
 
 
 def _to_chunks(x_TH: Tensor, slots: Tensor, n_chunks: int, chunk: int) -> Tensor:
@@ -63,6 +78,49 @@ def _pairs(x: Tensor, y: Tensor, decay: Tensor, per_channel: bool) -> Tensor:
     return (x @ y.transpose(-1, -2)) * decay
 
 
+def unit_lower_inverse(t: Tensor) -> Tensor:
+    """Inverse of unit lower-triangular matrices [..., C, C] (C a power of two; the diagonal is taken as 1).
+
+    Recursive block inversion, all blocks of a level at once: for [[T11, 0], [T21, T22]] the inverse is
+    [[X11, 0], [-X22 T21 X11, X22]]. log2(C) levels of batched matmuls instead of C small triangular
+    solves per matrix (a batched ``solve_triangular`` runs one LAPACK call per matrix on a CPU).
+    """
+    c = t.shape[-1]
+    if c & (c - 1):
+        raise ValueError(f"chunk size must be a power of two, got {c}")
+    x = t.new_ones(*t.shape[:-2], c, 1, 1)  # inverses of the diagonal blocks, [..., C / b, b, b]
+    b = 1
+    while b < c:
+        nb = c // (2 * b)
+        blocks = t.unflatten(-2, (nb, 2 * b)).unflatten(-1, (nb, 2 * b))
+        lower = torch.diagonal(blocks, dim1=-4, dim2=-2).movedim(-1, -3)[..., b:, :b]  # T21 of each block
+        x11, x22 = x[..., 0::2, :, :], x[..., 1::2, :, :]
+        top = torch.cat([x11, torch.zeros_like(x11)], dim=-1)
+        x = torch.cat([top, torch.cat([-(x22 @ lower) @ x11, x22], dim=-1)], dim=-2)
+        b *= 2
+    return x.squeeze(-3)
+
+
+class UnitLowerSolve(torch.autograd.Function):
+    """X = T^-1 R for unit lower-triangular T (only its strictly lower part is read), as
+    ``solve_triangular(T, R, upper=False, unitriangular=True)`` with explicit inverses: the forward and
+    both gradients (dR = T^-T dX, dT = -tril(dR X^T, -1)) are batched matmuls."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, r: Tensor) -> Tensor:
+        inverse = unit_lower_inverse(t)
+        x = inverse @ r
+        ctx.save_for_backward(inverse, x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad_x: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        inverse, x = ctx.saved_tensors
+        grad_r = inverse.transpose(-1, -2) @ grad_x
+        grad_t = -(grad_r @ x.transpose(-1, -2)).tril(-1) if ctx.needs_input_grad[0] else None
+        return grad_t, grad_r
+
+
 def _intra_chunk(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
     """Per-chunk quantities of the chunked form, every chunk at once ([H, N, C, ...])."""
     c, per_channel = q.shape[2], gamma.dim() == k.dim()
@@ -71,9 +129,28 @@ def _intra_chunk(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, beta: Tensor) -
     a = (beta[..., :, None] * _pairs(k, k, decay, per_channel)).masked_fill(~strictly_lower, 0)
     system = a + torch.eye(c, dtype=q.dtype, device=q.device)
     rise = gamma.exp() if per_channel else gamma.exp()[..., None]
-    u = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, beta[..., None] * rise * k, upper=False, unitriangular=True)
+    rhs = beta[..., None] * torch.cat([v, rise * k], dim=-1)  # one solve for both right-hand sides
+    u, w = UnitLowerSolve.apply(system, rhs).split([v.shape[-1], k.shape[-1]], dim=-1)
     return u, w, _pairs(q, k, decay, per_channel), rise
+
+
+def _scan(u: Tensor, w: Tensor, carried_T: Tensor, keep: Tensor, active: list[int]) -> tuple[Tensor, Tensor]:
+    """(state entering each chunk [H, N, d_k, d_v], correction delta of each chunk [H, N, C, d_v]).
+
+    Step m updates the states of the ``active[m]`` documents that have an m-th chunk (a prefix):
+    delta = u - w S, S <- keep * S + carried^T delta.
+    """
+    h, dk, dv = u.shape[0], w.shape[-1], u.shape[-1]
+    state = u.new_zeros(h, active[0] if active else 0, dk, dv)
+    states, deltas = [], []
+    steps = zip(active, *(x.split(active, dim=1) for x in (u, w, carried_T, keep)), strict=True)
+    for n, u_m, w_m, c_m, keep_m in steps:
+        state = state[:, :n] if n < state.shape[1] else state
+        delta = u_m - w_m @ state
+        states.append(state)
+        deltas.append(delta)
+        state = state * keep_m + c_m @ delta
+    return torch.cat(states, dim=1), torch.cat(deltas, dim=1)
 
 
 def gated_delta_rule_packed(q_THK: Tensor, k_THK: Tensor, v_THV: Tensor, g: Tensor, beta_TH: Tensor,
@@ -86,25 +163,20 @@ def gated_delta_rule_packed(q_THK: Tensor, k_THK: Tensor, v_THV: Tensor, g: Tens
     dtype = torch.float32
     q = _l2norm(q_THK.to(dtype)) * q_THK.shape[-1] ** -0.5
     k = _l2norm(k_THK.to(dtype))
-    slots, starts, n = _chunk_slots(lengths, chunk, q.device)
+    slots, active = scan_layout(lengths, chunk, q.device)
+    n = sum(active)
     q, k, v = (_to_chunks(x, slots, n, chunk) for x in (q, k, v_THV.to(dtype)))
     g, beta = (_to_chunks(x.to(dtype), slots, n, chunk) for x in (g, beta_TH))
     gamma = g.cumsum(2)  # cumulative log decay inside each chunk
     u, w, qk, rise = _intra_chunk(q, k, v, gamma, beta)
-    state = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
-    outs = []
-    for i, first in enumerate(starts.tolist()):
-        if first:
-            state = torch.zeros_like(state)
-        delta = u[:, i] - w[:, i] @ state
-        outs.append((q[:, i] * rise[:, i]) @ state + qk[:, i] @ delta)
-        last = gamma[:, i, -1:]  # [H, 1] or [H, 1, d_k]
-        fall = (last - gamma[:, i]).exp()
-        carried = (k[:, i] * (fall if fall.dim() == 3 else fall[..., None])).transpose(-1, -2)
-        keep = last.exp() if last.dim() == 3 else last.exp()[..., None]  # [H, 1 or d_k, 1] over state rows
-        state = state * keep.transpose(-1, -2) + carried @ delta
-    out = torch.stack(outs, 1).reshape(q.shape[0], n * chunk, -1)  # [H, N*C, d_v]
-    return out[:, slots].transpose(0, 1)
+    last = gamma[:, :, -1:]  # [H, N, 1] or [H, N, 1, d_k]
+    per_channel = last.dim() == 4
+    fall = (last - gamma).exp()
+    carried_T = (k * (fall if per_channel else fall[..., None])).transpose(-1, -2)  # [H, N, d_k, C]
+    keep = last.exp().transpose(-1, -2) if per_channel else last.exp()[..., None]  # over the state's rows
+    states, delta = _scan(u, w, carried_T, keep, active)
+    out = (q * rise) @ states + qk @ delta  # [H, N, C, d_v]
+    return out.reshape(q.shape[0], n * chunk, -1)[:, slots].transpose(0, 1)
 
 
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:

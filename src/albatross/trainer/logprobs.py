@@ -4,10 +4,11 @@ The LM head is applied to ``chunk_size`` tokens at a time, so the full [tokens x
 held at once (at a 151,936-token vocabulary they would take 19 GB at 32K tokens in fp32). For a linear
 head (every transformers causal LM) each chunk is one autograd function, ``LinearLogprobs``, which
 writes the softmax gradient analytically, (onehot - p) * g, instead of back-propagating through
-log_softmax, gather and the entropy: far fewer passes over [C, V] buffers. What it keeps for the
-backward depends on the size of the micro-batch's logits (``recompute``):
+log_softmax, gather and the entropy: far fewer passes over [C, V] buffers (one exp in the forward, none
+in a kept backward). What it keeps for the backward depends on the size of the micro-batch's logits
+(``recompute``):
 
-- small (under ``KEEP_BYTES``, e.g. a small vocabulary): the chunk's [C, V] log-probs are kept and the
+- small (under ``KEEP_BYTES``, e.g. a small vocabulary): the chunk's [C, V] probabilities are kept and the
   backward reuses them (no second LM-head matmul);
 - large: only the chunk's log-sum-exp is kept and the backward recomputes the chunk's logits, so memory
   stays at a couple of [C, V] buffers in the backward too.
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-KEEP_BYTES = 512 << 20  # keep [T, V] fp32 log-probs for the backward below this size (per micro-batch)
+KEEP_BYTES = 256 << 20  # keep [T, V] fp32 probabilities for the backward below this size (per micro-batch)
 
 
 def _chunk_logprobs(
@@ -62,16 +63,28 @@ def _scaled(raw_CV: Tensor, temperature: float, softcap: float | None) -> Tensor
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _grad_z(logp_CV: Tensor, entropy_C: Tensor, targets_C: Tensor, g_logp: Tensor | None,
+def _log_softmax_(z_CV: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(log p, p, log-sum-exp) of logits z with one exp pass; log p overwrites ``z_CV``."""
+    top = z_CV.amax(dim=-1, keepdim=True)
+    shifted = z_CV.sub_(top)
+    p_CV = shifted.exp()
+    total = p_CV.sum(dim=-1, keepdim=True)
+    p_CV.div_(total)
+    log_total = total.log_()
+    return shifted.sub_(log_total), p_CV, (top + log_total).squeeze(-1)
+
+
+def _grad_z(p_CV: Tensor, logp_CV: Tensor | None, entropy_C: Tensor, targets_C: Tensor, g_logp: Tensor | None,
             g_ent: Tensor | None, inplace: bool) -> Tensor:
-    """dL/dz_j = g_logp [j = t] - p_j (g_logp + g_ent (log p_j + H)); may overwrite ``logp_CV``."""
+    """dL/dz_j = g_logp [j = t] - p_j (g_logp + g_ent (log p_j + H)); may overwrite ``p_CV`` (``inplace``).
+
+    ``logp_CV`` None: log p is taken from p (p log p as ``xlogy``, 0 where p underflowed)."""
     g_logp = torch.zeros_like(entropy_C) if g_logp is None else g_logp
     if g_ent is None:
-        grad = (logp_CV.exp_() if inplace else logp_CV.exp()).mul_(-g_logp[:, None])
+        grad = (p_CV.mul_ if inplace else p_CV.mul)(-g_logp[:, None])
     else:
-        p_CV = logp_CV.exp()
-        grad = logp_CV.add_(entropy_C[:, None]) if inplace else logp_CV + entropy_C[:, None]
-        grad.mul_(g_ent[:, None]).add_(g_logp[:, None]).mul_(p_CV).neg_()
+        p_logp = p_CV * logp_CV if logp_CV is not None else torch.xlogy(p_CV, p_CV)
+        grad = p_logp.add_(p_CV * entropy_C[:, None]).mul_(g_ent[:, None]).add_(p_CV * g_logp[:, None]).neg_()
     return grad.scatter_add_(-1, targets_C[:, None], g_logp[:, None])
 
 
@@ -80,7 +93,7 @@ class LinearLogprobs(torch.autograd.Function):
 
     z = softcap(h W^T + b) / temperature, p = softmax(z); d logp_t / dz_j = [j = t] - p_j and
     d H / dz_j = -p_j (log p_j + H). With ``recompute`` the backward rebuilds log p from the saved
-    log-sum-exp; otherwise the forward keeps the chunk's [C, V] log-probs.
+    log-sum-exp; otherwise the forward keeps the chunk's [C, V] probabilities.
     """
 
     @staticmethod
@@ -89,11 +102,10 @@ class LinearLogprobs(torch.autograd.Function):
         dtype = _autocast_dtype(hidden_CH.device, weight_VH.dtype)
         with torch.autocast(hidden_CH.device.type, enabled=False):
             z_CV = _scaled(_logits(hidden_CH, weight_VH, bias_V, dtype), temperature, softcap)
-            lse_C = torch.logsumexp(z_CV, dim=-1)
-            logp_CV = z_CV.sub_(lse_C[:, None])
+            logp_CV, p_CV, lse_C = _log_softmax_(z_CV)
             logp_C = logp_CV.gather(-1, targets_C[:, None])[:, 0]
-            entropy_C = -torch.einsum("cv,cv->c", logp_CV.exp(), logp_CV)
-        kept = lse_C if recompute else logp_CV
+            entropy_C = -torch.einsum("cv,cv->c", p_CV, logp_CV)
+        kept = lse_C if recompute else p_CV
         ctx.save_for_backward(hidden_CH, weight_VH, bias_V, targets_C, kept, entropy_C)
         ctx.config = (dtype, temperature, softcap, recompute)
         ctx.set_materialize_grads(False)
@@ -108,8 +120,12 @@ class LinearLogprobs(torch.autograd.Function):
         with torch.autocast(hidden_CH.device.type, enabled=False):
             raw_CV = _logits(hidden_CH, weight_VH, bias_V, dtype) if recompute or softcap else None
             slope_CV = None if softcap is None else 1 - torch.tanh(raw_CV / softcap).square_()
-            logp_CV = _scaled(raw_CV, temperature, softcap).sub_(kept[:, None]) if recompute else kept
-            grad_CV = _grad_z(logp_CV, entropy_C, targets_C, g_logp, g_ent, inplace=recompute)
+            if recompute:  # without an entropy gradient log p is not needed: p overwrites it
+                logp_CV = _scaled(raw_CV, temperature, softcap).sub_(kept[:, None])
+                p_CV, logp_CV = (logp_CV.exp_(), None) if g_ent is None else (logp_CV.exp(), logp_CV)
+            else:
+                logp_CV, p_CV = None, kept
+            grad_CV = _grad_z(p_CV, logp_CV, entropy_C, targets_C, g_logp, g_ent, inplace=recompute)
             if slope_CV is not None:
                 grad_CV.mul_(slope_CV)
             if temperature != 1.0:
@@ -159,7 +175,7 @@ def chunked_logprobs(
     ``hidden_TH``: final hidden states [T, H]; ``targets_T``: next-token ids [T]; ``temperature`` must
     match the one the rollout sampled with so trainer and rollout log-probs are comparable. The entropy
     is detached unless ``entropy_grad`` (for an entropy bonus). ``recompute``: recompute the logits in
-    the backward instead of keeping [T, V] log-probs (None: when those would pass ``KEEP_BYTES``).
+    the backward instead of keeping [T, V] probabilities (None: when those would pass ``KEEP_BYTES``).
     """
     if hidden_TH.shape[0] != targets_T.shape[0]:
         raise ValueError(f"hidden has {hidden_TH.shape[0]} tokens but targets {targets_T.shape[0]}")
