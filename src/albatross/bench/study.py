@@ -91,6 +91,9 @@ CPU_NOTES = {
 }
 
 
+STEPS_TIMED = 3  # timed steps per row (the best one counts): a single CPU step varies by up to 20% on 2 cores
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", action="store_true", help="the cumulative study of trainer optimisations on an "
                    "8-layer hybrid MoE (bench/study.py)")
@@ -413,7 +416,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     limit = getattr(args, "study_memory_gib", None) or MEMORY_LIMIT_GIB
     lengths = study_lengths(quick)
     base = {"device": device, "model": getattr(args, "model", None), "micro_batch_tokens": max(4096, max(lengths))}
-    rows = throughput_rows(base, lengths, 1)
+    rows = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED)
     losses = [r["first_loss"] for r in rows]
     tol = 2e-2 if device == "cuda" else 1e-4
     same = max(losses) - min(losses) <= tol * max(1.0, max(abs(x) for x in losses))
