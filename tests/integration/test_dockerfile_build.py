@@ -14,6 +14,7 @@ import pytest
 from albatross.sandbox import LocalBackend, local_available
 from albatross.sandbox.build import EnvBuildError, Parent, apply_dockerfile
 from albatross.sandbox.dockerfile import parse_dockerfile, split_stages
+from sandbox_util import ok_output
 
 pytestmark = pytest.mark.skipif(
     not local_available(), reason="the local sandbox needs root, cgroup v1 memory+pids, namespaces, overlayfs"
@@ -61,26 +62,20 @@ def make_env(tmp_path: Path, dockerfile: str) -> Path:
     return env
 
 
-def sh(attempt, command: str) -> str:
-    result = attempt.exec(command, timeout_s=30)
-    assert result.exit_code == 0, result.output
-    return result.output.strip()
-
-
 def test_instructions_applied_as_docker_does(attempt, tmp_path: Path) -> None:
     env = make_env(tmp_path, DOCKERFILE)
     parent = Parent("test", "unused")
     apply_dockerfile(parse_dockerfile(env / "Dockerfile"), parent, attempt, env, 60)
-    assert sh(attempt, "cat /app/f.py") == "print(1)"  # into the directory WORKDIR made, not over it
-    assert sh(attempt, "cat /app/data/sub/b.txt") == "b"  # a directory's contents
-    assert sh(attempt, "cat /opt/pkg/lib.txt") == "lib"  # ADD extracted the archive
-    assert sh(attempt, "test ! -e /opt/pkg.tar.gz && echo gone") == "gone"
-    assert sh(attempt, "stat -c '%U:%G %a' /app/owned.py") == "nobody:nogroup 640"
-    assert sh(attempt, "stat -c '%u:%g' /app/f.py") == "0:0"
-    assert sh(attempt, "cat /app/conf.txt") == "v=7"
-    assert sh(attempt, "cat /app/bash.txt") == "bash 7"  # SHELL bash: [[ ]] works; ARG is in RUN's env
-    assert sh(attempt, "cat /app/mine/uid.txt") == "65534"  # RUN as USER nobody
-    assert sh(attempt, "stat -c '%U' /app/mine") == "nobody"  # WORKDIR made as the USER (BuildKit)
+    assert ok_output(attempt, "cat /app/f.py") == "print(1)"  # into the directory WORKDIR made, not over it
+    assert ok_output(attempt, "cat /app/data/sub/b.txt") == "b"  # a directory's contents
+    assert ok_output(attempt, "cat /opt/pkg/lib.txt") == "lib"  # ADD extracted the archive
+    assert ok_output(attempt, "test ! -e /opt/pkg.tar.gz && echo gone") == "gone"
+    assert ok_output(attempt, "stat -c '%U:%G %a' /app/owned.py") == "nobody:nogroup 640"
+    assert ok_output(attempt, "stat -c '%u:%g' /app/f.py") == "0:0"
+    assert ok_output(attempt, "cat /app/conf.txt") == "v=7"
+    assert ok_output(attempt, "cat /app/bash.txt") == "bash 7"  # SHELL bash: [[ ]] works; ARG is in RUN's env
+    assert ok_output(attempt, "cat /app/mine/uid.txt") == "65534"  # RUN as USER nobody
+    assert ok_output(attempt, "stat -c '%U' /app/mine") == "nobody"  # WORKDIR made as the USER (BuildKit)
     assert (parent.user, parent.workdir) == ("nobody", "/app/mine")  # a relative WORKDIR extends the last
 
 
@@ -91,7 +86,9 @@ def test_parent_built_by_the_local_backend(tmp_path: Path) -> None:
     try:
         assert backend.prepare(env).workdir == "/app"
         with backend.fork(env, "/app") as att:
-            assert sh(att, "cat f.py; test -d /app && echo dir") == "print(1)\ndir"
+            assert ok_output(att, "cat f.py; test -d /app && echo dir") == "print(1)\ndir"
+            # on the host's root its private places are hidden (an image base has none of them)
+            assert ok_output(att, "ls -A /work /root /home | grep -v '^/.*:$' | grep -v '^$' || true") == ""
     finally:
         backend.close()
 
@@ -107,7 +104,7 @@ def test_copy_from_a_stage_root(attempt, tmp_path: Path) -> None:
                    "COPY --from=build /usr/bin/tool /usr/local/bin/\n")
     last = split_stages(parse_dockerfile(env / "Dockerfile"))[-1]
     apply_dockerfile(last.instructions, Parent("test", "unused"), attempt, env, 60, stages={"build": stage})
-    assert sh(attempt, "/usr/local/bin/tool") == "tool"
+    assert ok_output(attempt, "/usr/local/bin/tool") == "tool"
 
 
 def test_named_build_failures(attempt, tmp_path: Path) -> None:
@@ -161,4 +158,4 @@ def test_add_of_a_url_downloads_when_the_build_has_a_network(attempt, tmp_path: 
         server.shutdown()
         server.server_close()
         thread.join()
-    assert sh(attempt, "cat /opt/dl/tool.sh; stat -c '%a %u' /opt/dl/renamed.sh") == "echo downloaded\n600 0"
+    assert ok_output(attempt, "cat /opt/dl/tool.sh; stat -c '%a %u' /opt/dl/renamed.sh") == "echo downloaded\n600 0"

@@ -16,6 +16,7 @@ import pytest
 
 from albatross.sandbox import EnvBuildError, LocalBackend, local_available
 from albatross.sandbox.images import resolve_base
+from sandbox_util import task_env
 
 needs_local = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroups, namespaces")
 pytestmark = needs_local
@@ -29,22 +30,13 @@ def backend() -> Iterator[LocalBackend]:
     b.close()
 
 
-def env(tmp: Path, dockerfile: str, files: dict[str, str] | None = None) -> Path:
-    root = tmp / "task" / "environment"
-    root.mkdir(parents=True)
-    (root / "Dockerfile").write_text(dockerfile)
-    for name, text in (files or {}).items():
-        (root / name).write_text(text)
-    return root
-
-
 def test_default_backend_base_is_the_image(backend: LocalBackend) -> None:
     assert backend.base == "image"
 
 
 def test_bookworm_base_is_the_attempt_root(backend: LocalBackend, tmp_path: Path) -> None:
     base = resolve_base("debian:bookworm-slim")
-    with backend.fork(env(tmp_path, "FROM debian:bookworm-slim\nWORKDIR /app\n")) as attempt:
+    with backend.fork(task_env(tmp_path, "FROM debian:bookworm-slim\nWORKDIR /app\n")) as attempt:
         result = attempt.exec(". /etc/os-release; echo $VERSION_CODENAME; command -v python3 || echo no-python")
         assert result.output.split() == ["bookworm", "no-python"]  # minbase: no python, unlike the host
     assert (base.root / "etc/debian_version").read_text().startswith("12.")
@@ -52,7 +44,7 @@ def test_bookworm_base_is_the_attempt_root(backend: LocalBackend, tmp_path: Path
 
 def test_attempt_sees_the_image_not_the_host(backend: LocalBackend, tmp_path: Path) -> None:
     image = resolve_base("python:3.11-slim-bookworm")
-    with backend.fork(env(tmp_path, "FROM python:3.11-slim-bookworm\nWORKDIR /app\n")) as attempt:
+    with backend.fork(task_env(tmp_path, "FROM python:3.11-slim-bookworm\nWORKDIR /app\n")) as attempt:
         shadow = attempt.read_file("/etc/shadow")
         hostname = attempt.read_file("/etc/hostname")
         assert shadow == (image.root / "etc/shadow").read_bytes()
@@ -70,7 +62,7 @@ def test_attempt_sees_the_image_not_the_host(backend: LocalBackend, tmp_path: Pa
 def test_pip_install_in_run_step_and_attempt_has_no_network(backend: LocalBackend, tmp_path: Path) -> None:
     dockerfile = ("FROM python:3.11-slim-bookworm\nWORKDIR /app\n"
                   "RUN pip install --no-deps six==1.16.0\n")
-    with backend.fork(env(tmp_path, dockerfile)) as attempt:
+    with backend.fork(task_env(tmp_path, dockerfile)) as attempt:
         assert attempt.exec("python -c 'import six; print(six.__version__)'").output.strip() == "1.16.0"
         offline = attempt.exec("pip download --no-deps -d /tmp/x idna==3.7 --timeout 3 --retries 0 2>&1")
         assert offline.exit_code != 0
@@ -81,7 +73,7 @@ def test_pip_install_in_run_step_and_attempt_has_no_network(backend: LocalBacken
 def test_unreachable_host_is_a_named_build_failure(backend: LocalBackend, tmp_path: Path) -> None:
     dockerfile = "FROM python:3.11-slim-bookworm\nRUN python -c \"import urllib.request as u; u.urlopen('https://github.com/x')\"\n"
     with pytest.raises(EnvBuildError, match=r"Dockerfile:2: RUN needs github\.com"):
-        backend.prepare(env(tmp_path, dockerfile))
+        backend.prepare(task_env(tmp_path, dockerfile))
 
 
 def test_no_dockerfile_forks_default_base(backend: LocalBackend) -> None:
@@ -94,7 +86,7 @@ def test_multi_stage_copy_from_earlier_stage(backend: LocalBackend, tmp_path: Pa
                   "FROM build AS test\nRUN cat out.bin > checked\n"
                   "FROM python:3.11-slim-bookworm\nWORKDIR /app\nCOPY --from=build /src/out.bin ./\n"
                   "COPY --from=1 /src/checked /app/\n")
-    with backend.fork(env(tmp_path, dockerfile)) as attempt:
+    with backend.fork(task_env(tmp_path, dockerfile)) as attempt:
         assert attempt.exec("cat /app/out.bin /app/checked; ls /src 2>&1 | head -1").output.split("\n")[:2] == [
             "compiled", "compiled"]
         assert attempt.exec("test -e /src").exit_code != 0  # the earlier stages are not in the image

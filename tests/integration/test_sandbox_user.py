@@ -26,6 +26,7 @@ from albatross.sandbox.docker import DockerBackend, engine_argv, engine_missing
 from albatross.sandbox.images import resolve_base
 from albatross.tasks import load_task, write_task
 from albatross.tasks.verify import run_oracle, verify
+from sandbox_util import ok_output, task_env
 
 needs_local = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroups, namespaces")
 PODMAN_MISSING = engine_missing("podman")
@@ -51,19 +52,6 @@ u=0; a=0
 [ "$(cat /home/agent/answer.txt 2>/dev/null)" = "{ANSWER}" ] && a=1
 echo "{{\\"as_user\\": $u, \\"answer\\": $a}}" > /logs/verifier/reward.json
 """
-
-
-def write_env(tmp: Path, dockerfile: str) -> Path:
-    root = tmp / "task" / "environment"
-    root.mkdir(parents=True)
-    (root / "Dockerfile").write_text(dockerfile)
-    return root
-
-
-def out(attempt, command: str) -> str:
-    result = attempt.exec(command, timeout_s=60)
-    assert result.exit_code == 0, result.output
-    return result.output.strip()
 
 
 def groups_of(attempt, user: str) -> set[int]:
@@ -109,47 +97,47 @@ def local() -> Iterator[LocalBackend]:
 
 @needs_local
 def test_attempt_runs_as_the_images_user(local: LocalBackend, tmp_path: Path) -> None:
-    env = write_env(tmp_path, USER_DOCKERFILE.format(base=BASE))
+    env = task_env(tmp_path, USER_DOCKERFILE.format(base=BASE))
     with local.fork(env) as attempt:
-        assert out(attempt, "id -un; id -u") != "root\n0"
-        assert out(attempt, "id -un") == "agent"
-        assert {int(g) for g in out(attempt, "id -G").split()} == groups_of(attempt, "agent")
+        assert ok_output(attempt, "id -un; id -u") != "root\n0"
+        assert ok_output(attempt, "id -un") == "agent"
+        assert {int(g) for g in ok_output(attempt, "id -G").split()} == groups_of(attempt, "agent")
         assert 2345 in groups_of(attempt, "agent")
-        assert out(attempt, "echo $HOME; pwd") == "/home/agent\n/home/agent/work"
-        assert out(attempt, "echo hi > notes.txt && stat -c %U notes.txt") == "agent"
-        assert out(attempt, WRITE_ERRNO + "/root/x") == "EACCES"
-        assert out(attempt, WRITE_ERRNO + "/etc/x") == "EACCES"
-        assert out(attempt, WRITE_ERRNO + "/opt/built.txt") == "EACCES"  # the build's file stays root's
-        assert out(attempt, "stat -c %U /opt/built.txt /etc/passwd") == "root\nroot"
-        assert out(attempt, "cd /tmp && export KEPT=1") == ""  # the shell state persists for the user
-        assert out(attempt, "pwd; echo $KEPT") == "/tmp\n1"
+        assert ok_output(attempt, "echo $HOME; pwd") == "/home/agent\n/home/agent/work"
+        assert ok_output(attempt, "echo hi > notes.txt && stat -c %U notes.txt") == "agent"
+        assert ok_output(attempt, WRITE_ERRNO + "/root/x") == "EACCES"
+        assert ok_output(attempt, WRITE_ERRNO + "/etc/x") == "EACCES"
+        assert ok_output(attempt, WRITE_ERRNO + "/opt/built.txt") == "EACCES"  # the build's file stays root's
+        assert ok_output(attempt, "stat -c %U /opt/built.txt /etc/passwd") == "root\nroot"
+        assert ok_output(attempt, "cd /tmp && export KEPT=1") == ""  # the shell state persists for the user
+        assert ok_output(attempt, "pwd; echo $KEPT") == "/tmp\n1"
         clean = attempt.exec_clean("id -un; echo $HOME; pwd", "/home/agent/work", timeout_s=30)
         assert clean.output.split() == ["agent", "/home/agent", "/home/agent/work"]
 
 
 @needs_local
 def test_no_user_is_root(local: LocalBackend, tmp_path: Path) -> None:
-    with local.fork(write_env(tmp_path, f"FROM {BASE}\nWORKDIR /app\n")) as attempt:
-        assert out(attempt, "id -u; echo $HOME") == "0\n/root"
-        assert out(attempt, WRITE_ERRNO + "/etc/x") == "ok"
+    with local.fork(task_env(tmp_path, f"FROM {BASE}\nWORKDIR /app\n")) as attempt:
+        assert ok_output(attempt, "id -u; echo $HOME") == "0\n/root"
+        assert ok_output(attempt, WRITE_ERRNO + "/etc/x") == "ok"
 
 
 @needs_local
 def test_numeric_user_without_passwd_entry(local: LocalBackend, tmp_path: Path) -> None:
     # Docker's rule: a uid the image does not know gets gid 0 and HOME=/; no setpriv needed in the image
     dockerfile = f"FROM {BASE}\nRUN rm /usr/bin/setpriv\nUSER 1234\n"
-    with local.fork(write_env(tmp_path, dockerfile), "/") as attempt:
-        assert out(attempt, "id -u; id -g; id -G; echo $HOME") == "1234\n0\n0\n/"
-        assert out(attempt, "command -v setpriv || echo none") == "none"
+    with local.fork(task_env(tmp_path, dockerfile), "/") as attempt:
+        assert ok_output(attempt, "id -u; id -g; id -G; echo $HOME") == "1234\n0\n0\n/"
+        assert ok_output(attempt, "command -v setpriv || echo none") == "none"
 
 
 @needs_local
 def test_env_home_wins_and_unknown_user_is_a_build_error(local: LocalBackend, tmp_path: Path) -> None:
     dockerfile = f"FROM {BASE}\nRUN useradd -m agent\nENV HOME=/srv/h\nUSER agent\n"
-    with local.fork(write_env(tmp_path / "a", dockerfile), "/") as attempt:
-        assert out(attempt, "id -un; echo $HOME") == "agent\n/srv/h"
+    with local.fork(task_env(tmp_path / "a", dockerfile), "/") as attempt:
+        assert ok_output(attempt, "id -un; echo $HOME") == "agent\n/srv/h"
     with pytest.raises(EnvBuildError, match=r"Dockerfile: USER ghost: no user 'ghost'"):
-        local.prepare(write_env(tmp_path / "b", f"FROM {BASE}\nUSER ghost\n"))
+        local.prepare(task_env(tmp_path / "b", f"FROM {BASE}\nUSER ghost\n"))
 
 
 @needs_local
@@ -174,19 +162,19 @@ def podman() -> Iterator[DockerBackend]:
 @needs_local
 @needs_podman
 def test_podman_attempt_runs_as_the_images_user(podman: DockerBackend, tmp_path: Path) -> None:
-    env = write_env(tmp_path, USER_DOCKERFILE.format(base=PODMAN_BASE).replace("/opt/built.txt", "/built.txt"))
+    env = task_env(tmp_path, USER_DOCKERFILE.format(base=PODMAN_BASE).replace("/opt/built.txt", "/built.txt"))
     parent = podman.prepare(env)
     config = subprocess.run([*engine_argv("podman"), "image", "inspect", "--format", "{{json .Config}}",
                              parent.image], capture_output=True, text=True, check=True)
     assert json.loads(config.stdout)["User"] == "agent"
     with podman.fork(env) as attempt:
-        assert out(attempt, "id -un; echo $HOME; pwd") == "agent\n/home/agent\n/home/agent/work"
-        assert {int(g) for g in out(attempt, "id -G").split()} == groups_of(attempt, "agent") != set()
+        assert ok_output(attempt, "id -un; echo $HOME; pwd") == "agent\n/home/agent\n/home/agent/work"
+        assert {int(g) for g in ok_output(attempt, "id -G").split()} == groups_of(attempt, "agent") != set()
         # buildah makes a WORKDIR as root (BuildKit as the USER): write in the user's home
-        assert out(attempt, "echo hi > ~/notes.txt && stat -c %U ~/notes.txt /built.txt") == "agent\nroot"
-        assert out(attempt, "touch /etc/x 2>&1 || true").endswith("Permission denied")
-        assert out(attempt, "cd /tmp && export KEPT=1; pwd; echo $KEPT") == "/tmp\n1"
-        assert out(attempt, "pwd; echo $KEPT") == "/tmp\n1"
+        assert ok_output(attempt, "echo hi > ~/notes.txt && stat -c %U ~/notes.txt /built.txt") == "agent\nroot"
+        assert ok_output(attempt, "touch /etc/x 2>&1 || true").endswith("Permission denied")
+        assert ok_output(attempt, "cd /tmp && export KEPT=1; pwd; echo $KEPT") == "/tmp\n1"
+        assert ok_output(attempt, "pwd; echo $KEPT") == "/tmp\n1"
         clean = attempt.exec_clean("id -un; echo $HOME", "/", timeout_s=30)
         assert clean.output.split() == ["agent", "/home/agent"]
 
@@ -211,7 +199,7 @@ def test_terminal_runs_as_the_user(local: LocalBackend, tmp_path: Path) -> None:
                 return
             seen.extend(data)
 
-    env = write_env(tmp_path, USER_DOCKERFILE.format(base=BASE))
+    env = task_env(tmp_path, USER_DOCKERFILE.format(base=BASE))
     with local.fork(env) as attempt:
         code = attempt.terminal(["/bin/sh", "-c", "id -un; echo $HOME; tty"], relay)
     assert code == 0
@@ -334,31 +322,31 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Imported]:
 @needs_local
 def test_imported_images_numeric_user_and_workdir_apply(imported: Imported, tmp_path: Path) -> None:
     backend = imported.backend
-    with backend.fork(write_env(tmp_path, f"FROM {NUMERIC_REF}\nENV MORE=1\n")) as attempt:  # no USER, no WORKDIR
-        assert out(attempt, "id -u; id -g; echo $HOME; pwd") == "1234\n0\n/\n/data/work"
-        assert out(attempt, "echo $IMAGE_SAYS$MORE; stat -c %U /data/work") == "hi1\nroot"  # made at import, root's
-        assert out(attempt, "touch /etc/x 2>&1 || true").endswith("Permission denied")  # no python3 here
+    with backend.fork(task_env(tmp_path, f"FROM {NUMERIC_REF}\nENV MORE=1\n")) as attempt:  # no USER, no WORKDIR
+        assert ok_output(attempt, "id -u; id -g; echo $HOME; pwd") == "1234\n0\n/\n/data/work"
+        assert ok_output(attempt, "echo $IMAGE_SAYS$MORE; stat -c %U /data/work") == "hi1\nroot"  # made at import, root's
+        assert ok_output(attempt, "touch /etc/x 2>&1 || true").endswith("Permission denied")  # no python3 here
 
 
 @needs_local
 def test_imported_images_named_user_builds_and_runs(imported: Imported, tmp_path: Path) -> None:
     backend = imported.backend
     dockerfile = f"FROM {NAMED_REF}\nRUN id -un > built-by.txt\n"  # RUN runs as the image's user, in its WorkingDir
-    with backend.fork(write_env(tmp_path, dockerfile)) as attempt:
-        assert out(attempt, "id -un; id -u; echo $HOME; pwd") == f"agent\n{AGENT_UID}\n/opt/agent\n/opt/agent/proj"
-        assert out(attempt, "cat built-by.txt; stat -c %U built-by.txt") == "agent\nagent"
-        assert out(attempt, "touch /root/x 2>&1 || true").endswith("Permission denied")  # no python3 here
+    with backend.fork(task_env(tmp_path, dockerfile)) as attempt:
+        assert ok_output(attempt, "id -un; id -u; echo $HOME; pwd") == f"agent\n{AGENT_UID}\n/opt/agent\n/opt/agent/proj"
+        assert ok_output(attempt, "cat built-by.txt; stat -c %U built-by.txt") == "agent\nagent"
+        assert ok_output(attempt, "touch /root/x 2>&1 || true").endswith("Permission denied")  # no python3 here
 
 
 @needs_local
 def test_dockerfile_user_and_workdir_override_the_images(imported: Imported, tmp_path: Path) -> None:
     backend = imported.backend
     dockerfile = f"FROM {NAMED_REF}\nUSER root\nWORKDIR sub\nRUN id -un > by.txt\n"  # WORKDIR relative to the image's
-    with backend.fork(write_env(tmp_path / "a", dockerfile)) as attempt:
-        assert out(attempt, "id -u; pwd; cat by.txt") == "0\n/opt/agent/proj/sub\nroot"
+    with backend.fork(task_env(tmp_path / "a", dockerfile)) as attempt:
+        assert ok_output(attempt, "id -u; pwd; cat by.txt") == "0\n/opt/agent/proj/sub\nroot"
     staged = f"FROM {NUMERIC_REF} AS first\nFROM first\nUSER 4321\n"  # a stage FROM a stage keeps the chain
-    with backend.fork(write_env(tmp_path / "b", staged)) as attempt:
-        assert out(attempt, "id -u; pwd") == "4321\n/data/work"
+    with backend.fork(task_env(tmp_path / "b", staged)) as attempt:
+        assert ok_output(attempt, "id -u; pwd") == "4321\n/data/work"
 
 
 @needs_local
@@ -371,11 +359,11 @@ def test_podman_imported_images_user_and_workdir_apply(imported: Imported, tmp_p
     made = [NAMED_REF]
     try:
         subprocess.run([*engine_argv("podman"), "rmi", "-f", NAMED_REF], capture_output=True)
-        env = write_env(tmp_path, f"FROM {NAMED_REF}\nRUN id -un > built-by.txt\n")
+        env = task_env(tmp_path, f"FROM {NAMED_REF}\nRUN id -un > built-by.txt\n")
         made.append(podman.prepare(env).image)
         with podman.fork(env) as attempt:
-            assert out(attempt, "id -un; echo $HOME; pwd") == "agent\n/opt/agent\n/opt/agent/proj"
-            assert out(attempt, "cat built-by.txt") == "agent"
+            assert ok_output(attempt, "id -un; echo $HOME; pwd") == "agent\n/opt/agent\n/opt/agent/proj"
+            assert ok_output(attempt, "cat built-by.txt") == "agent"
     finally:
         podman.close()
         subprocess.run([*engine_argv("podman"), "rmi", "-f", *made], capture_output=True)
