@@ -23,9 +23,16 @@ def _state_step(out: Path) -> int:
         return -1
 
 
+def _default_sigint() -> None:
+    """A child started from a background job inherits SIGINT ignored (POSIX: asynchronous commands of a
+    shell without job control ignore it) and Python then installs no KeyboardInterrupt handler: give the
+    run the disposition a terminal's Ctrl-C meets."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(args, env, log):
     return subprocess.Popen([sys.executable, "-m", "albatross.cli", *args], stdout=log,
-                            stderr=subprocess.STDOUT, env=env)
+                            stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint)
 
 
 def _wait_for_step(proc, out: Path, step: int, timeout: float = 900) -> None:
