@@ -147,17 +147,21 @@ def test_import_oci_layout_applies_layers_and_whiteouts(tmp_path: Path) -> None:
     assert again.root == root and again.env["LANG"] == "C.UTF-8" and "imported" in again.notes[0]
 
 
-def test_docker_save_archive_from_search_dir(tmp_path: Path) -> None:
-    config = json.dumps({"config": {"Env": ["FOO=bar"]}}).encode()
-    archive = tmp_path / "images" / "saved.tar"
-    archive.parent.mkdir()
+def _docker_save(archive: Path, config: dict, tag: str) -> Path:
+    """A ``docker save`` archive at ``archive``: one layer (LOWER), the image ``config``, tagged ``tag``."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    manifest = [{"Config": "cfg.json", "RepoTags": [tag], "Layers": ["abc/layer.tar"]}]
     with tarfile.open(archive, "w") as tar:
-        for name, data in (("abc/layer.tar", LOWER), ("cfg.json", config),
-                           ("manifest.json", json.dumps([{"Config": "cfg.json", "RepoTags": ["saved:latest"],
-                                                          "Layers": ["abc/layer.tar"]}]).encode())):
+        for name, data in (("abc/layer.tar", LOWER), ("cfg.json", json.dumps({"config": config}).encode()),
+                           ("manifest.json", json.dumps(manifest).encode())):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+    return archive
+
+
+def test_docker_save_archive_from_search_dir(tmp_path: Path) -> None:
+    archive = _docker_save(tmp_path / "images" / "saved.tar", {"Env": ["FOO=bar"]}, "saved:latest")
     base = images.resolve_base("saved", search=archive.parent)
     assert base.env["FOO"] == "bar" and (base.root / "opt/app/stale").read_text() == "stale"
 
@@ -189,15 +193,7 @@ def test_tag_recorded_before_user_and_workdir_reads_them_from_its_source(tmp_pat
 
 
 def test_docker_save_archives_user_applies(tmp_path: Path) -> None:
-    config = json.dumps({"config": {"Env": [], "User": "1234", "WorkingDir": "/data"}}).encode()
-    archive = tmp_path / "saved.tar"
-    with tarfile.open(archive, "w") as tar:
-        for name, data in (("l/layer.tar", LOWER), ("c.json", config),
-                           ("manifest.json", json.dumps([{"Config": "c.json", "RepoTags": ["u:1"],
-                                                          "Layers": ["l/layer.tar"]}]).encode())):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    _docker_save(tmp_path / "saved.tar", {"Env": [], "User": "1234", "WorkingDir": "/data"}, "u:1")
     base = images.resolve_base("u:1", search=tmp_path)
     assert (base.user, base.workdir) == ("1234", "/data") and (base.root / "data").is_dir()
 
