@@ -224,6 +224,9 @@ class TrainerConfig(_Section):
     keep_versions: int = Field(3, ge=1, description="Exported weight versions kept on disk.")
     logprob_chunk: int = Field(1024, ge=0, description="Tokens per chunk of the log-prob/entropy head, so the "
                                "full [tokens x vocab] logits are never held at once; 0 = one chunk.")
+    logprob_loss_only: bool = Field(True, description="Apply the LM head only at loss-mask tokens (the model's "
+                                    "own turns), not at prompt and observation tokens, whose log-probs no loss "
+                                    "reads; exact, and saves the head's work on those tokens.")
     attention: Literal["auto", "varlen", "flash", "dense"] = Field(
         "auto", description="Document masking of packed micro-batches: `auto` is `flash` when the model "
         "runs a flash_attention_* implementation, else `varlen` (per-document SDPA); `dense` builds a "

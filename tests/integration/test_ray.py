@@ -18,6 +18,7 @@ ray = pytest.importorskip("ray")
 @pytest.mark.slow
 @pytest.mark.skipif(not local_available(), reason="needs root, namespaces and overlayfs")
 def test_quick_demo_on_a_local_ray_cluster(tmp_path_factory, demo_cache, monkeypatch) -> None:
+    from albatross.bench.loop import QUICK_OVERRIDES
     from albatross.pipeline.demo import demo_config
     from albatross.pipeline.driver import Pipeline
 
@@ -27,7 +28,9 @@ def test_quick_demo_on_a_local_ray_cluster(tmp_path_factory, demo_cache, monkeyp
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(root / "r"), log_to_driver=False)
     logs: list[str] = []
     try:
-        cfg = demo_config(None, True, str(out), ["orchestrator.backend=ray", "eval.trials=1",
+        # bench loop's tiny demo (16 training tasks, a 60-step warm start, groups of 4): its warm start in
+        # demo_cache is this run's
+        cfg = demo_config(None, True, str(out), [*QUICK_OVERRIDES, "orchestrator.backend=ray", "eval.trials=1",
                                                  "tasks.n_heldout=4", "engine.replicas=2",
                                                  "ray.engine_cpus=0.25"])
         summary = Pipeline(cfg, log=logs.append, command="demo").run()

@@ -77,6 +77,45 @@ def test_token_logprobs_chunked_equals_full_logits():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def _step_grads(**options) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    trainer = Trainer(tiny_causal_lm(VOCAB, 64, 2), kl_coef=0.1, entropy_coef=0.01, **options)
+    metrics = trainer.rl_gradients(BATCH, current_version=0)
+    return metrics, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def test_head_at_loss_tokens_only_gives_the_same_loss_metrics_and_gradients():
+    model = tiny_causal_lm(VOCAB)
+    (mb,) = pack(BATCH.samples, 4096)
+    mask = mb.loss_mask > 0
+    full_lp, full_ent = TokenLogprobs(model, chunk_size=5)(mb.input_ids, mb.position_ids, mb.targets)
+    lp, ent = TokenLogprobs(model, chunk_size=5)(mb.input_ids, mb.position_ids, mb.targets, score_mask=mask)
+    torch.testing.assert_close(lp[mask], full_lp[mask], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent[mask], full_ent[mask], atol=1e-6, rtol=1e-6)
+    assert not lp[~mask].any() and not ent[~mask].any() and bool((full_lp[~mask] != 0).all())
+    # no loss token at all (an FSDP rank's padding micro-batch): the head and layers still get (zero) gradients
+    empty = torch.zeros_like(mask)
+    lp, _ = TokenLogprobs(model, chunk_size=5)(mb.input_ids, mb.position_ids, mb.targets, score_mask=empty)
+    lp.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert float(lp[0]) == pytest.approx(float(full_lp[0]), abs=1e-6) and not lp[1:].any()
+    ref_metrics, ref_grads = _step_grads(logprob_loss_only=False)
+    metrics, grads = _step_grads(logprob_loss_only=True)
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5)
+    for key in ("loss", "kl_penalty", "entropy_bonus", "entropy", "mismatch_kl", "tokens"):
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_the_head_at_loss_tokens_only_is_the_trainer_default():
+    from albatross.config import RunConfig
+
+    assert RunConfig().trainer.logprob_loss_only
+    off = RunConfig.model_validate({"trainer": {"logprob_loss_only": False}})
+    assert Trainer.from_config(tiny_causal_lm(VOCAB), off).loss_only is False
+
+
 def test_full_logprobs_by_hand():
     head = torch.nn.Linear(2, 3, bias=False)
     with torch.no_grad():

@@ -98,6 +98,41 @@ def test_fused_layers_keep_activation_checkpointing(qwen4_reference):
     assert checkpointed[0] < plain[0] / 3
 
 
+def test_checkpointed_layers_leave_the_fast_indexers_attention_out_of_their_recompute(qwen4_reference, monkeypatch):
+    """Under activation checkpointing a fused layer with the fast indexer's (self-checkpointing) attention is
+    checkpointed around it: the indexer selects once per document, not again in the layer's recompute; the
+    linear-attention layers are still recomputed whole, and the result stays exact."""
+    calls = {"select": 0}
+    select = ix.qsa_select
+
+    def counting(*args, **kwargs):
+        calls["select"] += 1
+        return select(*args, **kwargs)
+
+    monkeypatch.setattr(ix, "qsa_select", counting)
+    saved: list[int] = []
+    options = {"fused_hyper": True, "grouped_experts": True, "fast_indexer": True}
+    _assert_same(qwen4_reference, _logprobs_and_grads("qwen4_exp", saved=saved, **options))
+    once = calls["select"]
+    assert once > 0
+    calls["select"] = 0
+    checkpointed: list[int] = []
+    _assert_same(qwen4_reference, _logprobs_and_grads("qwen4_exp", checkpointing=True, saved=checkpointed,
+                                                      **options))
+    assert calls["select"] == once  # not again in a recompute
+    assert checkpointed[0] < saved[0] / 3
+    model = tiny_model("qwen4_exp", seed=0)
+    apply_model_options(model, **options)
+    from albatross.trainer.model import enable_activation_checkpointing
+
+    enable_activation_checkpointing(model)
+    layers = model.get_decoder().layers
+    assert all(layer.__dict__["_albatross_checkpointing"] for layer in layers)
+    # transformers' wrapper checkpoints the linear-attention layers whole, the indexed ones not
+    assert {layer.layer_type: layer.gradient_checkpointing for layer in layers} == {
+        "linear_attention": True, "indexed_attention": False}
+
+
 def test_options_change_the_computation():
     """The installed forwards are the ones that run: the swapped modules no longer call transformers'."""
     model = tiny_model("qwen4_exp", seed=0)
@@ -251,7 +286,7 @@ def test_study_quick_writes_its_keys_in_row_order(tmp_path):
 
     out = tmp_path / "study.json"
     cmd = [sys.executable, "-m", "albatross.cli", "bench", "trainer", "--study", "--quick", "--json", str(out),
-           "--study-budget-s", "300"]
+           "--study-budget-s", "300", "--study-memory-gib", "1"]  # 1 GiB: a short context ladder
     subprocess.run(cmd, check=True, timeout=1500, capture_output=True)
     data = json.loads(out.read_text())
     assert [r["name"] for r in data["study"]] == [name for name, _ in study.ROWS] + [study.CONTEXT_ROW]

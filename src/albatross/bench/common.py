@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import threading
@@ -46,11 +47,13 @@ def status_bytes(pid: int, field: str) -> int:
 
 
 def run_watched(cmd: list[str], limit_gib: float | None, timeout_s: float, watch_rss: bool = True,
-                poll_s: float = 0.1, oom_marker: str | None = None, tail_chars: int = 200) -> dict[str, Any]:
+                poll_s: float = 0.1, oom_marker: str | None = None, tail_chars: int = 200,
+                env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run a benchmark child that prints one JSON line last; with ``watch_rss``, kill it when its resident set
     passes ``limit_gib`` (None: no limit). ``status`` is ``ok`` (with the child's keys), ``over N GiB`` (also when ``oom_marker``
-    is in its stderr), ``timed out after Ns`` or ``failed: <last stderr line>``."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    is in its stderr), ``timed out after Ns`` or ``failed: <last stderr line>``. ``env``: added to the child's."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env} if env else None)
     over = threading.Event()
 
     def watch() -> None:

@@ -12,14 +12,15 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
    [B, T, V] logits, no checkpointing (``bench.trainer.padded_step``);
 1. exact packing: albatross' trainer, first-fit-decreasing rows, packed-aware layers (``models/``);
 2. ``trainer.grouped_experts``; 3. ``trainer.fast_indexer``; 4. ``trainer.fused_hyper``;
-5. chunked log-probs (``trainer.logprob_chunk``); 6. ``trainer.activation_checkpointing``;
+5. chunked log-probs at the loss tokens only (``trainer.logprob_chunk``, ``trainer.logprob_loss_only``); 6. ``trainer.activation_checkpointing``;
 7. ``trainer.offload_optimizer`` and ``trainer.host_params = ["ngram"]``;
 8. the seed's frozen parts (``trainer.freeze``: ``first_layers:2``, ``ngram``, ``indexer``, ``mtp`` when the
    model has one);
 9. the longest context (one trajectory of T tokens, one step) that fits in a fixed memory budget, for row 0's
    configuration (``context_baseline``) and row 8's (``max_context_measured``): each length runs in a fresh
    child process killed when its resident set passes ``--study-memory-gib`` (on a GPU: a per-process memory
-   fraction). Row 0 doubles T from 1,024 until one does not fit; row 8 starts at 4x row 0's, doubles while
+   fraction), its allocator set to return freed tensors to the system (``MEASURED_ALLOCATOR``), so the
+   resident set is what the step holds, not what glibc keeps of freed blocks. Row 0 doubles T from 1,024 until one does not fit; row 8 starts at 4x row 0's, doubles while
    it fits, else tries 2x and 1x. It runs after rows 0-8, within ``--study-budget-s``. Measured, not
    projected.
 
@@ -71,7 +72,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("2 + grouped experts", {"grouped_experts": True}),
     ("3 + vectorised QSA indexer", {"fast_indexer": True}),
     ("4 + fused hyper-connections", {"fused_hyper": True}),
-    ("5 + chunked log-probs", {"logprob_chunk": 1024}),
+    ("5 + chunked log-probs at loss tokens", {"logprob_chunk": 1024, "logprob_loss_only": True}),
     ("6 + activation checkpointing", {"activation_checkpointing": True}),
     ("7 + host offload (optimizer, n-gram table)", {"offload_optimizer": True, "host_params": ["ngram"]}),
     ("8 + seed's frozen parts", {"freeze": list(SEED_FREEZE)}),
@@ -83,7 +84,8 @@ CPU_NOTES = {
        "kernel replaces E launches and the per-expert gathers (the seed's MoE kernels)",
     4: "CPU: matmuls dominate, the saved elementwise passes are small; on a GPU these are memory-bound kernels "
        "over [T, hc x H] streams, fewer passes pay",
-    5: "small vocabulary here: the [T, V] logits are small; pays in memory at 150K vocabularies",
+    5: "the head skips the prompt and observation tokens (35% here; most of a real agent trajectory); "
+       "chunking pays in memory at 150K vocabularies, little at this 16K one",
     6: "trades compute for memory (recomputes each layer): slower by design, buys context (row 9)",
     7: "CPU: host and device memory are one, nothing moves; on a GPU frees the AdamW state and the n-gram "
        "table (its weights, grads and moments) from device memory",
@@ -195,6 +197,7 @@ def _trainer(model: Any, options: dict[str, Any], tokens: int, device: str) -> A
 
     opts = {k: v for k, v in options.items() if k != "packed"}
     opts.setdefault("logprob_chunk", None)
+    opts.setdefault("logprob_loss_only", False)
     return Trainer(model, micro_batch_tokens=tokens, lr=1e-4, attention="varlen",
                    precision="bf16" if device == "cuda" else "fp32", **opts)
 
@@ -325,12 +328,22 @@ def matmul_flops(model: Any, lengths: list[int]) -> float:
 # child processes ------------------------------------------------------------------------------------
 
 
+# A memory-budget child on the CPU: glibc returns every block of 128 KiB or more to the system when it is
+# freed. By default it raises that threshold as blocks are freed and then keeps freed tensors in its heap, so
+# the resident set carried 0.3-1 GiB of freed memory that varied from run to run (1.72-2.16 GiB for one row-8
+# step at 8,192 tokens, 1.13-1.19 GiB with this setting). Slower (each large tensor is fresh pages).
+MEASURED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+
+
 def run_child(spec: dict[str, Any], limit_gib: float | None, timeout_s: float) -> dict[str, Any]:
     """``row_child`` in a fresh process; killed when its resident set passes ``limit_gib`` (CPU) or when it
-    asks for more device memory than that (GPU: a per-process memory fraction)."""
+    asks for more device memory than that (GPU: a per-process memory fraction). Under a limit on the CPU its
+    allocator returns freed tensors (``MEASURED_ALLOCATOR``), so the resident set is what it holds."""
+    cpu = spec["device"] == "cpu"
     return run_watched([sys.executable, "-m", "albatross.bench.study", "--child",
                         json.dumps({**spec, "limit_gib": limit_gib})],
-                       limit_gib, timeout_s, watch_rss=spec["device"] == "cpu", poll_s=0.05, oom_marker="OutOfMemoryError", tail_chars=300)
+                       limit_gib, timeout_s, watch_rss=cpu, poll_s=0.05, oom_marker="OutOfMemoryError", tail_chars=300,
+                       env=MEASURED_ALLOCATOR if cpu and limit_gib else None)
 
 
 def _child_main(spec: dict[str, Any]) -> None:

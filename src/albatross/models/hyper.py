@@ -12,7 +12,12 @@ Here (same weights, same math, fp32-rounding equal; tests/unit/test_trainer_stud
 - the mix-down and inject projections are one matmul over the normalised streams (weights concatenated);
 - the stream mix is one multiply and one mean over the stream axis;
 - the write-back is one ``addcmul`` (streams + block output x injection weights), whose backward is a
-  single fused pass as well.
+  single fused pass as well;
+- under activation checkpointing, an indexed-attention layer whose attention is the fast indexer's
+  (``models/indexer.py``, which checkpoints each query chunk itself and keeps only q, k, v and the selected
+  key ids) is checkpointed around its attention, not through it: the residual ops and the MLP are
+  recomputed in the backward, the attention is not recomputed a second time (with the whole layer
+  checkpointed its query chunks ran three times: the forward, the layer's recompute and their own).
 
 On a CPU with small widths this saves little (the matmuls dominate); on a GPU, where these ops are
 memory-bound elementwise kernels, fewer passes over the [T, hc x H] streams is what pays.
@@ -52,10 +57,51 @@ def write_back(streams: Tensor, block_out: Tensor, weights: Tensor) -> Tensor:
                          weights.unsqueeze(-1)).flatten(-2)
 
 
+def _attention_apart(layer: nn.Module) -> bool:
+    """Checkpointing this layer leaves its attention out: the fast indexer's, which checkpoints itself."""
+    return layer.layer_type != "linear_attention" and getattr(layer.self_attn, "_albatross_fast_indexer", False)
+
+
+def _checkpointing(layer: nn.Module) -> bool:
+    """transformers' ``gradient_checkpointing`` flag as set on the layer (``set_gradient_checkpointing``)."""
+    return bool(layer.__dict__.get("_albatross_checkpointing", False))
+
+
+def _set_checkpointing(layer: nn.Module, value: bool) -> None:
+    layer.__dict__["_albatross_checkpointing"] = value
+
+
+def _layer_checkpointed(layer: nn.Module) -> bool:
+    """What transformers' wrapper reads: checkpoint the whole layer, unless it checkpoints around its attention."""
+    return _checkpointing(layer) and not _attention_apart(layer)
+
+
+def _around_attention(layer: nn.Module, hidden_states: Tensor, position_embeddings: Any, attention_mask: Any,
+                      conv_mask: Any, ple_input_ids: Any, **kwargs: Any) -> Tensor:
+    """The layer with the residual ops and the MLP checkpointed, the (self-checkpointing) attention not."""
+    from torch.utils.checkpoint import checkpoint
+
+    def before(h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if layer.ple is not None:
+            h = h + layer.ple(h, ple_input_ids, None, conv_mask=conv_mask)
+        return gated_residual(layer.attn_hyper_connection, h)
+
+    def after(streams: Tensor, x: Tensor, weights: Tensor) -> Tensor:
+        x, streams, weights = gated_residual(layer.mlp_hyper_connection, write_back(streams, x, weights))
+        return write_back(streams, layer.mlp(x), weights)
+
+    x, streams, weights = checkpoint(before, hidden_states, use_reentrant=False)
+    x, _ = layer.self_attn(x, position_embeddings, attention_mask=attention_mask, cache=None, **kwargs)
+    return checkpoint(after, streams, x, weights, use_reentrant=False)
+
+
 def fused_layer_forward(layer: nn.Module, hidden_states: Tensor, position_embeddings: Any,
                         attention_mask: Any = None, conv_mask: Any = None, cache: Any = None,
                         ple_input_ids: Any = None, **kwargs: Any) -> Tensor:
     """``Qwen4ExpTextDecoderLayer.forward`` with the fused residual ops (its submodules called as shipped)."""
+    if _checkpointing(layer) and _attention_apart(layer) and layer.training and torch.is_grad_enabled():
+        return _around_attention(layer, hidden_states, position_embeddings, attention_mask, conv_mask,
+                                 ple_input_ids, **kwargs)
     if layer.ple is not None:
         hidden_states = hidden_states + layer.ple(hidden_states, ple_input_ids, cache, conv_mask=conv_mask)
     x, streams, weights = gated_residual(layer.attn_hyper_connection, hidden_states)
@@ -83,6 +129,7 @@ def fused_class(cls: type) -> type:
     if cls not in _FUSED_CLASSES:
         _FUSED_CLASSES[cls] = type(cls.__name__, (cls,), {
             "forward": fused_layer_forward, "_albatross_fused": True, "__module__": cls.__module__,
+            "gradient_checkpointing": property(_layer_checkpointed, _set_checkpointing),
             "__qualname__": cls.__qualname__, "__doc__": fused_layer_forward.__doc__})
     return _FUSED_CLASSES[cls]
 
@@ -94,7 +141,10 @@ def install_fused_hyper(model: nn.Module) -> int:
     for module in model.get_decoder().modules():  # an MTP head keeps its own forward
         name = type(module).__name__
         if name in LAYER_CLASSES:
+            flag = module.__dict__.pop("gradient_checkpointing", None)
             module.__class__ = fused_class(type(module))
+            if flag is not None:
+                module.gradient_checkpointing = flag
             count += 1
         elif name in RESIDUAL_CLASSES and module.block_inject_weight is None:  # the final stream mixer
             module.forward = functools.partial(gated_residual, module)

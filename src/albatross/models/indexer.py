@@ -231,6 +231,7 @@ def install_fast_indexer(model: nn.Module) -> int:
         if module.attention_dropout:
             raise NotImplementedError("fast indexer: attention dropout")
         replaced(module, layout, qsa_attention_forward)
+        module._albatross_fast_indexer = True  # its query chunks checkpoint themselves (models/hyper.py reads it)
     if modules and not getattr(decoder, "_albatross_sparse_masks", False):
         decoder.forward = functools.partial(_no_dense_masks, decoder.forward)
         decoder._albatross_sparse_masks = True

@@ -238,9 +238,13 @@ class TokenLogprobs(nn.Module):
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, targets: Tensor, routing: Tensor | None = None,
-        **attention: Any,
+        score_mask: Tensor | None = None, **attention: Any,
     ) -> tuple[Tensor, Tensor]:
-        """``routing``: experts recorded by the engine per input position (``models/routing.py``): replayed."""
+        """``routing``: experts recorded by the engine per input position (``models/routing.py``): replayed.
+        ``score_mask`` ([T] bool): apply the LM head only where it is set (the loss tokens); elsewhere the
+        log-prob and entropy are 0, with no gradient. A mask with nothing set scores the first position, so
+        the head and every layer are still in the graph (an FSDP rank's padding micro-batch must run the
+        same backward as the others)."""
         if routing is not None or hasattr(self.model, "_albatross_replay"):
             from albatross.models import routing as replay
 
@@ -249,6 +253,17 @@ class TokenLogprobs(nn.Module):
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention
         )
         hidden_TH = out.last_hidden_state[0]
+        if score_mask is None:
+            return self._score(hidden_TH, targets)
+        where = score_mask.reshape(-1).nonzero().squeeze(-1)
+        if where.numel() == 0:
+            where = where.new_zeros(1)
+        logp, entropy = self._score(hidden_TH.index_select(0, where), targets.reshape(-1).index_select(0, where))
+        zeros = logp.new_zeros(hidden_TH.shape[0])
+        return zeros.index_copy(0, where, logp), zeros.index_copy(0, where, entropy)
+
+    def _score(self, hidden_TH: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropies of ``targets`` from the final hidden states: the LM head in chunks."""
         head = self.model.get_output_embeddings()
         if self.chunk_size is None:
             return full_logprobs(hidden_TH, head, targets, temperature=self.temperature, softcap=self.softcap)

@@ -140,7 +140,7 @@ class Trainer:
     Knobs beyond the optimizer (each resolved once, here; docs/trainer.md has the table):
     ``micro_batch_tokens`` packing budget; ``loss`` / ``loss_kwargs`` the policy loss (``rl.losses``);
     ``kl_coef`` / ``entropy_coef`` optional extra terms (0: none); ``logprob_chunk`` tokens per
-    LM-head chunk (None: full logits); ``logprob_recompute`` recompute the head's logits in the
+    LM-head chunk (None: full logits); ``logprob_loss_only`` the head at loss tokens only; ``logprob_recompute`` recompute the head's logits in the
     backward (None: when a micro-batch's [T, V] probabilities would pass ``logprobs.KEEP_BYTES``, 256 MiB);
     ``attention`` document masking (``auto``, ``varlen``, ``flash``, ``dense``); ``activation_checkpointing``; ``freeze`` glob
     patterns of parameter names; ``offload_optimizer`` optimizer state in host memory; ``precision``
@@ -164,6 +164,7 @@ class Trainer:
         entropy_coef: float = default("rl", "entropy_coef"),
         logprob_chunk: int | None = default("trainer", "logprob_chunk"),
         logprob_recompute: bool | None = None,
+        logprob_loss_only: bool = default("trainer", "logprob_loss_only"),
         temperature: float = default("sampling", "temperature"),
         attention: str = default("trainer", "attention"),
         activation_checkpointing: bool = default("trainer", "activation_checkpointing"),
@@ -197,6 +198,7 @@ class Trainer:
         bf16 = _use_bf16(precision, self.device)
         self.policy = TokenLogprobs(model, chunk_size=logprob_chunk, temperature=temperature,
                                     entropy_grad=bool(entropy_coef), recompute=logprob_recompute)
+        self.loss_only = logprob_loss_only
         self.fsdp = fsdp
         if fsdp:
             if not dist.is_distributed():
@@ -231,6 +233,7 @@ class Trainer:
             model, lr=tc.lr if lr is None else lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
             micro_batch_tokens=tc.micro_batch_tokens, loss=rl.loss, loss_kwargs=loss_knobs(rl),
             kl_coef=rl.kl_coef, entropy_coef=rl.entropy_coef, logprob_chunk=tc.logprob_chunk or None,
+            logprob_loss_only=tc.logprob_loss_only,
             temperature=sampling_temperature(cfg.sampling.temperature), attention=tc.attention,
             activation_checkpointing=tc.activation_checkpointing, freeze=tc.freeze,
             offload_optimizer=tc.offload_optimizer, host_params=tc.host_params, grouped_experts=tc.grouped_experts,
@@ -250,12 +253,19 @@ class Trainer:
         return functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16)
 
     # forward -------------------------------------------------------------------------------------
+    def _scored(self, mb: MicroBatch) -> dict[str, Tensor]:
+        """``logprob_loss_only``: the LM head runs at the micro-batch's loss tokens only (every loss, metric
+        and regulariser reads log-probs through ``loss_mask``)."""
+        return {"score_mask": mb.loss_mask.to(self.device) > 0} if self.loss_only else {}
+
     def forward_logprobs(self, mb: MicroBatch) -> tuple[Tensor, Tensor]:
-        """Trainer log-probs (with grad) and entropies of a micro-batch's targets, [T] each."""
+        """Trainer log-probs (with grad) and entropies of a micro-batch's targets, [T] each (0 off the loss
+        tokens with ``logprob_loss_only``)."""
         d = self.device
         attn = self.attention(mb, torch.float32, d)
         with self.autocast():
-            return self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d), **attn)
+            return self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d), **attn,
+                               **self._scored(mb))
 
     # gradients -----------------------------------------------------------------------------------
     def _keep_hidden(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -279,7 +289,8 @@ class Trainer:
         d = self.device
         attn = {k: v for k, v in self.attention(mb, torch.float32, d).items() if k != "routing"}
         with torch.no_grad(), self.autocast():
-            logprobs, _ = self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d), **attn)
+            logprobs, _ = self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d), **attn,
+                                      **self._scored(mb))
         return mismatch_kl(logprobs - mb.logprobs.to(d), mb.loss_mask.to(d))
 
     def _micro_step(self, mb: MicroBatch, loss_of: LossOf, n_batch: int, live_kl: bool = False) -> dict[str, float]:
