@@ -140,7 +140,7 @@ def test_packing_without_mask_would_leak_across_samples():
     (mb,) = pack(batch.samples, 4096)
     hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=None).last_hidden_state[0]
     leaky, _ = chunked_logprobs(hidden, model.get_output_embeddings(), mb.targets)
-    masked, _ = Trainer(model, attention="varlen").forward_logprobs(mb)
+    masked, _ = Trainer(model, attention="varlen", logprob_loss_only=False).forward_logprobs(mb)  # every token
     assert not torch.allclose(leaky[7:], masked[7:], atol=1e-4)
     torch.testing.assert_close(leaky[:7], masked[:7], atol=1e-5, rtol=1e-5)
 

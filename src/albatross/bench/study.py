@@ -12,7 +12,8 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
    [B, T, V] logits, no checkpointing (``bench.trainer.padded_step``);
 1. exact packing: albatross' trainer, first-fit-decreasing rows, packed-aware layers (``models/``);
 2. ``trainer.grouped_experts``; 3. ``trainer.fast_indexer``; 4. ``trainer.fused_hyper``;
-5. chunked log-probs at the loss tokens only (``trainer.logprob_chunk``, ``trainer.logprob_loss_only``); 6. ``trainer.activation_checkpointing``;
+5. chunked log-probs at the loss tokens only (``trainer.logprob_chunk``, ``trainer.logprob_loss_only``);
+6. ``trainer.activation_checkpointing``;
 7. ``trainer.offload_optimizer`` and ``trainer.host_params = ["ngram"]``;
 8. the seed's frozen parts (``trainer.freeze``: ``first_layers:2``, ``ngram``, ``indexer``, ``mtp`` when the
    model has one);
@@ -20,9 +21,9 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
    configuration (``context_baseline``) and row 8's (``max_context_measured``): each length runs in a fresh
    child process killed when its resident set passes ``--study-memory-gib`` (on a GPU: a per-process memory
    fraction), its allocator set to return freed tensors to the system (``MEASURED_ALLOCATOR``), so the
-   resident set is what the step holds, not what glibc keeps of freed blocks. Row 0 doubles T from 1,024 until one does not fit; row 8 starts at 4x row 0's, doubles while
-   it fits, else tries 2x and 1x. It runs after rows 0-8, within ``--study-budget-s``. Measured, not
-   projected.
+   resident set is what the step holds, not what glibc keeps of freed blocks. Row 0 doubles T from 1,024
+   until one does not fit; row 8 starts at 4x row 0's, doubles while it fits, else tries 2x and 1x. It runs
+   after rows 0-8, within ``--study-budget-s``. Measured, not projected.
 
 Each row runs in its own child process, one after another (its peak is the child's ``VmHWM``; on a GPU
 ``max_memory_allocated``, after a warm-up step of a throwaway copy on two short trajectories). Reported:

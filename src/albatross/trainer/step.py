@@ -140,8 +140,9 @@ class Trainer:
     Knobs beyond the optimizer (each resolved once, here; docs/trainer.md has the table):
     ``micro_batch_tokens`` packing budget; ``loss`` / ``loss_kwargs`` the policy loss (``rl.losses``);
     ``kl_coef`` / ``entropy_coef`` optional extra terms (0: none); ``logprob_chunk`` tokens per
-    LM-head chunk (None: full logits); ``logprob_loss_only`` the head at loss tokens only; ``logprob_recompute`` recompute the head's logits in the
-    backward (None: when a micro-batch's [T, V] probabilities would pass ``logprobs.KEEP_BYTES``, 256 MiB);
+    LM-head chunk (None: full logits); ``logprob_loss_only`` the head at loss tokens only;
+    ``logprob_recompute`` recompute the head's logits in the backward (None: when a micro-batch's [T, V]
+    probabilities would pass ``logprobs.KEEP_BYTES``, 256 MiB);
     ``attention`` document masking (``auto``, ``varlen``, ``flash``, ``dense``); ``activation_checkpointing``; ``freeze`` glob
     patterns of parameter names; ``offload_optimizer`` optimizer state in host memory; ``precision``
     (``auto``: bf16 on GPU, fp32 on CPU); ``fsdp`` shard across the ranks of an initialised group;
