@@ -12,13 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from albatross.bench.loop import QUICK_OVERRIDES
 from albatross.sandbox import local_available
+from demo_util import TINY_DEMO_ARGS
 
 STEPS = 10
-# bench loop's tiny demo (16 training tasks, a 60-step warm start, groups of 4): the warm start it caches in
-# demo_cache is this run's, and a step takes seconds
-TINY = [f"--{kv}" for kv in QUICK_OVERRIDES]
 
 
 def _read(path: Path) -> dict:
@@ -41,8 +38,8 @@ def _wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float 
 def test_engine_and_sandbox_killed_mid_run_are_restarted_and_the_run_finishes(tmp_path, demo_cache) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "ALBATROSS_CACHE": str(demo_cache), "PYTHONUNBUFFERED": "1"}
-    args = ["demo", "--quick", "--out", str(out), *TINY, f"--orchestrator.max_steps={STEPS}", "--eval.trials=1",
-            "--tasks.n_heldout=4", "--orchestrator.max_minutes=10", "--engine.replicas=2", "--engine.process=true"]
+    args = ["demo", "--quick", "--out", str(out), *TINY_DEMO_ARGS, f"--orchestrator.max_steps={STEPS}",
+            "--eval.trials=1", "--tasks.n_heldout=4", "--orchestrator.max_minutes=10", "--engine.replicas=2", "--engine.process=true"]
     with (tmp_path / "log.txt").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "albatross.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from albatross.bench.loop import QUICK_OVERRIDES
 from albatross.pipeline.summary import SUMMARY_KEYS
 from albatross.sandbox import local_available
+from demo_util import TINY_DEMO_ARGS
 
 
 @pytest.mark.slow
@@ -19,9 +19,8 @@ from albatross.sandbox import local_available
 def test_demo_quick(tmp_path, demo_cache):
     out = tmp_path / "out"
     env = {**os.environ, "ALBATROSS_CACHE": str(demo_cache)}
-    tiny = [f"--{kv}" for kv in QUICK_OVERRIDES]
-    r = subprocess.run([sys.executable, "-m", "albatross.cli", "demo", "--quick", "--out", str(out), *tiny],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([sys.executable, "-m", "albatross.cli", "demo", "--quick", "--out", str(out),
+                        *TINY_DEMO_ARGS], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[warm-start]" in r.stdout and "[train] step" in r.stdout and "[eval]" in r.stdout
     summary = json.loads((out / "summary.json").read_text())

@@ -11,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from albatross.bench.loop import QUICK_OVERRIDES
 from albatross.sandbox import local_available
+from demo_util import TINY_DEMO_ARGS
 
 STEPS = 8
-# bench loop's tiny demo (16 training tasks, a 60-step warm start, groups of 4, one evaluation trial): the warm
-# start it caches in demo_cache is this run's, and a step takes seconds
-TINY = [f"--{kv}" for kv in QUICK_OVERRIDES]
 
 
 def _state_step(out: Path) -> int:
@@ -53,7 +50,7 @@ def test_interrupt_and_trainer_kill_then_resume(tmp_path, demo_cache):
     out = tmp_path / "out"
     env = {**os.environ, "ALBATROSS_CACHE": str(demo_cache), "PYTHONUNBUFFERED": "1"}
     log = (tmp_path / "log.txt").open("w")
-    args = ["demo", "--quick", "--out", str(out), *TINY, f"--orchestrator.max_steps={STEPS}",
+    args = ["demo", "--quick", "--out", str(out), *TINY_DEMO_ARGS, f"--orchestrator.max_steps={STEPS}",
             "--orchestrator.max_minutes=10", "--orchestrator.groups_per_step=1"]
     proc = _start(args, env, log)
     _wait_for_step(proc, out, 2)

@@ -76,42 +76,42 @@ def _layer_checkpointed(layer: nn.Module) -> bool:
     return _checkpointing(layer) and not _attention_apart(layer)
 
 
-def _around_attention(layer: nn.Module, hidden_states: Tensor, position_embeddings: Any, attention_mask: Any,
-                      conv_mask: Any, ple_input_ids: Any, **kwargs: Any) -> Tensor:
-    """The layer with the residual ops and the MLP checkpointed, the (self-checkpointing) attention not."""
-    from torch.utils.checkpoint import checkpoint
+def _before_mixer(layer: nn.Module, hidden_states: Tensor, ple_input_ids: Any, cache: Any,
+                  conv_mask: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """PLE, then the token mixer's gated residual: (mixer input, streams, injection weights)."""
+    if layer.ple is not None:
+        hidden_states = hidden_states + layer.ple(hidden_states, ple_input_ids, cache, conv_mask=conv_mask)
+    return gated_residual(layer.attn_hyper_connection, hidden_states)
 
-    def before(h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if layer.ple is not None:
-            h = h + layer.ple(h, ple_input_ids, None, conv_mask=conv_mask)
-        return gated_residual(layer.attn_hyper_connection, h)
 
-    def after(streams: Tensor, x: Tensor, weights: Tensor) -> Tensor:
-        x, streams, weights = gated_residual(layer.mlp_hyper_connection, write_back(streams, x, weights))
-        return write_back(streams, layer.mlp(x), weights)
+def _after_mixer(layer: nn.Module, streams: Tensor, x: Tensor, weights: Tensor) -> Tensor:
+    """The mixer's write-back, then the MLP with its gated residual."""
+    x, streams, weights = gated_residual(layer.mlp_hyper_connection, write_back(streams, x, weights))
+    return write_back(streams, layer.mlp(x), weights)
 
-    x, streams, weights = checkpoint(before, hidden_states, use_reentrant=False)
-    x, _ = layer.self_attn(x, position_embeddings, attention_mask=attention_mask, cache=None, **kwargs)
-    return checkpoint(after, streams, x, weights, use_reentrant=False)
+
+def _run(fn: Any, *args: Any) -> Any:
+    return fn(*args)
 
 
 def fused_layer_forward(layer: nn.Module, hidden_states: Tensor, position_embeddings: Any,
                         attention_mask: Any = None, conv_mask: Any = None, cache: Any = None,
                         ple_input_ids: Any = None, **kwargs: Any) -> Tensor:
-    """``Qwen4ExpTextDecoderLayer.forward`` with the fused residual ops (its submodules called as shipped)."""
+    """``Qwen4ExpTextDecoderLayer.forward`` with the fused residual ops (its submodules called as shipped).
+
+    A layer checkpointed around its attention (``_attention_apart``) checkpoints the parts before and after
+    the attention and runs the (self-checkpointing) attention as it is."""
+    run: Any = _run
     if _checkpointing(layer) and _attention_apart(layer) and layer.training and torch.is_grad_enabled():
-        return _around_attention(layer, hidden_states, position_embeddings, attention_mask, conv_mask,
-                                 ple_input_ids, **kwargs)
-    if layer.ple is not None:
-        hidden_states = hidden_states + layer.ple(hidden_states, ple_input_ids, cache, conv_mask=conv_mask)
-    x, streams, weights = gated_residual(layer.attn_hyper_connection, hidden_states)
+        from torch.utils.checkpoint import checkpoint
+
+        run, cache = functools.partial(checkpoint, use_reentrant=False), None
+    x, streams, weights = run(_before_mixer, layer, hidden_states, ple_input_ids, cache, conv_mask)
     if layer.layer_type == "linear_attention":
         x = layer.linear_attn(x, cache=cache, attention_mask=conv_mask, **kwargs)
     else:
         x, _ = layer.self_attn(x, position_embeddings, attention_mask=attention_mask, cache=cache, **kwargs)
-    hidden_states = write_back(streams, x, weights)
-    x, streams, weights = gated_residual(layer.mlp_hyper_connection, hidden_states)
-    return write_back(streams, layer.mlp(x), weights)
+    return run(_after_mixer, layer, streams, x, weights)
 
 
 _FUSED_CLASSES: dict[type, type] = {}
