@@ -76,14 +76,15 @@ def _recurrent(per_channel: bool, q, k, v, g, beta):
     return out[0]
 
 
+@pytest.mark.parametrize("strength", [1.0, 8.0], ids=["decay", "strong_decay"])  # strong: exponents past -87
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gated_delta_net", "kda"])
-def test_packed_scan_equals_each_document_alone_with_gradients(per_channel):
+def test_packed_scan_equals_each_document_alone_with_gradients(per_channel, strength):
     inputs = _inputs(per_channel, seed=1)
     weight = torch.randn(sum(LENGTHS), 2, 16, generator=torch.Generator().manual_seed(2))
     results = []
     for run in ("packed", "alone"):
         q, k, v, g_raw, beta_raw = inputs
-        g, beta = -F.softplus(g_raw), beta_raw.sigmoid()
+        g, beta = -strength * F.softplus(g_raw), beta_raw.sigmoid()
         if run == "packed":
             out = gated_delta_rule_packed(q, k, v, g, beta, LENGTHS)
         else:

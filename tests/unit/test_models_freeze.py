@@ -1,5 +1,6 @@
-"""Freezing by part name (first_layers:N, ngram, indexer, mtp, vision, router) besides glob patterns."""
+"""Freezing by part name (first_layers:N, embed, ngram, indexer, mtp, vision, router) besides glob patterns."""
 
+import functools
 import random
 
 import pytest
@@ -89,3 +90,40 @@ def test_freeze_marks_parameters_and_returns_their_names():
     names = freeze(model, ["router"])
     assert names and all(not p.requires_grad for n, p in model.named_parameters() if n in names)
     assert all(p.requires_grad for n, p in model.named_parameters() if n not in names)
+
+
+def test_embed_selects_the_input_embedding_and_is_refused_where_the_head_shares_it(qwen4):
+    assert resolve_freeze(qwen4, ["embed"]) == ["model.embed_tokens.weight"]
+    with pytest.raises(ValueError, match="ties its input embedding to the LM head"):
+        resolve_freeze(tiny_model("qwen3", tie_word_embeddings=True), ["embed"])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_frozen_bottom_stops_the_backward_and_trains_the_rest_as_before(checkpointing):
+    """Frozen embedding and first layer: layer 0 runs once per micro-batch (no graph, no recompute under
+    checkpointing) and the trainable parameters get the gradients they get with the embedding trainable."""
+    specs = ["embed", "first_layers:1", "ngram", "indexer"]
+    grads = {}
+    for bottom in (specs, specs[1:]):
+        model = tiny_model("qwen4_exp", mtp=False, seed=0)
+        trainer = Trainer(model, lr=1e-2, micro_batch_tokens=256, freeze=bottom,
+                          activation_checkpointing=checkpointing)
+        calls = []
+        mlp = model.get_decoder().layers[0].mlp
+
+        def counted(log, forward, *args, **kwargs):
+            log.append(0)
+            return forward(*args, **kwargs)
+
+        mlp.forward = functools.partial(counted, calls, mlp.forward)
+        assert torch.isfinite(torch.tensor(trainer.rl_gradients(_batch(), current_version=0)["loss"]))
+        grads[len(bottom)] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if bottom is specs:
+            assert calls.count(0) == 1  # no recompute of the frozen layer
+            assert "model.embed_tokens.weight" not in grads[len(bottom)]
+        else:
+            assert calls.count(0) == (2 if checkpointing else 1)  # a trainable embedding needs its backward
+    trained = grads[len(specs)]
+    assert trained and set(trained) == set(grads[len(specs) - 1]) - {"model.embed_tokens.weight"}
+    for name, g in trained.items():
+        torch.testing.assert_close(g, grads[len(specs) - 1][name], rtol=1e-5, atol=1e-6, msg=name)

@@ -295,4 +295,7 @@ def test_study_quick_writes_its_keys_in_row_order(tmp_path):
         assert math.isclose(row["ratio"], row["tokens_per_s"] / data["study"][0]["tokens_per_s"])
     assert data["same_first_loss"] is True
     assert data["cumulative_speedup"] == data["study"][8]["tokens_per_s"] / data["study"][0]["tokens_per_s"]
+    seed_only = data["seed_parts_only"]  # row 8 with the embedding trained, measured in the same run
+    assert seed_only["name"] == study.SEED_PARTS_ONLY and "embed" not in seed_only["options"]["freeze"]
+    assert "embed" in data["study"][8]["options"]["freeze"] and seed_only["tokens_per_s"] > 0
     assert data["context_baseline"] > 0 and data["max_context_measured"] >= data["context_baseline"]

@@ -15,8 +15,12 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
 5. chunked log-probs at the loss tokens only (``trainer.logprob_chunk``, ``trainer.logprob_loss_only``);
 6. ``trainer.activation_checkpointing``;
 7. ``trainer.offload_optimizer`` and ``trainer.host_params = ["ngram"]``;
-8. the seed's frozen parts (``trainer.freeze``: ``first_layers:2``, ``ngram``, ``indexer``, ``mtp`` when the
-   model has one);
+8. frozen parts (``trainer.freeze``): the seed's (``first_layers:2``, ``ngram``, ``indexer``, ``mtp`` when the
+   model has one) and the token embedding under them (``embed``). The seed does not say whether its embedding
+   trained; frozen, nothing below layer 2 needs a gradient and the backward stops there (the frozen layers
+   run once, without a graph). With it trainable the backward still runs through the frozen layers to reach
+   it: that variant (the seed's parts alone) is measured in the same run and reported beside the rows
+   (``seed_parts_only``);
 9. the longest context (one trajectory of T tokens, one step) that fits in a fixed memory budget, for row 0's
    configuration (``context_baseline``) and row 8's (``max_context_measured``): each length runs in a fresh
    child process killed when its resident set passes ``--study-memory-gib`` (on a GPU: a per-process memory
@@ -25,9 +29,11 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
    until one does not fit; row 8 starts at 4x row 0's, doubles while it fits, else tries 2x and 1x. It runs
    after rows 0-8, within ``--study-budget-s``. Measured, not projected.
 
-Each row runs in its own child process, one after another (its peak is the child's ``VmHWM``; on a GPU
-``max_memory_allocated``, after a warm-up step of a throwaway copy on two short trajectories). Reported:
-non-padding tokens/s (real tokens / step seconds, best of the timed steps), peak memory, matmul GFLOP/s (the
+Each row runs in its own child process (its peak is the child's ``VmHWM``; on a GPU ``max_memory_allocated``,
+after a warm-up step of a throwaway copy on two short trajectories), in ``--study-rounds`` rounds (default 3,
+each running every row once, in order, timing 2 steps), so each row's steps are spread over the whole
+measurement rather than falling in one slow spell of a shared machine. Reported: non-padding tokens/s (real
+tokens / step seconds, the best step over all rounds), peak memory, matmul GFLOP/s (the
 model's matmuls over the real tokens, counted analytically as 3 x the forward: every linear layer, the k
 active experts, routers, the LM head, the QSA indexer's block scores and attention over the keys each query
 keeps; the delta rule's internal products and checkpoint recomputation not counted, as MFU counts), and the
@@ -66,6 +72,7 @@ STUDY_MODEL: dict[str, Any] = {
     "indexer_budget": 128, "indexer_compress_ratio": 8,
 }
 SEED_FREEZE = ("first_layers:2", "ngram", "indexer", "mtp")
+BOTTOM_FREEZE = ("embed",)  # the token embedding under the seed's frozen first layers
 # (name, trainer options added by the row); every row keeps the previous rows' options
 ROWS: list[tuple[str, dict[str, Any]]] = [
     ("0 transformers as shipped (padded)", {}),
@@ -76,7 +83,7 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("5 + chunked log-probs at loss tokens", {"logprob_chunk": 1024, "logprob_loss_only": True}),
     ("6 + activation checkpointing", {"activation_checkpointing": True}),
     ("7 + host offload (optimizer, n-gram table)", {"offload_optimizer": True, "host_params": ["ngram"]}),
-    ("8 + seed's frozen parts", {"freeze": list(SEED_FREEZE)}),
+    ("8 + frozen parts (the seed's, and the embedding)", {"freeze": [*SEED_FREEZE, *BOTTOM_FREEZE]}),
 ]
 CONTEXT_ROW = "9 longest context in the memory budget"
 # what a row is for where a CPU run cannot show it
@@ -90,11 +97,13 @@ CPU_NOTES = {
     6: "trades compute for memory (recomputes each layer): slower by design, buys context (row 9)",
     7: "CPU: host and device memory are one, nothing moves; on a GPU frees the AdamW state and the n-gram "
        "table (its weights, grads and moments) from device memory",
-    8: "frozen parts get no weight gradients and no optimizer state",
+    8: "frozen parts get no weight gradients and no optimizer state; with the embedding frozen too the backward "
+       "stops at layer 2 (the seed's parts alone: seed_parts_only)",
 }
 
 
-STEPS_TIMED = 3  # timed steps per row (the best one counts): a single CPU step varies by up to 20% on 2 cores
+STEPS_TIMED = 2  # timed steps per row and round (the best step of all rounds counts)
+ROUNDS = 3  # every row runs once per round: a shared 2-core VM's speed drifts by 20-30% over minutes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,6 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--study: where to train (cuda: bf16)")
     p.add_argument("--study-budget-s", type=float, help="--study: time budget of the context search "
                    "(default 300 s; quick 60 s)")
+    p.add_argument("--study-rounds", type=int, help=f"--study: rounds over the rows (default {ROUNDS}; quick 1)")
     p.add_argument("--study-memory-gib", type=float, default=MEMORY_LIMIT_GIB, help="--study: the memory budget "
                    f"of the context search (default {MEMORY_LIMIT_GIB:g} GiB)")
 
@@ -189,7 +199,10 @@ def applicable(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     if "ngram" not in parts:
         keep.pop("host_params", None)
     if "freeze" in keep:
-        keep["freeze"] = [f for f in keep["freeze"] if f.startswith("first_layers:") or f in parts]
+        head = model.get_output_embeddings()
+        tied = head is not None and getattr(head, "weight", None) is model.get_input_embeddings().weight
+        keep["freeze"] = [f for f in keep["freeze"] if f.startswith("first_layers:") or f in parts
+                          or (f == "embed" and not tied)]
     return keep
 
 
@@ -359,28 +372,53 @@ def _child_main(spec: dict[str, Any]) -> None:
 # the study ------------------------------------------------------------------------------------------
 
 
-def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, log=print) -> list[dict[str, Any]]:
-    """Rows 0-8, each in a fresh child process."""
-    rows = []
+def _child_result(base: dict[str, Any], name: str, options: dict[str, Any], lengths: list[int],
+                  steps: int) -> dict[str, Any]:
+    r = run_child({**base, "options": options, "lengths": lengths, "steps": steps}, None, 1800)
+    if r["status"] != "ok":
+        raise RuntimeError(f"study row {name!r}: {r['status']}")
+    return r
+
+
+def _row(name: str, options: dict[str, Any], lengths: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row from its child runs (one per round): the fastest step over all of them counts."""
     real = sum(n - 1 for n in lengths)
-    for i, (name, _) in enumerate(ROWS):
-        spec = {**base, "options": row_options(i), "lengths": lengths, "steps": steps}
-        r = run_child(spec, None, 1800)
-        if r["status"] != "ok":
-            raise RuntimeError(f"study row {name!r}: {r['status']}")
-        row = {"name": name, "options": row_options(i), "tokens_per_s": real / r["seconds"],
-               "tokens_per_cpu_s": real / r["cpu_seconds"], "cpu_seconds": r["cpu_seconds"],
-               "peak_gib": r["peak_gib"], "base_gib": r["base_gib"], "matmul_gflops": r["flops"] / r["seconds"] / 1e9,
-               "seconds": r["seconds"], "all_seconds": r["all_seconds"], "first_loss": r["first_loss"]}
+    best = min(runs, key=lambda r: r["seconds"])
+    cpu = min(r["cpu_seconds"] for r in runs)
+    return {"name": name, "options": options, "tokens_per_s": real / best["seconds"], "tokens_per_cpu_s": real / cpu,
+            "cpu_seconds": cpu, "peak_gib": max(r["peak_gib"] for r in runs), "base_gib": best["base_gib"],
+            "matmul_gflops": best["flops"] / best["seconds"] / 1e9, "seconds": best["seconds"],
+            "all_seconds": [t for r in runs for t in r["all_seconds"]], "first_loss": runs[0]["first_loss"],
+            "first_losses": [r["first_loss"] for r in runs]}
+
+
+SEED_PARTS_ONLY = "8 with the seed's frozen parts only (embedding trained)"
+
+
+def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, rounds: int = 1,
+                    log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows 0-8 and row 8 with the seed's frozen parts only (``SEED_PARTS_ONLY``), each in a fresh child process.
+
+    With ``rounds`` > 1 every row runs once per round, rows in order within a round, so each row's steps are
+    spread over the whole measurement and a slow spell of a shared machine does not fall on one row alone.
+    """
+    specs = [(name, row_options(i)) for i, (name, _) in enumerate(ROWS)]
+    specs.append((SEED_PARTS_ONLY, {**row_options(len(ROWS) - 1), "freeze": list(SEED_FREEZE)}))
+    runs: list[list[dict[str, Any]]] = [[] for _ in specs]
+    for k in range(rounds):
+        for i, (name, options) in enumerate(specs):
+            r = _child_result(base, name, options, lengths, steps)
+            runs[i].append(r)
+            log(f"[study] round {k + 1}/{rounds} {name}: {r['seconds']:.2f}s, "
+                f"{sum(n - 1 for n in lengths) / r['seconds']:.0f} tokens/s, peak {r['peak_gib']:.2f} GiB, "
+                f"loss {r['first_loss']:.6f}")
+    rows = [_row(name, options, lengths, r) for (name, options), r in zip(specs, runs, strict=True)]
+    for i, row in enumerate(rows):
         if i in CPU_NOTES:
             row["note"] = CPU_NOTES[i]
-        rows.append(row)
-        log(f"[study] {name}: {r['seconds']:.2f}s, {row['tokens_per_s']:.0f} tokens/s, "
-            f"peak {row['peak_gib']:.2f} GiB, loss {r['first_loss']:.6f}")
-    for row in rows:
         row["ratio"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         row["ratio_cpu_time"] = row["tokens_per_cpu_s"] / rows[0]["tokens_per_cpu_s"]
-    return rows
+    return rows[:-1], rows[-1]
 
 
 def longest_context(base: dict[str, Any], row: int, lengths: list[int], limit_gib: float, deadline: float,
@@ -430,8 +468,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     limit = getattr(args, "study_memory_gib", None) or MEMORY_LIMIT_GIB
     lengths = study_lengths(quick)
     base = {"device": device, "model": getattr(args, "model", None), "micro_batch_tokens": max(4096, max(lengths))}
-    rows = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED)
-    losses = [r["first_loss"] for r in rows]
+    rounds = 1 if quick else max(1, int(getattr(args, "study_rounds", None) or ROUNDS))
+    rows, seed_only = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED, rounds)
+    losses = [x for r in [*rows, seed_only] for x in r["first_losses"]]
     tol = 2e-2 if device == "cuda" else 1e-4
     same = max(losses) - min(losses) <= tol * max(1.0, max(abs(x) for x in losses))
     if not same:
@@ -447,16 +486,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "study": [*rows, ctx_row],
         "cumulative_speedup": rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"],
         "cumulative_speedup_cpu_time": rows[-1]["ratio_cpu_time"],
+        "seed_parts_only": seed_only,
         "context_baseline": ctx["baseline"]["context"],
         "max_context_measured": ctx["final"]["context"],
         "same_first_loss": same,
-        "device": device, "quick": quick, "real_tokens": sum(n - 1 for n in lengths),
+        "device": device, "quick": quick, "rounds": rounds, "steps_per_round": 1 if quick else STEPS_TIMED,
+        "real_tokens": sum(n - 1 for n in lengths),
         "trajectories": len(lengths), "length_median": sorted(lengths)[len(lengths) // 2],
         "length_max": max(lengths), "model": getattr(args, "model", None) or {"qwen4_exp": STUDY_MODEL},
         "context": ctx,
     }
     table = [(r["name"], f"{r['tokens_per_s']:.0f} tok/s  {r['peak_gib']:.2f} GiB  {r['matmul_gflops']:.2f} "
               f"GFLOP/s  x{r['ratio']:.2f} (CPU time x{r['ratio_cpu_time']:.2f})") for r in rows]
+    table += [(SEED_PARTS_ONLY, f"{seed_only['tokens_per_s']:.0f} tok/s  {seed_only['peak_gib']:.2f} GiB  "
+               f"x{seed_only['ratio']:.2f} (CPU time x{seed_only['ratio_cpu_time']:.2f})")]
     table += [(CONTEXT_ROW, f"{ctx_row['context_baseline']} -> {ctx_row['max_context']} tokens under "
                f"{limit:g} GiB (x{ctx_row['ratio']:.1f})"),
               ("cumulative speedup (row 8 / row 0)", round(result["cumulative_speedup"], 2))]

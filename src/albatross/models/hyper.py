@@ -14,10 +14,10 @@ Here (same weights, same math, fp32-rounding equal; tests/unit/test_trainer_stud
 - the write-back is one ``addcmul`` (streams + block output x injection weights), whose backward is a
   single fused pass as well;
 - under activation checkpointing, an indexed-attention layer whose attention is the fast indexer's
-  (``models/indexer.py``, which checkpoints each query chunk itself and keeps only q, k, v and the selected
-  key ids) is checkpointed around its attention, not through it: the residual ops and the MLP are
-  recomputed in the backward, the attention is not recomputed a second time (with the whole layer
-  checkpointed its query chunks ran three times: the forward, the layer's recompute and their own).
+  (``models/indexer.py``: its fused attention keeps only q, k, v, its output and log-sum-exp, and its
+  long-document query chunks checkpoint themselves) is checkpointed around its attention, not through it:
+  the residual ops and the MLP are recomputed in the backward, the attention is not (its own backward
+  needs none of its intermediates).
 
 On a CPU with small widths this saves little (the matmuls dominate); on a GPU, where these ops are
 memory-bound elementwise kernels, fewer passes over the [T, hc x H] streams is what pays.
@@ -58,7 +58,7 @@ def write_back(streams: Tensor, block_out: Tensor, weights: Tensor) -> Tensor:
 
 
 def _attention_apart(layer: nn.Module) -> bool:
-    """Checkpointing this layer leaves its attention out: the fast indexer's, which checkpoints itself."""
+    """Checkpointing this layer leaves its attention out: the fast indexer's, which keeps little for its backward."""
     return layer.layer_type != "linear_attention" and getattr(layer.self_attn, "_albatross_fast_indexer", False)
 
 
@@ -100,7 +100,7 @@ def fused_layer_forward(layer: nn.Module, hidden_states: Tensor, position_embedd
     """``Qwen4ExpTextDecoderLayer.forward`` with the fused residual ops (its submodules called as shipped).
 
     A layer checkpointed around its attention (``_attention_apart``) checkpoints the parts before and after
-    the attention and runs the (self-checkpointing) attention as it is."""
+    the attention and runs the attention as it is."""
     run: Any = _run
     if _checkpointing(layer) and _attention_apart(layer) and layer.training and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint

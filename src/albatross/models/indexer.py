@@ -14,10 +14,11 @@ Here, per document of a packed row (the selection must be the document's alone, 
 - top-k runs on the chunk at once. Where the k-th and (k+1)-th scores tie (relu scores tie at 0), which
   of the tied blocks transformers keeps depends on ``topk`` over the query's own score vector, so those
   rows (and only those) are recomputed exactly as transformers does, one query at a time;
-- attention reads only the selected keys: in query chunks, each checkpointed so the backward keeps no
-  chunk tensors, either (past ``DENSE_KEYS`` visible keys) each query gathers its at most
-  ``budget + ratio - 1`` keys, or (shorter) the chunk scores its visible keys in one matmul under a
-  [chunk, keys] selection mask. No [T, T] tensor exists anywhere; memory is linear in the context.
+- attention reads only the selected keys, in query chunks: either (past ``DENSE_KEYS`` visible keys) each
+  query gathers its at most ``budget + ratio - 1`` keys, the chunk checkpointed so the backward keeps no
+  gathers, or (shorter) the chunk runs fused attention (``scaled_dot_product_attention``) over its visible
+  keys under a [chunk, keys] selection mask. No [T, T] tensor exists anywhere; memory is linear in the
+  context.
 
 A document short enough that every query sees every earlier block (``n // ratio <= budget / ratio``)
 selects everything visible, so it takes plain causal attention. The selection has no gradient (the
@@ -132,32 +133,35 @@ def _attend(q_CHD: Tensor, k_NKD: Tensor, v_NKD: Tensor, idx_CW: Tensor, scaling
 
 
 def _attend_masked(q_CHD: Tensor, k_NKD: Tensor, v_NKD: Tensor, idx_CW: Tensor, scaling: float) -> Tensor:
-    """``_attend`` as dense scores over the chunk's visible keys with a [C, n] selection mask: on short
-    documents one matmul beats gathering W keys per query."""
+    """``_attend`` as one fused attention (``scaled_dot_product_attention``) over the chunk's visible keys
+    under a [C, n] selection mask: on short documents that beats gathering W keys per query, and the fused
+    kernel keeps only its inputs, output and log-sum-exp for the backward (no [C, n] scores)."""
     c, h, d = q_CHD.shape
     n, kv = k_NKD.shape[:2]
     allowed = torch.zeros(c, n + 1, dtype=torch.bool, device=idx_CW.device)
     allowed = allowed.scatter_(1, torch.where(idx_CW >= 0, idx_CW, n), True)[:, :n]
-    scores = torch.einsum("ckgd,nkd->ckgn", q_CHD.view(c, kv, h // kv, d), k_NKD) * scaling
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v_NKD.dtype)
-    return torch.einsum("ckgn,nkd->ckgd", probs, v_NKD).reshape(c, h, d)
+    out = F.scaled_dot_product_attention(q_CHD.transpose(0, 1)[None], k_NKD.transpose(0, 1)[None],
+                                         v_NKD.transpose(0, 1)[None], attn_mask=allowed[None, None],
+                                         scale=scaling, enable_gqa=h != kv)
+    return out[0].transpose(0, 1)
 
 
 def sparse_attention(q_NHD: Tensor, k_NKD: Tensor, v_NKD: Tensor, idx_NW: Tensor, scaling: float) -> Tensor:
-    """Attention restricted to ``idx`` per query, in query chunks, each recomputed in the backward.
+    """Attention restricted to ``idx`` per query, in query chunks.
 
-    A chunk whose queries see at most ``DENSE_KEYS`` keys scores them all under a [chunk, keys] selection
-    mask; longer ones gather each query's selected keys (memory and work linear in the context).
+    A chunk whose queries see at most ``DENSE_KEYS`` keys runs fused attention over them all under a
+    [chunk, keys] selection mask; longer ones gather each query's selected keys (memory and work linear
+    in the context), each such chunk recomputed in the backward so it keeps no [chunk, W] gathers.
     """
     outs = []
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NKD, v_NKD))
     for s in range(0, q_NHD.shape[0], QUERY_CHUNK):
         end = min(s + QUERY_CHUNK, q_NHD.shape[0])
-        fn, keys, values = ((_attend_masked, k_NKD[:end], v_NKD[:end]) if end <= DENSE_KEYS
-                            else (_attend, k_NKD, v_NKD))
-        args = (q_NHD[s:end], keys, values, idx_NW[s:end], scaling)
-        outs.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
+        if end <= DENSE_KEYS:
+            outs.append(_attend_masked(q_NHD[s:end], k_NKD[:end], v_NKD[:end], idx_NW[s:end], scaling))
+            continue
+        args = (q_NHD[s:end], k_NKD, v_NKD, idx_NW[s:end], scaling)
+        outs.append(checkpoint(_attend, *args, use_reentrant=False) if grad else _attend(*args))
     return torch.cat(outs)
 
 

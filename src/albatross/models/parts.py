@@ -2,9 +2,15 @@
 
 Parts (what the seeds freeze): ``first_layers:N`` (decoder layers 0..N-1), ``ngram`` (the n-gram / PLE
 embedding tables), ``indexer`` (sparse-attention indexers: QSA, DSA), ``mtp`` (multi-token-prediction
-layers), ``vision`` (the vision tower), ``router`` (the MoE routers' gates). Any other entry is a glob
-over ``model.named_parameters()`` names (``model.layers.0.*``). A part the model does not have, or a
-pattern that matches nothing, is an error, so a typo never silently trains everything.
+layers), ``vision`` (the vision tower), ``router`` (the MoE routers' gates), ``embed`` (the input token
+embedding; refused where it is tied to the LM head). Any other entry is a glob over
+``model.named_parameters()`` names (``model.layers.0.*``). A part the model does not have, or a pattern that
+matches nothing, is an error, so a typo never silently trains everything.
+
+Freezing the bottom of the network (``embed`` with ``first_layers:N``, and ``ngram`` where its tables feed
+those layers) stops the backward at layer N: nothing below it needs a gradient, so those layers run
+without an autograd graph (and are not recomputed under activation checkpointing). With the embedding
+trainable, the backward still runs through the frozen layers to reach it; only their weight gradients go.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import nn
 from albatross.errors import UserError
 
 FIRST_LAYERS = "first_layers:"
+EMBED = "embed"
 
 
 class FreezeError(UserError, ValueError):
@@ -44,7 +51,7 @@ PARTS: dict[str, Callable[[str, nn.Module], bool]] = {
     "vision": _is_vision,
     "router": lambda name, module: "router" in type(module).__name__.lower(),
 }
-PART_NAMES = (*PARTS, f"{FIRST_LAYERS}N")
+PART_NAMES = (*PARTS, EMBED, f"{FIRST_LAYERS}N")
 
 
 def _params_of(model: nn.Module, wanted: Callable[[str, nn.Module], bool]) -> list[str]:
@@ -67,10 +74,22 @@ def _first_layers(model: nn.Module, spec: str) -> list[str]:
     return _params_of(model, lambda name, module: id(module) in chosen)
 
 
+def _embed(model: nn.Module) -> list[str]:
+    """The input embedding's parameters; an error where the LM head shares them (freezing would freeze it)."""
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is embedding.weight:
+        raise FreezeError(f"trainer.freeze: {EMBED!r}: this {type(model).__name__} ties its input embedding to the "
+                          "LM head; freezing it would freeze the head too")
+    return _params_of(model, lambda name, module: module is embedding)
+
+
 def _one(model: nn.Module, spec: str, names: list[str]) -> list[str]:
     """Parameter names of one freeze entry (a part name or a glob); an error when it matches nothing."""
     if spec.startswith(FIRST_LAYERS):
         hits = _first_layers(model, spec)
+    elif spec == EMBED:
+        hits = _embed(model)
     elif spec in PARTS:
         hits = _params_of(model, PARTS[spec])
         if not hits:

@@ -121,7 +121,11 @@ def apply_model_options(model, *, grouped_experts: bool = False, fast_indexer: b
 def enable_activation_checkpointing(model) -> None:
     """Recompute each decoder layer's activations in the backward instead of storing them.
 
-    Uses transformers' own per-layer checkpointing (non-reentrant), so parameter names do not change.
+    Uses transformers' own per-layer checkpointing (non-reentrant), so parameter names do not change. The
+    hook transformers adds with it to make the embedding output require a gradient (``enable_input_require_grads``,
+    which reentrant checkpointing and PEFT need) is removed: non-reentrant checkpointing reaches parameters
+    without it, and with it a frozen bottom (``embed`` and ``first_layers:N`` frozen) would still run its
+    backward (and its recomputation) for nothing.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
@@ -130,6 +134,8 @@ def enable_activation_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
 
 
 def tiny_causal_lm(vocab_size: int = 300, hidden_size: int = 64, num_layers: int = 2, *, attn: str = "sdpa",
