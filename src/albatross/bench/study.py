@@ -113,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "built from a config)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--study: where to train (cuda: bf16)")
     p.add_argument("--study-budget-s", type=float, help="--study: time budget of the context search "
-                   "(default 300 s; quick 60 s)")
+                   "(default 900 s; quick 60 s)")
     p.add_argument("--study-rounds", type=int, help=f"--study: rounds over the rows (default {ROUNDS}; quick 1)")
     p.add_argument("--study-memory-gib", type=float, default=MEMORY_LIMIT_GIB, help="--study: the memory budget "
                    f"of the context search (default {MEMORY_LIMIT_GIB:g} GiB)")

@@ -8,13 +8,15 @@ log_softmax, gather and the entropy: far fewer passes over [C, V] buffers (one e
 in a kept backward). What it keeps for the backward depends on the size of the micro-batch's logits
 (``recompute``):
 
-- small (under ``KEEP_BYTES``, e.g. a small vocabulary) on a GPU: the chunk's [C, V] probabilities are kept
-  and the backward reuses them (no second LM-head matmul);
-- large, or on a CPU: only the chunk's log-sum-exp is kept and the backward recomputes the chunk's logits, so
-  memory stays at a couple of [C, V] buffers in the backward too. On a CPU those buffers are a per-thread
-  workspace reused by every chunk (``_Workspace``): fresh buffers past glibc's mmap ceiling are new pages
-  the kernel faults in and zeroes, which cost more than the second matmul (at a 16K vocabulary, one chunk's
-  forward and backward took 10-30% less time recomputed into the workspace than kept in fresh buffers).
+- small (under ``KEEP_BYTES``, e.g. a small vocabulary; on a CPU also each chunk's [C, V] under
+  ``MMAP_BYTES``): the chunk's [C, V] probabilities are kept and the backward reuses them (no second LM-head
+  matmul);
+- large: only the chunk's log-sum-exp is kept and the backward recomputes the chunk's logits, so memory
+  stays at a couple of [C, V] buffers in the backward too. On a CPU those buffers are a per-thread
+  workspace reused by every chunk (``_Workspace``): fresh buffers past glibc's mmap ceiling (``MMAP_BYTES``)
+  are new pages the kernel faults in and zeroes, which cost more than the second matmul (at a 16K
+  vocabulary, one chunk's forward and backward took 10-30% less time recomputed into the workspace than kept
+  in fresh buffers).
 
 Any other head falls back to ``torch.utils.checkpoint`` around the plain computation.
 
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 KEEP_BYTES = 256 << 20  # keep [T, V] fp32 probabilities for the backward below this size (per micro-batch)
+MMAP_BYTES = 32 << 20  # glibc's largest mmap threshold: a fresh buffer this large is always new pages
 
 
 def _chunk_logprobs(
@@ -213,15 +216,18 @@ def chunked_logprobs(
     ``hidden_TH``: final hidden states [T, H]; ``targets_T``: next-token ids [T]; ``temperature`` must
     match the one the rollout sampled with so trainer and rollout log-probs are comparable. The entropy
     is detached unless ``entropy_grad`` (for an entropy bonus). ``recompute``: recompute the logits in
-    the backward instead of keeping [T, V] probabilities (None: on a CPU, else when those would pass
-    ``KEEP_BYTES``).
+    the backward instead of keeping [T, V] probabilities (None: when those would pass ``KEEP_BYTES``, or on
+    a CPU when one chunk's would pass ``MMAP_BYTES``).
     """
     if hidden_TH.shape[0] != targets_T.shape[0]:
         raise ValueError(f"hidden has {hidden_TH.shape[0]} tokens but targets {targets_T.shape[0]}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if recompute is None:  # a CPU recomputes into its reused workspace faster than it fills fresh kept buffers
-        recompute = hidden_TH.device.type == "cpu" or hidden_TH.shape[0] * _vocab_size(lm_head) * 4 > KEEP_BYTES
+    if recompute is None:
+        vocab = _vocab_size(lm_head)
+        # a CPU recomputes into its reused workspace faster than it fills fresh kept buffers past the mmap ceiling
+        big_chunks = hidden_TH.device.type == "cpu" and min(chunk_size, hidden_TH.shape[0]) * vocab * 4 >= MMAP_BYTES
+        recompute = big_chunks or hidden_TH.shape[0] * vocab * 4 > KEEP_BYTES
     logps, ents = [], []
     for start in range(0, hidden_TH.shape[0], chunk_size):
         h, t = hidden_TH[start : start + chunk_size], targets_T[start : start + chunk_size]

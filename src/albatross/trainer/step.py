@@ -141,8 +141,8 @@ class Trainer:
     ``micro_batch_tokens`` packing budget; ``loss`` / ``loss_kwargs`` the policy loss (``rl.losses``);
     ``kl_coef`` / ``entropy_coef`` optional extra terms (0: none); ``logprob_chunk`` tokens per
     LM-head chunk (None: full logits); ``logprob_loss_only`` the head at loss tokens only;
-    ``logprob_recompute`` recompute the head's logits in the backward (None: on a CPU, else when a micro-batch's [T, V]
-    probabilities would pass ``logprobs.KEEP_BYTES``, 256 MiB);
+    ``logprob_recompute`` recompute the head's logits in the backward (None: when a micro-batch's [T, V] probabilities
+    would pass ``logprobs.KEEP_BYTES``, 256 MiB, or on a CPU one chunk's would pass ``logprobs.MMAP_BYTES``);
     ``attention`` document masking (``auto``, ``varlen``, ``flash``, ``dense``); ``activation_checkpointing``; ``freeze`` glob
     patterns of parameter names; ``offload_optimizer`` optimizer state in host memory; ``precision``
     (``auto``: bf16 on GPU, fp32 on CPU); ``fsdp`` shard across the ranks of an initialised group;
