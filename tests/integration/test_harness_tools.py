@@ -100,6 +100,11 @@ def test_binary_output_is_described_not_shown(box):
     path = obs.split("saved to ")[1].split(";")[0]
     assert call(box, "bash", command=f"wc -c < {path}") == "5000\n"
     assert call(box, "bash", command="printf 'a\\001\\002\\003\\004\\005\\006b'").startswith("[binary output")
+    # an incomplete UTF-8 sequence then a NUL: in a UTF-8 locale bash's read -N stopped there (random bytes hit
+    # it about one time in four), and 5,003 bytes showed as a 1-byte output with no file kept
+    obs = call(box, "bash", command="export LC_ALL=C.UTF-8; printf 'x\\303\\000'; printf 'y%.0s' $(seq 5000)")
+    assert obs.startswith("[binary output: 5003 bytes; saved to /tmp/albatross/out/"), obs
+    assert call(box, "bash", command="echo $LC_ALL") == "C.UTF-8\n"  # the session's locale is left as it was
 
 
 def test_exit_and_syntax_errors_still_show_output(box):

@@ -237,13 +237,20 @@ class Toolbox:
                 f"{self._render_script(path, nonce)}exit $__alb_rc\n")
 
     def _render_script(self, path: str, nonce: str, rc: str = "$__alb_rc") -> str:
-        """Print the output file whole (no process spawned) or as head + tail, then a trailer line."""
+        """Print the output file whole (no process spawned) or as head + tail, then a trailer line.
+
+        The file is read and measured in the C locale (bytes, not characters): in a UTF-8 locale bash's
+        ``read -N`` stops early at an incomplete multibyte sequence followed by a NUL, so a long binary output
+        read as a few characters and was shown whole, its size wrong and its file not kept. The session's
+        ``LC_ALL`` is restored afterwards."""
         f, lim, half = shlex.quote(path), self.limit, self.half
         return (
+            "__alb_lcs=${LC_ALL+x}; __alb_lc=${LC_ALL-}; LC_ALL=C\n"
             f"IFS= read -r -d '' -N {lim + 1} __alb_o < {f}\n"
             f"if [ ${{#__alb_o}} -le {lim} ]; then printf '%s' \"$__alb_o\"; __alb_n=${{#__alb_o}}; __alb_p=\n"
             f"else __alb_n=$(wc -c < {f}); __alb_p={f}; head -c {half} {f}; printf '\\n{nonce}|cut\\n'; "
             f"tail -c {half} {f}; [ $__alb_n -le {_KEEP_BYTES} ] || truncate -s {_KEEP_BYTES} {f}; fi\n"
+            "if [ -n \"$__alb_lcs\" ]; then LC_ALL=$__alb_lc; else unset LC_ALL; fi\n"
             f"printf '\\n{nonce}|%s|%s|%s' \"{rc}\" \"$__alb_n\" \"$__alb_p\"\n"
         )
 
