@@ -185,7 +185,7 @@ def applicable(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     from albatross.models.experts import expert_modules
     from albatross.models.hyper import LAYER_CLASSES
     from albatross.models.indexer import ATTENTION_CLASSES
-    from albatross.models.parts import part_sizes
+    from albatross.models.parts import embedding_tied, part_sizes
 
     names = {type(m).__name__ for m in model.modules()}
     parts = part_sizes(model)
@@ -199,10 +199,8 @@ def applicable(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     if "ngram" not in parts:
         keep.pop("host_params", None)
     if "freeze" in keep:
-        head = model.get_output_embeddings()
-        tied = head is not None and getattr(head, "weight", None) is model.get_input_embeddings().weight
         keep["freeze"] = [f for f in keep["freeze"] if f.startswith("first_layers:") or f in parts
-                          or (f == "embed" and not tied)]
+                          or (f == "embed" and not embedding_tied(model))]
     return keep
 
 

@@ -74,11 +74,16 @@ def _first_layers(model: nn.Module, spec: str) -> list[str]:
     return _params_of(model, lambda name, module: id(module) in chosen)
 
 
+def embedding_tied(model: nn.Module) -> bool:
+    """The LM head shares the input embedding's weight (then ``embed`` cannot be frozen alone)."""
+    head = model.get_output_embeddings()
+    return head is not None and getattr(head, "weight", None) is model.get_input_embeddings().weight
+
+
 def _embed(model: nn.Module) -> list[str]:
     """The input embedding's parameters; an error where the LM head shares them (freezing would freeze it)."""
     embedding = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    if head is not None and getattr(head, "weight", None) is embedding.weight:
+    if embedding_tied(model):
         raise FreezeError(f"trainer.freeze: {EMBED!r}: this {type(model).__name__} ties its input embedding to the "
                           "LM head; freezing it would freeze the head too")
     return _params_of(model, lambda name, module: module is embedding)
