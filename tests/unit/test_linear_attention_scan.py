@@ -76,9 +76,10 @@ def _recurrent(per_channel: bool, q, k, v, g, beta):
     return out[0]
 
 
+@pytest.mark.parametrize("chunk", [32, 64], ids=["cpu_chunk", "gpu_chunk"])  # linear_attention.chunk_size
 @pytest.mark.parametrize("strength", [1.0, 8.0], ids=["decay", "strong_decay"])  # strong: exponents past -87
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gated_delta_net", "kda"])
-def test_packed_scan_equals_each_document_alone_with_gradients(per_channel, strength):
+def test_packed_scan_equals_each_document_alone_with_gradients(per_channel, strength, chunk):
     inputs = _inputs(per_channel, seed=1)
     weight = torch.randn(sum(LENGTHS), 2, 16, generator=torch.Generator().manual_seed(2))
     results = []
@@ -86,7 +87,7 @@ def test_packed_scan_equals_each_document_alone_with_gradients(per_channel, stre
         q, k, v, g_raw, beta_raw = inputs
         g, beta = -strength * F.softplus(g_raw), beta_raw.sigmoid()
         if run == "packed":
-            out = gated_delta_rule_packed(q, k, v, g, beta, LENGTHS)
+            out = gated_delta_rule_packed(q, k, v, g, beta, LENGTHS, chunk=chunk)
         else:
             docs = zip(*(x.split(LENGTHS) for x in (q, k, v, g, beta)), strict=True)
             out = torch.cat([_recurrent(per_channel, *doc) for doc in docs])

@@ -465,7 +465,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = getattr(args, "device", "cpu") or "cpu"
     limit = getattr(args, "study_memory_gib", None) or MEMORY_LIMIT_GIB
     lengths = study_lengths(quick)
-    base = {"device": device, "model": getattr(args, "model", None), "micro_batch_tokens": max(4096, max(lengths))}
+    # the whole batch in one packed micro-batch, as row 0 runs it in one padded batch
+    base = {"device": device, "model": getattr(args, "model", None), "micro_batch_tokens": max(4096, sum(lengths))}
     rounds = 1 if quick else max(1, int(getattr(args, "study_rounds", None) or ROUNDS))
     rows, seed_only = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED, rounds)
     losses = [x for r in [*rows, seed_only] for x in r["first_losses"]]

@@ -5,8 +5,9 @@ gather per expert, two matmuls, then a scatter-add back (``index_add_``), so the
 ``E`` small pieces with as many index operations. Here the (token, slot) pairs are sorted by expert once,
 so each expert's tokens are one contiguous slice of a single [S, H] tensor (S = tokens x top-k), and each
 projection is one grouped matmul over those slices (``torch._grouped_mm`` where the shapes allow it, else
-a loop of plain matmuls over the contiguous slices). The outputs are weighted by the routing weights and
-summed back per token by un-permuting (a reshape and a sum over the k slots, no atomic scatter).
+a loop of plain matmuls over the contiguous slices). The outputs are un-permuted and summed back per token
+weighted by the routing weights (one batched [1, k] x [k, H] product per token, no atomic scatter); the
+gather's backward likewise un-permutes and sums over the slots (``Dispatch``).
 
 ``GroupedLinear`` is an autograd function: its backward computes the input gradient with the same
 grouped matmul (against the transposed weights) and each expert's weight gradient from its contiguous
@@ -87,6 +88,27 @@ def _weight_grad(x_SI: Tensor, grad_SO: Tensor, offsets: Tensor, weight_EOI: Ten
     return grad_w
 
 
+class Dispatch(torch.autograd.Function):
+    """Each token's row copied to its k (token, slot) pairs in expert order: ``hidden[tokens]``, [N, H] -> [S, H].
+
+    The backward sums each token's k pair gradients by un-permuting them (a gather at each pair's position in
+    expert order) and a sum over the slots; autograd's backward of the gather is an accumulating scatter
+    (``index_put_``), several times slower on a CPU, as is an ``index_copy_`` scatter.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden_NH: Tensor, tokens_S: Tensor, position_S: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(position_S)
+        ctx.k = k
+        return hidden_NH.index_select(0, tokens_S)
+
+    @staticmethod
+    def backward(ctx: Any, grad_SH: Tensor) -> tuple[Tensor, None, None, None]:
+        (position_S,) = ctx.saved_tensors
+        unsorted = grad_SH.index_select(0, position_S)
+        return unsorted.view(-1, ctx.k, grad_SH.shape[-1]).sum(1), None, None, None
+
+
 def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
     """Under autocast (bf16 on a GPU) the matmuls run in its dtype, as ``nn.Linear`` would; else the weights'."""
     if torch.is_autocast_enabled(x.device.type):
@@ -95,25 +117,27 @@ def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
 
 
 def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(order of the flattened (token, slot) pairs by expert, their token ids, end offset of each expert)."""
+    """(position of each flattened (token, slot) pair in expert order, the token id at each position of that
+    order, end offset of each expert)."""
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
-    return order, order // top_k_index.shape[-1], torch.cumsum(counts, 0).to(torch.int32)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return position, order // top_k_index.shape[-1], torch.cumsum(counts, 0).to(torch.int32)
 
 
 def grouped_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                             top_k_weights: Tensor) -> Tensor:
     """The experts' output [N, H] for tokens [N, H] routed to ``top_k_index`` [N, k] with ``top_k_weights``."""
     n, k = top_k_index.shape
-    order, tokens, offsets = sort_by_expert(top_k_index, module.num_experts)
+    position, tokens, offsets = sort_by_expert(top_k_index, module.num_experts)
     dtype = _compute_dtype(hidden_states, module.gate_up_proj)
-    x_SH = hidden_states[tokens].to(dtype)
+    x_SH = Dispatch.apply(hidden_states, tokens, position, k).to(dtype)
     gate_up = GroupedLinear.apply(x_SH, module.gate_up_proj.to(dtype), offsets)
     y_SH = GroupedLinear.apply(module._apply_gate(gate_up), module.down_proj.to(dtype), offsets)
-    y_SH = y_SH * top_k_weights.reshape(-1)[order, None].to(y_SH.dtype)
-    unsorted = torch.empty_like(y_SH).index_copy_(0, order, y_SH)  # back to (token, slot) order
-    return unsorted.view(n, k, -1).sum(1).to(hidden_states.dtype)
+    unsorted = y_SH.index_select(0, position).view(n, k, -1)  # back to (token, slot) order
+    # the routing-weighted sum over the k slots as one batched [1, k] x [k, H] product per token
+    return torch.bmm(top_k_weights[:, None, :].to(y_SH.dtype), unsorted)[:, 0].to(hidden_states.dtype)
 
 
 def _check(module: nn.Module) -> None:

@@ -34,7 +34,13 @@ from torch import Tensor
 
 from albatross.models.conv import causal_conv1d_packed, positions_in_documents
 
-CHUNK = 64
+CHUNK = 64  # tokens per chunk on a GPU (the chunked kernels' size)
+CPU_CHUNK = 32  # on a CPU: the [H, N, C, C] intra-chunk tensors are memory-bound passes there, and halving C
+# halves them (T x H x C elements) for twice the scan steps (docs/benchmarks.md, trainer study)
+
+
+def chunk_size(device: torch.device | str) -> int:
+    return CPU_CHUNK if torch.device(device).type == "cpu" else CHUNK
 
 
 def scan_layout(lengths: Sequence[int], chunk: int, device: torch.device | str = "cpu") -> tuple[Tensor, list[int]]:
@@ -66,18 +72,31 @@ def _to_chunks(x_TH: Tensor, slots: Tensor, n_chunks: int, chunk: int) -> Tensor
 EXP_FLOOR = -87.0  # exp of this is still a normal fp32 (1.6e-38); below it the CPU's exp takes a 30x slower path
 
 
-def _decays(gamma: Tensor, per_channel: bool) -> Tensor:
+class _Decays(torch.autograd.Function):
     """exp(gamma_i - gamma_j) for j <= i, else 0: [H, N, C, C] (or [H, N, C, C, d_k] per channel).
 
-    The exponent is floored at ``EXP_FLOOR`` and the upper triangle zeroed after the exp, not set to -inf
-    before it: exp of -inf or of a value whose result is subnormal runs 3-30x slower on a CPU, and a decay
-    under 1.6e-38 is 0 to fp32 tolerance in every sum it enters.
+    The exponent is floored at ``EXP_FLOOR``, the upper triangle set to 0 before the exp and zeroed after it:
+    exp of -inf or of a value whose result is subnormal runs 3-30x slower on a CPU, and a decay under
+    1.6e-38 is 0 to fp32 tolerance in every sum it enters. One fresh [.., C, C] buffer and in-place passes;
+    the backward is d gamma_i = sum_j G_ij D_ij - sum_j G_ji D_ji (autograd's clamp / mask / exp / sub chain
+    took about twice the passes over the same buffers).
     """
-    c = gamma.shape[2]
-    diff = gamma[:, :, :, None] - gamma[:, :, None, :]
-    upper = torch.ones(c, c, dtype=torch.bool, device=gamma.device).triu(1)
-    upper = upper[..., None] if per_channel else upper
-    return diff.clamp(min=EXP_FLOOR).masked_fill(upper, 0.0).exp().masked_fill(upper, 0.0)
+
+    @staticmethod
+    def forward(ctx: Any, gamma: Tensor) -> Tensor:
+        c = gamma.shape[2]
+        upper = torch.ones(c, c, dtype=torch.bool, device=gamma.device).triu(1)
+        upper = upper[..., None] if gamma.dim() == 4 else upper
+        diff = (gamma[:, :, :, None] - gamma[:, :, None, :]).clamp_(min=EXP_FLOOR)
+        decay = diff.masked_fill_(upper, 0.0).exp_().masked_fill_(upper, 0.0)
+        ctx.save_for_backward(decay)
+        return decay
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (decay,) = ctx.saved_tensors
+        weighted = grad * decay
+        return weighted.sum(3) - weighted.sum(2)
 
 
 def _pairs(x: Tensor, y: Tensor, decay: Tensor, per_channel: bool) -> Tensor:
@@ -92,22 +111,27 @@ def unit_lower_inverse(t: Tensor) -> Tensor:
 
     Recursive block inversion, all blocks of a level at once: for [[T11, 0], [T21, T22]] the inverse is
     [[X11, 0], [-X22 T21 X11, X22]]. log2(C) levels of batched matmuls instead of C small triangular
-    solves per matrix (a batched ``solve_triangular`` runs one LAPACK call per matrix on a CPU).
+    solves per matrix (a batched ``solve_triangular`` runs one LAPACK call per matrix on a CPU), each level
+    writing its blocks into one [..., C, C] result in place.
     """
     c = t.shape[-1]
     if c & (c - 1):
         raise ValueError(f"chunk size must be a power of two, got {c}")
-    x = t.new_ones(*t.shape[:-2], c, 1, 1)  # inverses of the diagonal blocks, [..., C / b, b, b]
+    x = t.new_zeros(t.shape)
+    x.diagonal(dim1=-2, dim2=-1).fill_(1.0)
     b = 1
-    while b < c:
+    while b < c:  # the diagonal blocks of size b are inverted; fill the lower-left block of each 2b block
         nb = c // (2 * b)
-        blocks = t.unflatten(-2, (nb, 2 * b)).unflatten(-1, (nb, 2 * b))
-        lower = torch.diagonal(blocks, dim1=-4, dim2=-2).movedim(-1, -3)[..., b:, :b]  # T21 of each block
-        x11, x22 = x[..., 0::2, :, :], x[..., 1::2, :, :]
-        top = torch.cat([x11, torch.zeros_like(x11)], dim=-1)
-        x = torch.cat([top, torch.cat([-(x22 @ lower) @ x11, x22], dim=-1)], dim=-2)
+        t_blocks = torch.diagonal(t.unflatten(-2, (nb, 2 * b)).unflatten(-1, (nb, 2 * b)), dim1=-4, dim2=-2)
+        x_blocks = torch.diagonal(x.unflatten(-2, (nb, 2 * b)).unflatten(-1, (nb, 2 * b)), dim1=-4, dim2=-2)
+        if b == 1:  # X11 = X22 = 1
+            x_blocks[..., 1:, :1, :] = -t_blocks[..., 1:, :1, :]
+        else:  # [..., 2b, 2b, nb] views; blocks moved to [..., nb, b, b] for the matmuls
+            lower, x11, x22 = (blocks.movedim(-1, -3) for blocks in (
+                t_blocks[..., b:, :b, :], x_blocks[..., :b, :b, :], x_blocks[..., b:, b:, :]))
+            x_blocks[..., b:, :b, :] = (-(x22 @ lower) @ x11).movedim(-3, -1)
         b *= 2
-    return x.squeeze(-3)
+    return x
 
 
 class UnitLowerSolve(torch.autograd.Function):
@@ -132,11 +156,11 @@ class UnitLowerSolve(torch.autograd.Function):
 
 def _intra_chunk(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
     """Per-chunk quantities of the chunked form, every chunk at once ([H, N, C, ...])."""
-    c, per_channel = q.shape[2], gamma.dim() == k.dim()
-    decay = _decays(gamma, per_channel)
-    strictly_lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(-1)
-    a = (beta[..., :, None] * _pairs(k, k, decay, per_channel)).masked_fill(~strictly_lower, 0)
-    system = a + torch.eye(c, dtype=q.dtype, device=q.device)
+    per_channel = gamma.dim() == k.dim()
+    decay = _Decays.apply(gamma)
+    # I + A with A_ij = beta_i decay_ij k_i . k_j below the diagonal; the solve reads only that strictly lower
+    # part, so the diagonal and the (zero) upper triangle are left as they come
+    system = beta[..., :, None] * _pairs(k, k, decay, per_channel)
     rise = gamma.exp() if per_channel else gamma.exp()[..., None]
     rhs = beta[..., None] * torch.cat([v, rise * k], dim=-1)  # one solve for both right-hand sides
     u, w = UnitLowerSolve.apply(system, rhs).split([v.shape[-1], k.shape[-1]], dim=-1)
@@ -163,13 +187,14 @@ def _scan(u: Tensor, w: Tensor, carried_T: Tensor, keep: Tensor, active: list[in
 
 
 def gated_delta_rule_packed(q_THK: Tensor, k_THK: Tensor, v_THV: Tensor, g: Tensor, beta_TH: Tensor,
-                            lengths: Sequence[int], chunk: int = CHUNK) -> Tensor:
+                            lengths: Sequence[int], chunk: int | None = None) -> Tensor:
     """Outputs [T, H, d_v] (fp32) of the gated delta rule, each document of ``lengths`` from a zero state.
 
     q, k: [T, H, d_k] raw (normalised here); v: [T, H, d_v]; beta in (0, 1); g: log decay (<= 0), one per
     head [T, H] (gated delta-net) or one per key channel [T, H, d_k] (KDA, Kimi delta attention).
     """
     dtype = torch.float32
+    chunk = chunk or chunk_size(q_THK.device)
     q = _l2norm(q_THK.to(dtype)) * q_THK.shape[-1] ** -0.5
     k = _l2norm(k_THK.to(dtype))
     slots, active = scan_layout(lengths, chunk, q.device)
