@@ -176,3 +176,5 @@ def test_off_drops_the_head_and_train_without_one_is_a_config_error():
         Trainer(tiny_model("qwen3"), mtp="train")
     with pytest.raises(ConfigError, match="trainer.freeze"):
         Trainer(tiny_model("qwen3_next"), mtp="train", freeze=["mtp"])
+    with pytest.raises(ConfigError, match='trainer.mtp = "frozen"'):  # freezing a head that "off" drops
+        Trainer(tiny_model("qwen3_next"), mtp="off", freeze=["mtp"])

@@ -299,3 +299,37 @@ def test_study_quick_writes_its_keys_in_row_order(tmp_path):
     assert seed_only["name"] == study.SEED_PARTS_ONLY and "embed" not in seed_only["options"]["freeze"]
     assert "embed" in data["study"][8]["options"]["freeze"] and seed_only["tokens_per_s"] > 0
     assert data["context_baseline"] > 0 and data["max_context_measured"] >= data["context_baseline"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "glm_moe_dsa"])
+def test_study_rows_run_on_a_model_directory_of_another_family(tmp_path, family):
+    """``--study --model DIR``: options the family lacks are dropped, and a loaded MTP head is kept frozen in
+    row 8 (the trainer's default ``mtp = "off"`` would drop it, and freezing a dropped head is refused)."""
+    from albatross.bench import study
+    from albatross.models.mtp import get_mtp
+
+    tiny_model(family, seed=0).save_pretrained(tmp_path)
+    spec = {"device": "cpu", "model": str(tmp_path), "micro_batch_tokens": 512}
+    losses = []
+    for options in (study.row_options(0), study.row_options(len(study.ROWS) - 1)):
+        step, model = study.make_step({**spec, "options": options})
+        losses.append(float(step(study.batch_of([40, 90, 25], study.vocab_of(model)))["loss"]))
+    head = get_mtp(model)
+    assert head is not None and not any(p.requires_grad for p in head.parameters())
+    assert "fast_indexer" not in study.applicable(model, study.row_options(8))  # no QSA in these families
+    assert math.isclose(losses[0], losses[1], rel_tol=1e-4)
+
+
+def test_first_loss_check_accepts_a_padded_baseline_only_where_the_documents_alone_agree():
+    from albatross.bench.study import first_loss_check
+
+    def never():
+        raise AssertionError("not asked for when row 0 agrees")
+
+    assert first_loss_check([3.0, 3.0000001], [3.0], never, "cpu")["same_first_loss"] is True
+    out = first_loss_check([0.424876, 0.424876], [0.425597], lambda: 0.4248760, "cpu")  # glm_moe_dsa's numbers
+    assert out["same_first_loss"] is False and out["documents_alone"] == 0.424876 and "padding" in out["note"]
+    with pytest.raises(AssertionError, match="each trajectory alone"):
+        first_loss_check([0.424876], [0.425597], lambda: 0.425597, "cpu")
+    with pytest.raises(AssertionError, match="rows 1-8 disagree"):
+        first_loss_check([3.0, 3.1], [3.0], never, "cpu")

@@ -201,6 +201,8 @@ def applicable(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     if "freeze" in keep:
         keep["freeze"] = [f for f in keep["freeze"] if f.startswith("first_layers:") or f in parts
                           or (f == "embed" and not embedding_tied(model))]
+        if "mtp" in keep["freeze"]:  # a loaded MTP head: kept, frozen (the trainer's default "off" drops it)
+            keep["mtp"] = "frozen"
     return keep
 
 
@@ -214,8 +216,9 @@ def _trainer(model: Any, options: dict[str, Any], tokens: int, device: str) -> A
                    precision="bf16" if device == "cuda" else "fp32", **opts)
 
 
-def _padded(model: Any, device: str) -> Any:
-    """Row 0's step: ``bench.trainer.padded_step`` (bf16 autocast on a GPU)."""
+def _padded(model: Any, device: str, batch_size: int = 8) -> Any:
+    """Row 0's step: ``bench.trainer.padded_step`` (bf16 autocast on a GPU); ``batch_size`` 1: each trajectory
+    alone, no padding."""
     import contextlib
 
     import torch
@@ -227,7 +230,7 @@ def _padded(model: Any, device: str) -> Any:
 
     def step(batch: Any) -> dict[str, float]:
         with cast:
-            return padded_step(model, optimizer, batch)
+            return padded_step(model, optimizer, batch, batch_size=batch_size)
 
     return step
 
@@ -237,7 +240,7 @@ def make_step(spec: dict[str, Any]) -> Any:
     model = build_model(spec.get("model"), spec["device"])
     options = applicable(model, spec["options"])
     if not options.get("packed"):
-        return _padded(model, spec["device"]), model
+        return _padded(model, spec["device"], spec.get("padded_batch", 8)), model
     trainer = _trainer(model, options, spec["micro_batch_tokens"], spec["device"])
     return trainer.step, model
 
@@ -458,6 +461,31 @@ def context_rows(base: dict[str, Any], quick: bool, limit_gib: float, budget_s: 
     return {"baseline": baseline, "final": final, "limit_gib": limit_gib}
 
 
+def _agree(losses: list[float], device: str) -> bool:
+    tol = 2e-2 if device == "cuda" else 1e-4
+    return max(losses) - min(losses) <= tol * max(1.0, max(abs(x) for x in losses))
+
+
+def first_loss_check(packed: list[float], padded: list[float], alone: Any, device: str) -> dict[str, Any]:
+    """Every row computes the same first-step loss. The packed rows (1-8) must agree with each other; row 0's
+    padded batch may not, where the family's shipped forward changes under padding (glm_moe_dsa: the DSA
+    indexer's top-k over a padded sequence): then the packed rows must equal the shipped model run on each
+    trajectory alone (``alone()``, no padding), and ``same_first_loss`` is false with both losses reported."""
+    if not _agree(packed, device):
+        raise AssertionError(f"study rows 1-8 disagree on the first-step loss: {packed}")
+    out: dict[str, Any] = {"same_first_loss": _agree(packed + padded, device), "packed": packed[0],
+                           "padded": padded[0]}
+    if not out["same_first_loss"]:
+        out["documents_alone"] = alone()
+        if not _agree([*packed, out["documents_alone"]], device):
+            raise AssertionError(f"study rows 1-8 ({packed[0]}) differ from the shipped model on each trajectory alone "
+                                 f"({out['documents_alone']})")
+        out["note"] = ("row 0's padded batch differs from the model on each trajectory alone (the shipped forward "
+                       "changes under padding); rows 1-8 equal the latter")
+        print(f"[study] note: {out['note']}: padded {padded[0]:.6f}, alone {out['documents_alone']:.6f}")
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
@@ -469,11 +497,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = {"device": device, "model": getattr(args, "model", None), "micro_batch_tokens": max(4096, sum(lengths))}
     rounds = 1 if quick else max(1, int(getattr(args, "study_rounds", None) or ROUNDS))
     rows, seed_only = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED, rounds)
-    losses = [x for r in [*rows, seed_only] for x in r["first_losses"]]
-    tol = 2e-2 if device == "cuda" else 1e-4
-    same = max(losses) - min(losses) <= tol * max(1.0, max(abs(x) for x in losses))
-    if not same:
-        raise AssertionError(f"study rows disagree on the first-step loss: {losses}")
+    alone = {**base, "padded_batch": 1}  # row 0's model on each trajectory alone: only asked for if row 0 differs
+    losses = first_loss_check([x for r in [*rows[1:], seed_only] for x in r["first_losses"]], rows[0]["first_losses"],
+                              lambda: _child_result(alone, "0 with each trajectory alone", {}, lengths, 1)["first_loss"],
+                              device)
+    same = losses["same_first_loss"]
     budget = getattr(args, "study_budget_s", None) or (60.0 if quick else 900.0)
     ctx = context_rows(base, quick, limit, budget)  # after the rows, so no row shares the CPU with it
     ctx_row = {"name": CONTEXT_ROW, "context_baseline": ctx["baseline"]["context"],
@@ -488,7 +516,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed_parts_only": seed_only,
         "context_baseline": ctx["baseline"]["context"],
         "max_context_measured": ctx["final"]["context"],
-        "same_first_loss": same,
+        "same_first_loss": same, "first_losses": losses,
         "device": device, "quick": quick, "rounds": rounds, "steps_per_round": 1 if quick else STEPS_TIMED,
         "real_tokens": sum(n - 1 for n in lengths),
         "trajectories": len(lengths), "length_median": sorted(lengths)[len(lengths) // 2],

@@ -120,10 +120,13 @@ def _prepare_mtp(model: nn.Module, mode: str, freeze: Sequence[str]) -> nn.Modul
 
     if mode not in ("off", "train", "frozen"):
         raise ConfigError(f"trainer.mtp: expected 'off', 'train' or 'frozen', got {mode!r}")
+    head = get_mtp(model)
     if mode == "off":
+        if head is not None and "mtp" in freeze:
+            raise ConfigError("trainer.freeze has \"mtp\" but trainer.mtp = \"off\" drops the MTP head: set "
+                              "trainer.mtp = \"frozen\" to keep it frozen, or take \"mtp\" out of trainer.freeze")
         detach_mtp(model)
         return None
-    head = get_mtp(model)
     if mode == "train" and head is None:
         raise ConfigError(f"trainer.mtp = \"train\": the model ({family(model)}) has no MTP head "
                           "(no mtp.* / MTP-layer weights in model.path, or a family without one)")
