@@ -216,7 +216,7 @@ def _trainer(model: Any, options: dict[str, Any], tokens: int, device: str) -> A
                    precision="bf16" if device == "cuda" else "fp32", **opts)
 
 
-def _padded(model: Any, device: str, batch_size: int = 8) -> Any:
+def _padded(model: Any, device: str, batch_size: int) -> Any:
     """Row 0's step: ``bench.trainer.padded_step`` (bf16 autocast on a GPU); ``batch_size`` 1: each trajectory
     alone, no padding."""
     import contextlib
