@@ -7,9 +7,10 @@ Imports no torch, so ``albatross --help`` stays instant. Every field carries a d
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -29,9 +30,19 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether ``value`` reads as a Hugging Face model id (``ORG/NAME``), not as a path."""
+    return bool(_HUB_ID.match(value)) and ".." not in value
+
+
 class ModelConfig(_Section):
-    path: str = Field("", description="Directory of a transformers causal LM: config.json, safetensors, tokenizer "
-                      "files with a chat template. Empty: the demo recipe builds its tiny model from the fields "
+    path: str = Field("", description="A transformers causal LM: a directory (config.json, safetensors, tokenizer "
+                      "files with a chat template) or a Hugging Face id (`Qwen/Qwen3-0.6B`), found in the local "
+                      "Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub) or downloaded "
+                      "where the hub is reachable. Empty: the demo recipe builds its tiny model from the fields "
                       "below.")
     hidden_size: int = Field(128, gt=0, description="Tiny model (no `path`): hidden size.")
     num_layers: int = Field(4, gt=0, description="Tiny model (no `path`): number of transformer layers.")
@@ -43,9 +54,11 @@ class ModelConfig(_Section):
     @field_validator("path")
     @classmethod
     def _path_exists(cls, value: str) -> str:
-        if value and not Path(value).expanduser().is_dir():
-            raise ValueError(f"model directory {value!r} does not exist")
-        return str(Path(value).expanduser()) if value else value
+        if not value or is_hub_id(value) and not Path(value).is_dir():
+            return value  # a Hugging Face id: resolved through the cache when the run starts
+        if not Path(value).expanduser().is_dir():
+            raise ValueError(f"model directory {value!r} does not exist (a Hugging Face id is ORG/NAME)")
+        return str(Path(value).expanduser())
 
 
 class TasksConfig(_Section):
@@ -74,11 +87,11 @@ class SandboxConfig(_Section):
     engine: Literal["auto", "docker", "podman"] = Field("auto", description="`docker`: the container engine's "
                                                         "command; `auto`: Docker when its daemon answers, else "
                                                         "Podman.")
-    memory_mb: int = Field(512, ge=1, description="Memory limit per attempt (MiB, at least 1).")
+    memory_mb: int = Field(2048, ge=1, description="Memory limit per attempt (MiB, at least 1).")
     pids: int = Field(256, gt=0, description="Process limit per attempt.")
     disk_mb: int = Field(256, ge=1, description="Limit on bytes an attempt may write (MiB, at "
                          "least 1).")
-    command_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="Wall-time limit per command "
+    command_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False, description="Wall-time limit per command "
                                      "(seconds, finite).")
     max_infra_retries: int = Field(3, ge=0, description="Fresh forks tried after an infrastructure error.")
     attempt_timeout_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="Wall-time limit of an attempt "
@@ -103,11 +116,11 @@ class HarnessConfig(_Section):
     reasoning: Literal["keep", "strip"] = Field(
         "keep", description="Whether the `<think>...</think>` part of a completion stays in the next turns' "
         "context (`strip`: the context is no longer a prefix, so each turn starts a new sample).")
-    max_turns: int = Field(4, ge=1, description="Turn budget per attempt.")
-    max_tokens_per_turn: int = Field(32, ge=1, description="Generated-token budget per turn.")
+    max_turns: int = Field(30, ge=1, description="Turn budget per attempt.")
+    max_tokens_per_turn: int = Field(2048, ge=1, description="Generated-token budget per turn.")
     max_generated_tokens: int = Field(0, ge=0, description="Generated-token budget for the whole attempt, "
                                       "summaries included (0 = no limit); ends it with `max_tokens`.")
-    max_context_tokens: int = Field(512, ge=16, description="Context budget (prompt + all turns).")
+    max_context_tokens: int = Field(16384, ge=16, description="Context budget (prompt + all turns).")
     max_observation_chars: int = Field(400, ge=16, description="Longest tool output shown whole; a longer one "
                                        "is saved to a file and shown as head + tail + path (cut in the middle "
                                        "when `redirect_output` is off).")
@@ -126,7 +139,7 @@ class HarnessConfig(_Section):
                                    "or summarising.")
     summary_max_tokens: int = Field(256, ge=1, description="Cap on the length of a progress summary.")
     max_format_errors: int = Field(2, ge=1, description="Consecutive malformed actions that end an attempt.")
-    attempt_timeout_s: float = Field(120.0, gt=0, description="Wall-time budget per attempt.")
+    attempt_timeout_s: float = Field(1800.0, gt=0, description="Wall-time budget per attempt (seconds).")
 
 
 class SamplingConfig(_Section):
@@ -216,7 +229,8 @@ class RLConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (1e-6 suits a pretrained model of 0.5B "
+                      "parameters and more; the demo's tiny model uses 4e-5).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
     micro_batch_tokens: int = Field(4096, ge=64, description="Token budget of one packed micro-batch.")
@@ -264,12 +278,14 @@ class TrainerConfig(_Section):
 class OrchestratorConfig(_Section):
     group_size: int = Field(8, ge=2, description="G: attempts per task per group.")
     groups_per_step: int = Field(4, ge=1, description="Groups in one trainer batch.")
-    max_steps: int = Field(40, ge=0, description="Trainer steps to run.")
-    max_minutes: float = Field(6.0, gt=0, description="Stop training after this wall time.")
+    max_steps: int = Field(200, ge=0, description="Trainer steps to run.")
+    max_minutes: float = Field(600.0, gt=0, description="Stop training after this wall time (minutes).")
     queue_size: int = Field(2, ge=1, description="Batches that may wait for the trainer.")
     rollout_workers: int = Field(32, ge=1, description="Attempts run concurrently.")
     checkpoint_every: int = Field(1, ge=1, description="Trainer steps between resumable checkpoints.")
-    wandb_project: str = Field("", description="Log to this Weights & Biases project (needs wandb).")
+    wandb_project: str = Field("", description="Log to this Weights & Biases project (`pip install "
+                               "'albatross[wandb]'`; set without wandb installed is an error). The W&B run is "
+                               "named after the run directory; a resumed run continues its W&B run.")
     backend: Literal["local", "ray"] = Field("local", description="`local`: trainer in a child process, "
                                              "rollouts on threads here; `ray`: trainer, engine replicas and "
                                              "rollout workers as Ray actors (see [ray]).")
@@ -312,8 +328,11 @@ class WarmStartConfig(_Section):
 
 
 class RunConfig(_Section):
-    name: str = Field("demo", description="Run name.")
-    out: str = Field("runs/demo", description="Run directory: trajectories, metrics, weights, summary.")
+    name: str = Field("", description="Run name: the prefix of the default `out` and the W&B group. Empty: "
+                      "the config file's name without `.toml`, else `run`.")
+    out: str = Field("", description="Run directory: trajectories, metrics, weights, summary. Empty: "
+                     "`runs/<name>-<YYYYmmdd-HHMMSS>`, a new directory for every run. A directory that already "
+                     "holds files is refused unless `--resume` (continue it) or `--overwrite` (replace it).")
     seed: int = Field(0, description="Global seed.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
@@ -336,11 +355,51 @@ def default(section: str, name: str) -> Any:
     return model.model_fields[name].get_default(call_default_factory=True)
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str, field: Any = None) -> Any:
+    """An override's value: JSON where it parses (numbers, booleans, lists), else the text itself. A list
+    field also takes a comma-separated list or a single item (``tasks.train=/data/a,/data/b``)."""
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except json.JSONDecodeError:
-        return raw
+        value = raw
+    if _is_list(field) and not isinstance(value, list):
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    return value
+
+
+def _is_list(field: Any) -> bool:
+    return field is not None and get_origin(field.annotation) is list
+
+
+def _field(dotted: str) -> Any:
+    """The pydantic field of a dotted config name, or None when there is none."""
+    model: Any = RunConfig
+    info = None
+    for key in dotted.split("."):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or key not in model.model_fields:
+            return None
+        info = model.model_fields[key]
+        model = info.annotation
+    return info
+
+
+def field_names() -> list[str]:
+    """Every dotted config field name (``trainer.lr``, ``out``, ...)."""
+    return [name for name, _default, _desc in describe_fields()]
+
+
+def suggest(name: str) -> str:
+    """``; did you mean X?`` naming the config fields closest to ``name`` (by whole name, or by the last part in
+    any section: ``rl.lrr`` -> ``trainer.lr``), or "" when none is close."""
+    import difflib
+
+    names = [n for n in field_names() if n != name]
+    leaves = {n: n.rsplit(".", 1)[-1] for n in names}
+    near_leaves = set(difflib.get_close_matches(name.rsplit(".", 1)[-1], set(leaves.values()), n=3, cutoff=0.75))
+    close = [n for n, leaf in leaves.items() if leaf in near_leaves]
+    close += difflib.get_close_matches(name, names, n=3, cutoff=0.7)
+    close = list(dict.fromkeys(close))[:4]
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -358,13 +417,14 @@ def _format_error(source: str, err: ValidationError) -> str:
     loc = ".".join(str(p) for p in first["loc"])
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        msg = "unknown field"
+        msg = "unknown field" + suggest(loc)
     return f"{source}: {loc}: {msg}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> RunConfig:
-    """Load a RunConfig from a TOML file, then apply ``key.path=value`` overrides."""
+    """Load a RunConfig from a TOML file, then apply ``key.path=value`` overrides. An empty ``name`` becomes
+    the file's name without ``.toml`` (``run`` without a file)."""
     data: dict[str, Any] = dict(base or {})
     source = "<defaults>"
     if path is not None:
@@ -382,13 +442,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-4")
         key, raw = item.split("=", 1)
-        _set_path(data, key.strip(), _parse_value(raw.strip()))
+        _set_path(data, key.strip(), _parse_value(raw.strip(), _field(key.strip())))
     if overrides:
         source += " (with overrides)"
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_error(source, e)) from None
+    if not cfg.name:
+        cfg.name = Path(path).stem if path is not None else "run"
+    return cfg
 
 
 def describe_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -76,7 +76,7 @@ UNSUPPORTED = {
 def test_sandbox_run_names_the_unsupported_dockerfile_line(good_task: Path, tmp_path: Path, name: str) -> None:
     dockerfile, message = UNSUPPORTED[name]
     task = copy_task(good_task, tmp_path / name, dockerfile)
-    r = albatross("sandbox", "run", str(task), "--backend", "process", "--", "true", cwd=tmp_path)
+    r = albatross("sandbox", "run", str(task), "--sandbox", "process", "--", "true", cwd=tmp_path)
     assert_one_line_error(r, str(task / "environment" / "Dockerfile"), message)
 
 

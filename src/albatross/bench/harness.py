@@ -268,7 +268,7 @@ def _write(root: Path, task: LongTask, i: int) -> tuple[Path, LongTask]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tasks", type=int, default=3, help="long-horizon tasks (cycling through 3 families)")
+    p.add_argument("--n-tasks", type=int, default=3, help="number of long-horizon tasks (cycling through 3 families)")
     p.add_argument("--limit", type=int, default=2000,
                    help="characters of one output shown, in every configuration (max_observation_chars)")
     p.add_argument("--price-cached", type=float, default=0.1, help="price of a cached input token "
@@ -278,7 +278,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=16384, help="context budget (tokens)")
     p.add_argument("--compress-at", type=float, default=0.5, help="compress past this share of the budget")
     p.add_argument("--compress-target", type=float, default=0.25, help="masking suffices below this share")
-    p.add_argument("--backend", default="", help="sandbox backend (default: local if available, else process)")
+    p.add_argument("--sandbox", choices=("local", "process"), default=None,
+                   help="sandbox type (default: local if available, else process)")
     p.add_argument("--think", type=float, default=0.5, help="background jobs: seconds the scripted policy "
                    "takes per turn (a model's generation time)")
     p.add_argument("--seed", type=int, default=0)
@@ -363,10 +364,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.sandbox import local_available, make_backend
     from albatross.sandbox.base import Limits
 
-    kind = args.backend or ("local" if local_available() else "process")
+    kind = args.sandbox or ("local" if local_available() else "process")
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="albatross-bench-harness-") as tmp:
-        tasks = write_long_tasks(Path(tmp) / "tasks", args.tasks, args.seed)
+        tasks = write_long_tasks(Path(tmp) / "tasks", args.n_tasks, args.seed)
         slow = [_write(Path(tmp) / mode, slow_tests(random.Random(args.seed), background=mode == "bg"), 0)
                 for mode in ("fg", "bg")]
         fmt = TinyChatFormat(_tokenizer([t for _, t in tasks + slow]))

@@ -18,10 +18,14 @@ EXIT_USER_ERROR = 2
 
 
 def _overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    """`--set a.b=v` plus any `--a.b=v` / `--a.b v` flags: overrides of any config field."""
-    out = list(args.set or [])
+    """Overrides of any config field: ``--set a.b=v``, the ``--a.b v`` / ``--a.b=v`` flags taken out of the
+    command line before parsing (``split_overrides``), ``--backend`` / ``--out``, and any left ``--name v``
+    (top-level fields such as ``--seed 3``)."""
+    out = list(args.set or []) + list(getattr(args, "overrides", []))
     if getattr(args, "backend", None):
         out.append(f"orchestrator.backend={args.backend}")
+    if getattr(args, "out", None):
+        out.append(f"out={json.dumps(args.out)}")
     i = 0
     while i < len(extra):
         tok = extra[i]
@@ -34,7 +38,7 @@ def _overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
             out.append(f"{key}={extra[i + 1]}")
             i += 1
         else:
-            raise UserError(f"override {tok} needs a value")
+            raise UserError(f"override {tok} needs a value, e.g. {tok} VALUE")
         i += 1
     return [_normalise_key(o) for o in out]
 
@@ -44,19 +48,46 @@ def _normalise_key(override: str) -> str:
     return key.replace("-", "_") + sep + value
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Take every ``--a.b VALUE`` / ``--a.b=VALUE`` (a dotted name: a config field) out of ``argv``, wherever it
+    stands (before or after the config path); return (the other arguments, the ``a.b=VALUE`` overrides).
+    Everything after ``--`` is left alone (``sandbox run TASK -- CMD``)."""
+    rest: list[str] = []
+    found: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            rest += argv[i:]
+            break
+        name = tok[2:].split("=", 1)[0]
+        if tok.startswith("--") and "." in name and not name.startswith("."):
+            if "=" in tok:
+                found.append(tok[2:])
+            elif i + 1 < len(argv):
+                found.append(f"{name}={argv[i + 1]}")
+                i += 1
+            else:
+                raise UserError(f"override {tok} needs a value, e.g. {tok} VALUE")
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, found
+
+
 def cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.pipeline.demo import demo_config
     from albatross.pipeline.driver import Pipeline
     from albatross.pipeline.summary import format_table
 
-    cfg = demo_config(args.config, args.quick, args.out, _overrides(args, extra))
-    pipeline = Pipeline(cfg, log=_log, command="demo --quick" if args.quick else "demo")
+    cfg = demo_config(args.config, args.quick, None, _overrides(args, extra))
+    pipeline = Pipeline(cfg, log=_log, command="demo --quick" if args.quick else "demo", overwrite=args.overwrite)
     summary = pipeline.run()
     print(format_table(summary, pipeline.title), flush=True)
     if args.quick:
         print("\nalbatross demo --quick is a smoke test: a few steps on a few tasks, so the difference above is "
               "mostly noise; the full demo (`albatross demo`) measures learning.", flush=True)
-    print(f"\nwritten: {Path(cfg.out).resolve() / 'summary.json'}", flush=True)
+    print(f"\nwritten: {pipeline.out / 'summary.json'} and {pipeline.out / 'report.html'}", flush=True)
     return 0
 
 
@@ -67,25 +98,30 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.pipeline.summary import format_table
 
     if args.resume:
-        if args.config or extra or args.set or args.backend:
+        if args.config or extra or args.set or args.backend or args.overrides or args.out or args.overwrite:
             raise UserError("--resume takes the run directory only; its config.json is reused")
         pipeline = Pipeline.resumed(args.resume, log=_log)
     elif args.config:
-        pipeline = Pipeline(load_config(args.config, _overrides(args, extra)), log=_log)
+        pipeline = Pipeline(load_config(args.config, _overrides(args, extra)), log=_log, overwrite=args.overwrite)
     else:
         raise UserError("train needs a CONFIG file or --resume RUN_DIR")
     summary = pipeline.run()
     print(format_table(summary, pipeline.title), flush=True)
-    print(f"\nwritten: {pipeline.out / 'summary.json'}", flush=True)
+    print(f"\nwritten: {pipeline.out / 'summary.json'} and {pipeline.out / 'report.html'}", flush=True)
     return 0
 
 
 def cmd_config(args: argparse.Namespace, extra: list[str]) -> int:
+    """A config file (and overrides) resolved: every field's value, defaults included; without one, every field
+    with its default and meaning."""
     from albatross.config import describe_fields, load_config
 
-    if args.config or extra or args.set:
+    if args.config or extra or args.set or args.overrides:
         cfg = load_config(args.config, _overrides(args, extra))
-        print(json.dumps(cfg.model_dump(), indent=2))
+        data = cfg.model_dump()
+        if not data["out"]:
+            data["out"] = f"runs/{cfg.name}-<YYYYmmdd-HHMMSS> (a new directory each run)"
+        print(json.dumps(data, indent=2))
         return 0
     for name, default, desc in describe_fields():
         print(f"{name:<36} {default:<14} {desc}")
@@ -168,11 +204,27 @@ def _add_bench(sub) -> None:
         if importlib.util.find_spec(mod) is None:
             continue
         module = importlib.import_module(mod)
-        p = bsub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        p = bsub.add_parser(name, help=_summary(module.__doc__ or ""), description=_paragraph(module.__doc__ or ""))
         p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
         p.set_defaults(fn=cmd_bench)
+
+
+def _paragraph(doc: str) -> str:
+    """The first paragraph of a docstring on one line, without parenthesised references to design notes."""
+    import re
+
+    return re.sub(r"\s*\([^()]*\.md\b[^()]*\)", "", " ".join(doc.strip().split("\n\n", 1)[0].split()))
+
+
+def _summary(doc: str) -> str:
+    """A whole first sentence of a docstring for a command list (never cut mid-sentence)."""
+    import re
+
+    text = _paragraph(doc)
+    match = re.search(r"^(.+?[.!?])(\s|$)", text)
+    return (match.group(1) if match else text).rstrip(".")
 
 
 def _log(line: str) -> None:
@@ -184,6 +236,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set trainer.lr=1e-4 (or --trainer.lr 1e-4)")
 
 
+def _add_out_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", help="run directory (config field `out`; default: a new runs/<name>-<time>); one that "
+                   "already holds files is refused unless --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in the run directory")
+
+
 def _add_backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("local", "ray"), help="where the trainer, engines and rollout "
                    "workers run (orchestrator.backend): this machine, or Ray actors on the cluster of "
@@ -191,18 +249,25 @@ def _add_backend_arg(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="albatross", description="Asynchronous RL for terminal agents.")
+    from albatross import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="albatross", description="Asynchronous RL for terminal agents. Any config field can be set on the "
+        "command line as --section.field VALUE (or --section.field=VALUE), before or after the config file; "
+        "list fields take a comma-separated list.")
+    parser.add_argument("--version", action="version", version=f"albatross {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="the whole loop on a laptop: tasks, warm start, async GRPO, eval")
     p.add_argument("--quick", action="store_true", help="a smaller run that finishes in about 3 minutes")
-    p.add_argument("--out", help="output directory (default: runs/demo)")
-    p.add_argument("--config", help="TOML config (default: configs/demo.toml)")
+    _add_out_args(p)
+    p.add_argument("--config", help="TOML config (default: the demo's own, configs/demo.toml)")
     _add_backend_arg(p)
     _add_config_args(p)
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("train", help="train with a TOML config, or resume a run")
     p.add_argument("config", nargs="?", help="TOML file describing the run")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped or crashed run (its --out dir)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped or crashed run (its out directory)")
+    _add_out_args(p)
     _add_backend_arg(p)
     _add_config_args(p)
     p.set_defaults(fn=cmd_train)
@@ -244,10 +309,23 @@ def _runtime_failures() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        argv, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        print(f"albatross: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     fn: Callable[[argparse.Namespace, list[str]], int] = args.fn
-    if extra and not getattr(args, "accepts_overrides", fn in (cmd_demo, cmd_train, cmd_config)):
+    takes_overrides = fn in (cmd_demo, cmd_train, cmd_config)
+    if overrides and not takes_overrides:
+        if not hasattr(args, "set"):
+            parser.error(f"{args.command} takes no config fields: unrecognized arguments: "
+                         + " ".join(f"--{o}" for o in overrides))
+        args.set = [*(args.set or []), *overrides]  # commands with --set (eval, tasks probe)
+        overrides = []
+    args.overrides = overrides
+    if extra and not takes_overrides:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code = fn(args, extra)

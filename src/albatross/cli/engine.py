@@ -20,7 +20,7 @@ def register(sub: Any, tasks_sub: Any) -> None:
                    "HTTP 429 with Retry-After")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="n-gram speculative decoding: draft tokens per step (0 = off)")
-    p.add_argument("--version", type=int, default=0, help="policy version of the initial weights")
+    p.add_argument("--weight-version", type=int, default=0, help="policy version of the initial weights")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.set_defaults(fn=cmd_serve)
     group = sub.add_parser("engines", help="rollout engines (vLLM, SGLang) for `engine.type`")
@@ -41,7 +41,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
 
     for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-concurrency",
                              args.max_concurrency, 1), ("--threads", args.threads, 1),
-                             ("--speculative", args.speculative, 0), ("--version", args.version, 0)):
+                             ("--speculative", args.speculative, 0), ("--weight-version", args.weight_version, 0)):
         if value < low:
             raise UserError(f"serve: {flag} must be at least {low}, got {value}")
     if not 0 <= args.port <= 65535:
@@ -72,7 +72,7 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
         raise FileNotFoundError(f"{model_dir}/config.json: not a model directory")
     torch.set_num_threads(args.threads)
     tok = load_text_tokenizer(model_dir)
-    engine = BuiltinEngine(str(model_dir), max_batch_size=args.max_batch_size, version=args.version,
+    engine = BuiltinEngine(str(model_dir), max_batch_size=args.max_batch_size, version=args.weight_version,
                            speculative=args.speculative, decode=tok.decode)
     server = _listen(engine, tok, args.served_model_name or model_dir.resolve().name, args)
     signal.signal(signal.SIGTERM, _interrupt)

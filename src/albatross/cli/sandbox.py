@@ -62,8 +62,8 @@ def register(sub: Any, tasks_sub: Any) -> None:
 
 
 def _options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["local", "process"], default="local",
-                   help="local: isolated (default); process: no isolation, dev only")
+    p.add_argument("--sandbox", choices=["local", "process"], default="local",
+                   help="sandbox type: local (isolated, default) or process (no isolation, dev only)")
     p.add_argument("--base", choices=["image", "debian", "host"], default="image",
                    help="base root: image (the Dockerfile's FROM, default), debian, or host (not isolated "
                    "from the host's files)")
@@ -110,11 +110,11 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     task = load_task(args.task_dir)
     _check(args, task)
-    if args.backend == "local" and not local_available():
+    if args.sandbox == "local" and not local_available():
         raise _user_error(f"the local sandbox is unavailable here ({unavailable_reason()}); "
-                          "use --backend process (no isolation)")
-    options = {"warm": 0, "base": args.base} if args.backend == "local" else {}
-    backend = make_backend(args.backend, **options)
+                          "use --sandbox process (no isolation)")
+    options = {"warm": 0, "base": args.base} if args.sandbox == "local" else {}
+    backend = make_backend(args.sandbox, **options)
     limits = Limits(memory_mb=task.memory_mb, disk_mb=task.storage_mb,
                     command_timeout_s=args.timeout if args.timeout is not None else task.agent_timeout_s)
     try:

@@ -112,7 +112,7 @@ class ProcessReplica(_LaunchedReplica):
         self.engine = None
         version = self.version
         offset = self._spawn([sys.executable, "-m", "albatross.cli", "serve", str(self.model_dir), "--port", "0",
-                              "--version", str(version), "--threads", str(self.threads),
+                              "--weight-version", str(version), "--threads", str(self.threads),
                               "--max-batch-size", str(self.max_batch_size)])
         self.url = url = self._wait_url(offset)
         self.engine = load_newest(AlbatrossEngine(url, version=version, connect_timeout=30.0, retries=2), newest)

@@ -17,12 +17,24 @@ QUICK_OVERRIDES = [
 ]
 
 
+def demo_config_path() -> Path:
+    """The demo's config: ``albatross/configs/demo.toml`` inside an installed package, else ``configs/demo.toml``
+    of the checkout this module runs from (an editable install)."""
+    from importlib.resources import files
+
+    from albatross.errors import UserError
+
+    for path in (Path(str(files("albatross"))) / "configs" / "demo.toml",
+                 Path(__file__).resolve().parents[3] / "configs" / "demo.toml"):
+        if path.is_file():
+            return path
+    raise UserError("the demo's config (albatross/configs/demo.toml) is missing from this installation: "
+                    "reinstall albatross, or pass --config FILE")
+
+
 def demo_config(config_path: str | None, quick: bool, out: str | None, overrides: list[str]) -> RunConfig:
-    """configs/demo.toml (when run from a checkout, else the defaults), the quick overrides, then the user's."""
-    path = config_path
-    if path is None:
-        repo_cfg = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
-        path = str(repo_cfg) if repo_cfg.is_file() else None
+    """The demo's config (``demo_config_path``, or ``config_path``), the quick overrides, then the user's."""
+    path = config_path or str(demo_config_path())
     extra = (QUICK_OVERRIDES if quick else []) + list(overrides)
     if out:
         extra.append(f"out={json.dumps(out)}")

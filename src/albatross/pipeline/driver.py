@@ -23,9 +23,12 @@ class Pipeline:
     """One run of a config: ``run()`` returns the summary (also written to ``<out>/summary.json``)."""
 
     def __init__(self, cfg: RunConfig, log: Callable[[str], None] = print, resume: bool = False,
-                 command: str = "train") -> None:
-        self.cfg, self.log, self.resume, self.command = cfg, log, resume, command
+                 command: str = "train", overwrite: bool = False) -> None:
+        self.cfg, self.log, self.resume, self.command, self.overwrite = cfg, log, resume, command, overwrite
+        if not cfg.out:
+            cfg.out = default_out(cfg.name)
         self.out = Path(cfg.out).resolve()
+        self.model_name = cfg.model.path  # as given: a directory or a Hugging Face id (summary.json names it)
 
     @classmethod
     def resumed(cls, out_dir: str | Path, log: Callable[[str], None] = print) -> Pipeline:
@@ -46,6 +49,7 @@ class Pipeline:
 
         t0 = time.monotonic()
         torch.manual_seed(self.cfg.seed)
+        self._claim_out()
         self._prepare_out()
         train, heldout = self._tasks()
         tokenizer, model_dir = self._model()
@@ -68,7 +72,7 @@ class Pipeline:
         agent = build_agent(cfg, None, backend, tokenizer)
         base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, self._pass_rate_fn(agent, train),
                               cache_root(), self.log)
-        info = describe(cfg.model.path, base_dir)
+        info = describe(self.model_name, base_dir)
         self.log(f"[model] {info.architecture}, {info.parameters / 1e6:.2f}M parameters, from {base_dir}")
         ray_run = self._ray(base_dir, tokenizer) if cfg.orchestrator.backend == "ray" else None
         engine = ray_run.engine if ray_run else self._engine(base_dir)
@@ -91,6 +95,26 @@ class Pipeline:
         return base, trained, state, loop, info, version
 
     # ---- stages -------------------------------------------------------------------------------
+    def _claim_out(self) -> None:
+        """A new run never writes into a directory that holds files: one line (exit 2) unless ``--resume``
+        continues it or ``--overwrite`` replaces it (only a run directory, one with config.json)."""
+        out = self.out
+        if self.resume or not out.is_dir() or not any(out.iterdir()):
+            return
+        if not self.overwrite:
+            hint = (f"`albatross train --resume {out}` continues it, " if (out / "config.json").is_file() else "")
+            raise UserError(f"out {str(out)!r} already holds files: {hint}--overwrite replaces it, or choose "
+                            "another out (no out: a new runs/<name>-<time> directory)")
+        if not (out / "config.json").is_file():
+            raise UserError(f"out {str(out)!r}: --overwrite replaces only a run directory (with config.json); "
+                            "this one is not: choose another out")
+        self.log(f"[out] --overwrite: removing the previous run in {out}")
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
     def _prepare_out(self) -> None:
         """A fresh run starts from an empty output directory; a resumed one keeps everything."""
         out = self.out
@@ -141,8 +165,22 @@ class Pipeline:
         from albatross.pipeline.model import check_model_dir
 
         if self.cfg.model.path:
-            return check_model_dir(self.cfg.model.path, self.cfg.harness.action_format), Path(self.cfg.model.path)
+            path = self._resolve_model()
+            return check_model_dir(path, self.cfg.harness.action_format), path
         return demo_tokenizer(self.cfg.tasks.families, self.cfg.tasks.heldout_families), None
+
+    def _resolve_model(self) -> Path:
+        """``model.path`` as a directory: a Hugging Face id becomes its snapshot in the local cache (downloaded
+        where the hub is reachable); the run then uses that directory everywhere (config.json records it)."""
+        from albatross.pipeline.model import resolve_model_path
+
+        given = self.cfg.model.path
+        path = resolve_model_path(given, self.log)
+        if str(path) != given:
+            self.log(f"[model] {given}: {path}")
+            self.cfg.model.path = str(path)
+            (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+        return path
 
     def _backend(self) -> Any:
         from albatross.sandbox import backend_from_config
@@ -284,6 +322,16 @@ class Pipeline:
         }
         summ.write_summary(self.out, out)
         return out
+
+
+def default_out(name: str, root: str | Path = "runs") -> str:
+    """``runs/<name>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``... when that exists already): a new directory per run."""
+    base = Path(root) / f"{name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return str(path)
 
 
 def _fmt(result: Any) -> str:

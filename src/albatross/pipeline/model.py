@@ -118,3 +118,45 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+    ``~/.cache/huggingface/hub`` (read at call time, so a changed environment counts)."""
+    import os
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def resolve_model_path(path: str, log: Any = None) -> Path:
+    """The directory of ``model.path``: the directory itself, or the snapshot of a Hugging Face id in the local
+    cache, downloaded first where the hub is reachable (not with ``HF_HUB_OFFLINE=1``). A missing model is one
+    ``UserError`` line saying where it looked."""
+    import os
+
+    from albatross.config import is_hub_id
+
+    if Path(path).expanduser().is_dir() or not is_hub_id(path):
+        return Path(path).expanduser()
+    cache = hub_cache_dir()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, cache_dir=str(cache), local_files_only=True))
+    except Exception:  # not cached (huggingface_hub raises several types)
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("", "0", "false", "no"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        if log is not None:
+            log(f"[model] {path}: not in the Hugging Face cache {cache}; downloading from the hub")
+        try:
+            return Path(snapshot_download(path, cache_dir=str(cache)))
+        except Exception as e:  # unreachable hub, unknown id, gated model
+            reason = f"not downloaded: {_first_line(e)[:160]}"
+    where = cache / ("models--" + path.replace("/", "--"))
+    raise UserError(f"model.path {path!r}: not a directory, and not in the Hugging Face cache (looked in {where}; "
+                    f"{reason})")
