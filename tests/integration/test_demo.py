@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -19,10 +21,18 @@ from demo_util import TINY_DEMO_ARGS
 def test_demo_quick(tmp_path, demo_cache):
     out = tmp_path / "out"
     env = {**os.environ, "ALBATROSS_CACHE": str(demo_cache)}
-    r = subprocess.run([sys.executable, "-m", "albatross.cli", "demo", "--quick", "--out", str(out),
-                        *TINY_DEMO_ARGS], capture_output=True, text=True, timeout=600, env=env)
+    r = _run_timed([sys.executable, "-m", "albatross.cli", "demo", "--quick", "--out", str(out), *TINY_DEMO_ARGS],
+                   env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[warm-start]" in r.stdout and "[train] step" in r.stdout and "[eval]" in r.stdout
+    # progress a person can plan by: an ETA within 10 seconds, and every phase says why it stopped
+    first_eta = next(t for t, line in r.lines if line.startswith("[plan]") and " eta " in line)
+    assert first_eta < 10, r.stdout[:2000]
+    for phase in ("tasks", "sandbox", "warm-start", "base eval", "train", "trained eval", "report"):
+        assert any(line.startswith(f"[{phase}] stopped: ") for _t, line in r.lines), phase
+    train_stop = next(line for _t, line in r.lines if line.startswith("[train] stopped: "))
+    assert "max_steps" in train_stop or "max_minutes" in train_stop, train_stop
+    assert any(line.startswith("[train] step") and " eta " in line for _t, line in r.lines)
     summary = json.loads((out / "summary.json").read_text())
     for key in SUMMARY_KEYS:
         assert key in summary, key
@@ -39,3 +49,22 @@ def test_demo_quick(tmp_path, demo_cache):
     versions = {v for r in rows for s in r["samples"] for v in s["versions"] if v >= 0}
     assert len(versions) >= 2, "tokens after a weight swap must carry the new version"
     assert (out / "run" / "metrics.jsonl").is_file()
+
+
+def _run_timed(cmd: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``cmd``; the result also has ``lines``: (seconds since the start, line) of its stdout."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    lines = []
+    for line in proc.stdout:
+        lines.append((time.monotonic() - t0, line.rstrip("\n")))
+        if time.monotonic() - t0 > timeout:
+            proc.kill()
+    proc.wait(timeout=60)
+    reader.join(timeout=60)
+    r = subprocess.CompletedProcess(cmd, proc.returncode, "\n".join(line for _t, line in lines), "".join(err))
+    r.lines = lines
+    return r

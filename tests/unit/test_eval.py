@@ -98,8 +98,8 @@ def test_summarize_hand_values():
     s = summarize(records)
     assert s["tasks"] == 2 and s["attempts"] == 4 and s["successes"] == 2
     assert s["pass_at_1"] == pytest.approx(0.5)
-    # per-trial pass rates 1.0 and 0.0: stdev 0.7071, / sqrt(2) = 0.5
-    assert s["pass_at_1_se"] == pytest.approx(0.5)
+    # over tasks (trials nested): both tasks pass half their trials, so no spread between tasks
+    assert s["pass_at_1_se"] == pytest.approx(0.0)
     assert s["pass_at_k"] == {"1": pytest.approx(0.5), "2": pytest.approx(1.0)}
     assert s["infra_errors"] == 1 and s["unscored_attempts"] == 0
     assert s["cost_per_task"] == pytest.approx(0.08 / 4)
@@ -203,7 +203,9 @@ def test_progress_bar_and_plain_lines():
 def test_format_summary_tables():
     s = {"label": "m", **summarize([_rec("a", 0, True, category="x"), _rec("a", 1, False, category="x")])}
     text = format_summary(s)
-    assert "Pass@1              0.500 ± 0.500" in text
+    assert "Pass@1              0.500\n" in text  # one task: no interval
+    two = {"label": "m", **summarize([_rec("a", 0, True), _rec("a", 1, True), _rec("b", 0, False), _rec("b", 1, False)])}
+    assert "Pass@1              0.500 ± 0.500 (s.e. over tasks; 95% CI 0.000 to 1.000)" in format_summary(two)
     assert "k=1 0.500  k=2 1.000" in text
     assert not math.isnan(s["cost_per_task"])
     assert "x         1      2         0.500" in text

@@ -417,7 +417,8 @@ def format_summary(s: dict[str, Any]) -> str:
     tok = s["tokens_per_task"]
     lines = ["", f"albatross eval: {s['label']}  ({s['tasks']} tasks x {s['trials']} trials, "
              f"{s['attempts']} scored attempts)", "-" * 72,
-             f"Pass@1              {s['pass_at_1']:.3f}" + (f" ± {se:.3f} (s.e. over trials)" if se is not None else ""),
+             f"Pass@1              {s['pass_at_1']:.3f}" + (f" ± {se:.3f} (s.e. over tasks; 95% CI {ci[0]:.3f} to {ci[1]:.3f})"
+                                                   if se is not None and (ci := s.get("pass_at_1_ci95")) else ""),
              "pass@k              " + "  ".join(f"k={k} {v:.3f}" for k, v in s["pass_at_k"].items()),
              f"tokens per task     input {tok['input']:.0f}  cached {tok['cached_input']:.0f}  "
              f"output {tok['output']:.0f}",

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from albatross.errors import UserError
-from albatross.eval.run import Price, load_attempts, load_prices, summarize
+from albatross.eval.run import UNCATEGORIZED, Price, load_attempts, load_prices, summarize, task_family
+from albatross.eval.stats import DEFINITION, Interval, paired_difference, task_interval, verdict
 from albatross.records import read_jsonl
 
 if sys.version_info >= (3, 11):
@@ -52,6 +53,8 @@ class Result:
     summary: dict[str, Any]
     config: dict[str, Any] = field(default_factory=dict)
     expected_attempts: int | None = None  # tasks x trials of an eval directory, to flag a partial one
+    role: str = "model"  # "model": an evaluated model; "validation": a run's validation split (shown apart)
+    split: str = ""  # a run's evaluation: "base", "trained", "validation"
 
 
 @dataclass
@@ -116,9 +119,14 @@ def _run_results(path: Path, prices: dict[str, Price] | None) -> list[Result]:
     categories = _task_categories(path / "tasks")
     out = []
     for f in files:
-        label = f"{path.name} {f.stem.removeprefix('eval_')}"
-        s = summarize(read_jsonl(f), categories=categories, price=_pick_price(prices, label, path.name))
-        out.append(Result(label, path, s, config))
+        split = f.stem.removeprefix("eval_")
+        label = f"{path.name} {split}"
+        records = read_jsonl(f)
+        families = {r["task_id"]: task_family(r["task_id"]) for r in records if "task_id" in r}
+        known = {**{t: f for t, f in families.items() if f != UNCATEGORIZED}, **categories}
+        s = summarize(records, categories=known, price=_pick_price(prices, label, path.name))
+        out.append(Result(label, path, s, config, role="validation" if split == "validation" else "model",
+                          split=split))
     return out
 
 
@@ -218,9 +226,9 @@ def fig_pareto(results: list[Result]) -> str:
     ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="#444", lw=1.5, zorder=1,
             label="Pareto frontier")
     for i, r in enumerate(results):
-        se = r.summary.get("pass_at_1_se") or 0.0
+        half = _interval(r).half_width or 0.0
         color = _COLORS[i % len(_COLORS)]
-        ax.errorbar(xs[i], ys[i], yerr=se, fmt=_MARKERS[i % len(_MARKERS)], ms=10, capsize=4, color=color,
+        ax.errorbar(xs[i], ys[i], yerr=half, fmt=_MARKERS[i % len(_MARKERS)], ms=10, capsize=4, color=color,
                     mfc="white" if free[i] else color, zorder=3, label=r.label + (f" ({zero_note})" if free[i] else ""))
     ax.set_xscale("log")
     _log_ticks(ax, xs, dollars=kind == "cost")
@@ -228,7 +236,7 @@ def fig_pareto(results: list[Result]) -> str:
     _labels(ax, fig, xs, ys, [r.label for r in results])
     ax.yaxis.set_major_formatter(_percent())
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("Pass@1 (mean over trials, ±1 s.e.)")
+    ax.set_ylabel("Pass@1 (95% interval over tasks)")
     ax.set_title(f"Pass@1 against {what} per task")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
@@ -312,8 +320,18 @@ def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[float], list[
 
 
 def _zero_signal_share(metrics: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    """Share of the groups finished during each step whose attempts all scored the same."""
-    xs, ys, prev_g, prev_z = [], [], 0, 0
+    """Per step: the share of the groups finished for that step's batch whose attempts all scored the same
+    (``batch/dropped_zero_signal`` / ``batch/groups_seen``); runs that logged only running totals
+    (``groups``, ``zero_signal_groups``) by their differences."""
+    xs, ys = [], []
+    if any("batch/groups_seen" in m for m in metrics):
+        for m in metrics:
+            seen = m.get("batch/groups_seen")
+            if isinstance(seen, (int, float)) and seen > 0 and "step" in m:
+                xs.append(m["step"])
+                ys.append(float(m.get("batch/dropped_zero_signal", 0.0)) / seen)
+        return xs, ys
+    prev_g = prev_z = 0
     for m in metrics:
         if "groups" in m and "zero_signal_groups" in m:
             dg, dz = m["groups"] - prev_g, m["zero_signal_groups"] - prev_z
@@ -324,8 +342,11 @@ def _zero_signal_share(metrics: list[dict[str, Any]]) -> tuple[list[float], list
     return xs, ys
 
 
-def _training_panels(run: TrainingRun) -> list[tuple[str, str, list[tuple[str, list[float], list[float]]]]]:
-    """(title, x label, [(line label, xs, ys)]) of each training panel."""
+Panel = tuple[str, str, str, list[tuple[str, list[float], list[float]]]]  # title, x label, y label, lines
+
+
+def _training_panels(run: TrainingRun) -> list[Panel]:
+    """(title, x label, y label, [(line label, xs, ys)]) of each training panel."""
     m, bv = run.metrics, run.by_version
     versions = list(bv)
 
@@ -338,37 +359,65 @@ def _training_panels(run: TrainingRun) -> list[tuple[str, str, list[tuple[str, l
 
     reward_x, reward = from_metrics_or_versions(("reward_mean", "reward"), "reward")
     tps_x, tps = from_metrics_or_versions(("tokens_per_solve",), "tokens_per_solve")
+    step = "trainer step"
     return [
-        ("reward (mean score)", reward_x, reward),
-        ("pass rate", "trainer step", [("pass_rate", *_series(m, "pass_rate"))]),
-        ("tokens per solve", tps_x, tps),
-        ("staleness (versions)", "trainer step", [("mean", *_series(m, "staleness_mean")),
-                                                  ("max", *_series(m, "staleness_max"))]),
-        ("mismatch KL", "trainer step", [("mismatch_kl", *_series(m, "mismatch_kl")),
-                                         ("without routing replay", *_series(m, "mismatch_kl_no_replay"))]),
-        ("entropy", "trainer step", [("entropy", *_series(m, "entropy"))]),
-        ("zero-signal group share", "trainer step", [("share", *_zero_signal_share(m))]),
-        ("infra errors (cumulative)", "trainer step", [("attempts", *_series(m, "infra_error_attempts"))]),
+        ("reward", reward_x, "mean score of the attempts", reward),
+        ("pass rate", step, "share of attempts solved", [("pass_rate", *_series(m, "pass_rate"))]),
+        ("loss", step, "policy loss", [("loss", *_series(m, "loss"))]),
+        ("gradient norm", step, "norm before clipping", [("grad_norm", *_series(m, "grad_norm"))]),
+        ("learning rate", step, "learning rate", [("lr", *_series(m, "lr"))]),
+        ("entropy", step, "nats per token", [("entropy", *_series(m, "entropy"))]),
+        ("mismatch KL", step, "KL(sampler || trainer) per token",
+         [("mismatch_kl", *_series(m, "mismatch_kl")), ("without routing replay", *_series(m, "mismatch_kl_no_replay"))]),
+        ("staleness", step, "policy versions behind", [("mean", *_series(m, "staleness_mean")),
+                                                        ("max", *_series(m, "staleness_max"))]),
+        ("zero-signal groups", step, "share of the step's groups", [("share", *_zero_signal_share(m))]),
+        ("throughput", step, "tokens per second", [("trainer", *_series(m, "tokens_per_s")),
+                                                    ("engines (generated)", *_series(m, "engine_tokens_per_s"))]),
+        ("tokens per solve", tps_x, "generated tokens per solved attempt", tps),
+        ("infra errors", step, "attempts (running total)", [("attempts", *_series(m, "infra_error_attempts"))]),
     ]
+
+
+def smooth(ys: list[float], weight: float = 0.8) -> list[float]:
+    """Exponential moving average with bias correction (TensorBoard's smoothing): the early points are not
+    pulled towards 0."""
+    out, acc, norm = [], 0.0, 0.0
+    for y in ys:
+        acc = weight * acc + (1 - weight) * y
+        norm = weight * norm + (1 - weight)
+        out.append(acc / norm)
+    return out
 
 
 def fig_training(run: TrainingRun) -> str:
     from matplotlib.figure import Figure
 
     panels = _training_panels(run)
-    fig = Figure(figsize=(12, 5.6), layout="constrained")
-    axes = fig.subplots(2, 4)
-    for ax, (title, xlabel, lines) in zip(axes.flat, panels, strict=True):
-        drawn = [ax.plot(xs, ys, "o-", ms=3, lw=1.5, label=name) for name, xs, ys in lines if xs]
+    fig = Figure(figsize=(13, 9.5), layout="constrained")
+    axes = fig.subplots(3, 4)
+    for ax, (title, xlabel, ylabel, lines) in zip(axes.flat, panels, strict=True):
+        drawn = 0
+        for i, (name, xs, ys) in enumerate(lines):
+            if not xs:
+                continue
+            color = _COLORS[i % len(_COLORS)]
+            if len(xs) >= 5:  # raw values faint, the smoothed trend on top
+                ax.plot(xs, ys, "-", lw=0.8, alpha=0.35, color=color)
+                ax.plot(xs, smooth(ys), "-", lw=1.8, color=color, label=f"{name} (smoothed)")
+            else:
+                ax.plot(xs, ys, "o-", ms=3, lw=1.5, color=color, label=name)
+            drawn += 1
         if not drawn:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="#888")
-        if len(drawn) > 1:
-            ax.legend(fontsize=8)
+        if drawn > 1:
+            ax.legend(fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel, fontsize=8)
-        ax.tick_params(labelsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"training: {run.label}", fontsize=12)
+    fig.suptitle(f"training: {run.label} (faint: each step; solid: smoothed)", fontsize=12)
     return _png(fig)
 
 
@@ -385,6 +434,9 @@ th,td{border:1px solid #ddd;padding:4px 10px;text-align:right}th{background:#f4f
 td:first-child,th:first-child{text-align:left}
 pre{background:#f7f7f7;padding:10px;overflow-x:auto;font-size:.8em}
 details{margin:8px 0}summary{cursor:pointer;font-weight:600}
+#headline{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:6px 16px;margin:14px 0}
+.headline{font-size:1.15em}.verdict{font-size:1.35em;font-weight:700}
+.verdict.good{color:#1a7f37}.verdict.bad{color:#cf222e}.verdict.flat{color:#444}.run{color:#666}
 """
 
 
@@ -403,39 +455,131 @@ def _html_table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _money(value: float, priced: bool) -> str:
+    """A cost per task: ``—`` without prices (a local model costs nothing we know of), else dollars to 3
+    significant digits."""
+    if not priced:
+        return "—"
+    return f"${value:.3g}" if value >= 0.001 else f"${value:.2e}"
+
+
+def _interval(r: Result) -> Interval:
+    """Pass@1 of a result with the one interval of ``eval/stats.py`` (over tasks, trials nested)."""
+    return task_interval(list(_task_rates(r).values()))
+
+
+def _task_rates(r: Result) -> dict[str, float]:
+    return {row["task"]: row["pass_at_1"] for row in r.summary["per_task"] if row["n"]}
+
+
 def _results_table(results: list[Result]) -> str:
+    priced = any(r.summary["cost_per_task"] > 0 for r in results)
     rows = []
     for r in results:
         s = r.summary
-        se = s.get("pass_at_1_se")
         ks = s["pass_at_k"]
         kmax = max(ks, key=int) if ks else "1"
         partial = r.expected_attempts is not None and s["attempts"] < r.expected_attempts
-        rows.append([r.label, f"{s['pass_at_1']:.3f}" + (f" ± {se:.3f}" if se is not None else ""),
-                     f"{ks.get(kmax, 0.0):.3f} (k={kmax})", s["tasks"],
+        rows.append([r.label, _interval(r).text(), f"{ks.get(kmax, 0.0):.3f} (k={kmax})", s["tasks"],
                      f"{s['attempts']} of {r.expected_attempts} (partial)" if partial else s["attempts"],
-                     f"${s['cost_per_task']:.6f}", f"{s['tokens_per_task']['input']:.0f}",
+                     _money(s["cost_per_task"], priced), f"{s['tokens_per_task']['input']:.0f}",
                      f"{s['tokens_per_task']['cached_input']:.0f}", f"{s['tokens_per_task']['output']:.0f}",
                      f"{s['turns_per_task']:.2f}", f"{s['wall_seconds_per_task']:.2f}", s["infra_errors"]])
-    return _html_table(["result", "Pass@1 ± s.e.", "pass@k", "tasks", "attempts", "cost/task",
+    return _html_table(["result", "Pass@1 (95% CI)", "pass@k", "tasks", "attempts", "cost/task",
                         "input tok", "cached tok", "output tok", "turns", "wall s", "infra errors"], rows)
 
 
 def _category_table(results: list[Result]) -> str:
+    priced = any(r.summary["cost_per_task"] > 0 for r in results)
     rows = [[r.label, c["category"], c["tasks"], c["attempts"], f"{c['pass_at_1']:.3f}",
-             f"${c['cost_per_task']:.6f}"] for r in results for c in r.summary["per_category"]]
+             _money(c["cost_per_task"], priced)] for r in results for c in r.summary["per_category"]]
     return _html_table(["result", "category", "tasks", "attempts", "Pass@1", "cost/task"], rows)
 
 
-def _config_section(results: list[Result], runs: list[TrainingRun]) -> str:
-    parts = []
+def _pairs(results: list[Result]) -> list[tuple[Result, Result]]:
+    """(base, trained) of each run directory that evaluated both."""
+    by_source: dict[Path, dict[str, Result]] = {}
     for r in results:
-        parts.append(f"<details><summary>{_esc(r.label)} <span class='meta'>{_esc(r.source)}</span></summary>"
-                     f"<pre>{_esc(json.dumps(r.config or {'note': 'no configuration recorded'}, indent=2))}"
-                     "</pre></details>")
+        if r.split:
+            by_source.setdefault(r.source, {})[r.split] = r
+    return [(d["base"], d["trained"]) for d in by_source.values() if "base" in d and "trained" in d]
+
+
+def headline(base: Result, trained: Result) -> tuple[str, str]:
+    """(verdict, sentence): did training help? Base and trained Pass@1 with their intervals, the paired
+    difference with its interval, and a plain verdict."""
+    diff = paired_difference(_task_rates(base), _task_rates(trained))
+    word = verdict(diff)
+    trials = trained.summary.get("trials")
+    sentence = (f"Held-out Pass@1: base {_interval(base).text()}, trained {_interval(trained).text()}; "
+                f"trained - base {diff.text(signed=True)} over {diff.n} tasks"
+                + (f" x {trials} trials" if trials else "") + f": {word}.")
+    return word, sentence
+
+
+def _headline_section(results: list[Result]) -> str:
+    parts = ["<section id='headline'>"]
+    pairs = _pairs(results)
+    for base, trained in pairs:
+        word, sentence = headline(base, trained)
+        run = base.source.name
+        parts.append(f"<p class='headline'><span class='verdict {'good' if word == 'training helped' else 'bad' if word == 'training hurt' else 'flat'}'>"
+                     f"Did training help? {_esc(word.capitalize())}.</span> <span class='run'>({_esc(run)})</span>"
+                     f"<br>{_esc(sentence)}</p>")
+    if not pairs:
+        models = [r for r in results if r.role == "model"]
+        best = max(models, key=lambda r: r.summary["pass_at_1"], default=None)
+        if best is not None:
+            parts.append(f"<p class='headline'>Best Pass@1: {_esc(best.label)} {_esc(_interval(best).text())}"
+                         f" over {best.summary['tasks']} tasks.</p>")
+    parts.append(f"<p class='meta'>All intervals: {_esc(DEFINITION)}. An interval that covers 0 is no "
+                 "significant change.</p></section>")
+    return "\n".join(parts)
+
+
+def _family_section(results: list[Result]) -> str:
+    """Per-family Pass@1 of base and trained, with the paired difference and its interval."""
+    rows = []
+    for base, trained in _pairs(results):
+        b_rates, t_rates = _task_rates(base), _task_rates(trained)
+        fam_b = {row["task"]: row["category"] for row in base.summary["per_task"]}
+        for family in sorted(set(fam_b.values())):
+            ids = {t for t, f in fam_b.items() if f == family}
+            b = task_interval([v for t, v in b_rates.items() if t in ids])
+            t = task_interval([v for t, v in t_rates.items() if t in ids])
+            d = paired_difference({k: v for k, v in b_rates.items() if k in ids}, t_rates)
+            rows.append([base.source.name, family, b.n, b.text(), t.text(), d.text(signed=True), verdict(d)])
+    if not rows:
+        return ""
+    return ("<h2>Per family</h2><p>Pass@1 of each task family (a family held out from training tests transfer "
+            "to a new kind of task).</p>"
+            + _html_table(["run", "family", "tasks", "base", "trained", "trained - base", "verdict"], rows))
+
+
+def _validation_section(validation: list[Result]) -> str:
+    if not validation:
+        return ""
+    rows = [[r.label, _interval(r).text(), r.summary["tasks"], r.summary["attempts"]] for r in validation]
+    return ("<h2>Validation</h2><p>The trained model on the validation split: tasks of the training families "
+            "in their own words, kept apart to tune settings on (report the held-out figures above). Not a "
+            "model of its own, so not in the comparisons.</p>"
+            + _html_table(["split", "Pass@1 (95% CI)", "tasks", "attempts"], rows))
+
+
+def _config_section(results: list[Result], runs: list[TrainingRun]) -> str:
+    """Each source directory's configuration once, collapsed (a run's base, trained and validation results share
+    one)."""
+    parts, seen = [], set()
+    for r in results:
+        if r.source in seen:
+            continue
+        seen.add(r.source)
+        parts.append(f"<details><summary>configuration of {_esc(r.source.name)} <span class='meta'>"
+                     f"{_esc(r.source)}</span></summary><pre>"
+                     f"{_esc(json.dumps(r.config or {'note': 'no configuration recorded'}, indent=2))}</pre></details>")
     for run in runs:
         last = run.metrics[-1] if run.metrics else {}
-        parts.append(f"<details><summary>training run {_esc(run.label)} (last metrics record)</summary>"
+        parts.append(f"<details><summary>training run {_esc(run.label)}: last metrics record</summary>"
                      f"<pre>{_esc(json.dumps(last, indent=2))}</pre></details>")
     return "\n".join(parts)
 
@@ -477,27 +621,32 @@ def recipe_section(source: Path, data: dict[str, Any]) -> str:
 def render_html(results: list[Result], runs: list[TrainingRun], title: str,
                 recipes: list[tuple[Path, dict[str, Any]]] = ()) -> str:
     """The whole page as one string (``recipes``: ``bench recipe`` JSONs and their directories)."""
+    models = [r for r in results if r.role == "model"]
     body = [f"<h1>{_esc(title)}</h1>",
             f"<p class='meta'>generated {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))} from "
             f"{_esc(', '.join(sorted({str(x.source) for x in [*results, *runs]})))}</p>"]
     if results:
+        body.append(_headline_section(results))
+        body.append(_family_section(results))
+    if models:
         body += ["<h2>Pass@1 against cost per task</h2>",
                  "<p>Each point is one evaluated model or checkpoint; the dashed line is the Pareto "
-                 "frontier (no other result is both cheaper and better). Error bars: one standard error "
-                 "of Pass@1 over trials.</p>",
-                 _img("fig-pareto", fig_pareto(results), "Pass@1 against cost per task"),
-                 _results_table(results),
+                 "frontier (no other result is both cheaper and better). Error bars: the 95% interval over "
+                 "tasks.</p>",
+                 _img("fig-pareto", fig_pareto(models), "Pass@1 against cost per task"),
+                 _results_table(models),
                  "<h2>Per-category breakdown</h2>",
-                 _img("fig-categories", fig_categories(results), "Pass@1 by task category"),
-                 _category_table(results)]
+                 _img("fig-categories", fig_categories(models), "Pass@1 by task category"),
+                 _category_table(models)]
+    body.append(_validation_section([r for r in results if r.role == "validation"]))
     if runs:
         body.append("<h2>Training runs</h2>")
         body += [_img(f"fig-training-{i}", fig_training(run), f"training curves of {run.label}")
                  for i, run in enumerate(runs)]
     body += [recipe_section(source, data) for source, data in recipes]
-    body += ["<h2>Configurations</h2>", _config_section(results, runs)]
+    body += ["<h2>Configuration</h2>", _config_section(results, runs)]
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{_esc(title)}</title>"
-            f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+            f"<style>{_CSS}</style></head><body>\n" + "\n".join(b for b in body if b) + "\n</body></html>\n")
 
 
 def _unique_labels(results: list[Result]) -> None:

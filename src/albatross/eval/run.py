@@ -3,7 +3,8 @@
 ``evaluate`` runs every task ``trials`` times (infrastructure errors are retried and never scored) and can
 append every try to a JSONL file, so an interrupted evaluation resumes by skipping the (task, trial)
 pairs already finished (``finished_pairs``). ``summarize`` turns attempt records (``Trajectory.to_dict``
-plus optional ``category`` / ``usage`` / ``cost`` keys) into Pass@1 with its standard error over trials,
+plus optional ``category`` / ``usage`` / ``cost`` keys) into Pass@1 with its standard error and 95% interval over
+tasks (``stats.py``),
 unbiased pass@k, token, turn, time and cost figures, and per-task and per-category tables.
 
 Token accounting follows prefix caching: each model turn is one request whose input is the whole
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
 import sys
 import threading
 from collections import Counter
@@ -110,10 +110,9 @@ def pass_at_1_by_family(result: EvalResult, families: dict[str, str] | None = No
 
 
 def _task_se(outcomes: list[list[bool]]) -> float | None:
-    rates = [sum(v) / len(v) for v in outcomes if v]
-    if len(rates) < 2:
-        return None
-    return statistics.stdev(rates) / math.sqrt(len(rates))
+    from albatross.eval.stats import task_interval
+
+    return task_interval([sum(v) / len(v) for v in outcomes if v]).se
 
 
 # ------------------------------------------------------------------------------------------- running
@@ -340,7 +339,7 @@ def summarize(records: Iterable[dict[str, Any]], *, tasks: Iterable[str] | None 
         "attempts": n_attempts,
         "successes": solved,
         "pass_at_1": _mean([s.successes / s.n for s in scored]),
-        "pass_at_1_se": _trial_se(final_records(keep).values()),
+        **_interval_fields([s.successes / s.n for s in scored]),
         "pass_at_k": _pass_at_ks(scored),
         "infra_errors": sum(1 for r in keep if r.get("status") == STATUS_INFRA_ERROR),
         "unscored_attempts": sum(s.infra_errors for s in stats.values()),
@@ -394,16 +393,12 @@ def _category_rows(per_task: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _trial_se(finals: Iterable[dict[str, Any]]) -> float | None:
-    """Standard error of Pass@1 across trials: stdev of the per-trial pass rates / sqrt(trials)."""
-    by_trial: dict[int, list[bool]] = {}
-    for r in finals:
-        if r.get("status") != STATUS_INFRA_ERROR:
-            by_trial.setdefault(int(r["attempt"]), []).append(bool(r.get("reward", {}).get("success")))
-    rates = [sum(v) / len(v) for v in by_trial.values()]
-    if len(rates) < 2:
-        return None
-    return statistics.stdev(rates) / math.sqrt(len(rates))
+def _interval_fields(rates: list[float]) -> dict[str, Any]:
+    """``pass_at_1_se`` and ``pass_at_1_ci95`` over tasks (``eval/stats.py``: the one interval albatross uses)."""
+    from albatross.eval.stats import task_interval
+
+    iv = task_interval(rates)
+    return {"pass_at_1_se": iv.se, "pass_at_1_ci95": None if iv.low is None else [iv.low, iv.high]}
 
 
 def _pass_at_ks(scored: list[_TaskStats]) -> dict[str, float]:

@@ -50,8 +50,10 @@ class AsyncLoop:
 
     def __init__(self, cfg: RunConfig, agent: Agent, engine, tasks: list[Task], model_dir: Path,
                  run_dir: Path, log: Callable[[str], None] = print, resume: bool = False,
-                 launcher: Any = None) -> None:
+                 launcher: Any = None, sink: MetricsSink | None = None) -> None:
         self.cfg, self.agent, self.engine, self.tasks = cfg, agent, engine, tasks
+        self._given_sink = sink  # the run's sink (driver), else one of its own
+        self.stop_reason = "not started"
         self.launcher: Launcher = launcher or LocalLauncher()
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,20 +107,25 @@ class AsyncLoop:
         self._trainer_pid = proc.pid
         self._pids: dict[str, int] = {}
         self._write_pids()
-        self.sink = MetricsSink(self.run_dir, self.cfg.orchestrator.max_steps, self.log,
-                                self.cfg.orchestrator.wandb_project, self.cfg.model_dump())
+        self.sink = self._given_sink or MetricsSink(self.run_dir, self.cfg.orchestrator.max_steps, self.log,
+                                                    self.cfg.orchestrator.wandb_project, self.cfg.model_dump(),
+                                                    max_minutes=self.cfg.orchestrator.max_minutes)
+        self.sink.start_training(self.state.step, self.state.elapsed_s)
         pool = self.launcher.rollouts(self)
         try:
             self._wait_ready(result_q, proc)
             self._drive(pool, batch_q, result_q, proc)
         except KeyboardInterrupt:
-            self.log(f"[train] interrupted at step {self.state.step}; resume with "
+            self.stop_reason = "Ctrl-C"
+            self.log(f"[train] interrupted (Ctrl-C) at step {self.state.step}; resume with "
                      f"`albatross train --resume {self.run_dir.parent}`")
             raise
         finally:
             pool.shutdown()
             _stop_trainer(proc, batch_q)
-            self.sink.close()
+            self.sink.end_training()
+            if self._given_sink is None:
+                self.sink.close()
         return self.state
 
     def _write_pids(self) -> None:
@@ -158,6 +165,9 @@ class AsyncLoop:
             if out_of_time:
                 ready.clear()  # not trained: the time budget is spent
             if stopping and not inflight and not ready:
+                # why training stops, said when it does (progress.py's phase line)
+                self.stop_reason = (f"max_steps ({oc.max_steps}) reached" if self._batches_sent >= oc.max_steps
+                                    else f"max_minutes ({oc.max_minutes:g}) reached")
                 break
             while not stopping and not ready and self._admit(inflight, len(ready)):
                 inflight.append(self._start_group(pool))
@@ -286,6 +296,7 @@ class AsyncLoop:
             "dropped_stale_tokens_total": c["dropped_stale_tokens"],
             "queue_depth": self._batches_sent - self.state.step,
             "engine_tokens_per_s": c["completion_tokens"] / max(elapsed, 1e-6),
+            "lr": self.cfg.trainer.lr,  # constant (no schedule); a trainer that reports its own overrides it
             "trainer_idle_share": msg.get("trainer_wait_s", 0.0) / max(msg.get("seconds", 0.0)
                                                                      + msg.get("trainer_wait_s", 0.0), 1e-6),
             **{k: v for k, v in msg.items() if isinstance(v, (int, float)) and k != "version"},

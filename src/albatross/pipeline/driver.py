@@ -17,6 +17,7 @@ from albatross.cache import cache_root
 from albatross.config import RunConfig
 from albatross.errors import UserError
 from albatross.pipeline import summary as summ
+from albatross.progress import Plan
 
 
 class Pipeline:
@@ -45,33 +46,88 @@ class Pipeline:
         return f"albatross {self.command}: results"
 
     def run(self) -> dict[str, Any]:
-        import torch
+        from albatross.orchestrator.metrics import check_wandb
 
         t0 = time.monotonic()
-        torch.manual_seed(self.cfg.seed)
+        check_wandb(self.cfg.orchestrator.wandb_project)
         self._claim_out()
+        self.plan = self._plan()
+        self.plan.announce()  # the phases to come with an estimate each, before anything slow
+        import torch
+
+        torch.manual_seed(self.cfg.seed)
         self._prepare_out()
-        train, heldout = self._tasks()
+        with self.plan.phase("tasks") as ph:
+            train, heldout = self._tasks()
+            ph.reason = f"{len(train)} train, {len(heldout)} held-out tasks ready"
         tokenizer, model_dir = self._model()
-        backend = self._backend()
+        with self.plan.phase("sandbox") as ph:
+            backend = self._backend()
+            ph.reason = f"backend {backend.name} ready"
+        self.timings.record("sandbox", self.plan.phases[1].elapsed_s or 0.0, 1)
+        self.sink = self._sink()
         try:
             results = self._run_with(backend, tokenizer, model_dir, train, heldout)
         finally:
             backend.close()
+            self.sink.close()
         out = self._summary(*results, n_heldout=len(heldout), seconds=time.monotonic() - t0)
-        self._report()
+        with self.plan.phase("report") as ph:
+            self._report()
+            ph.reason = "written"
         return out
+
+    def _plan(self) -> Plan:
+        """The phases of this run with an estimate each (``progress.py``): from earlier runs of this model and
+        sandbox type on this machine, else rough defaults; RL is bounded by ``max_minutes``."""
+        from albatross.pipeline.warmstart import warm_start_source
+        from albatross.progress import TINY_RATES, Phase, Plan, Timings
+
+        cfg, tc, oc = self.cfg, self.cfg.tasks, self.cfg.orchestrator
+        m, h = cfg.model, cfg.harness
+        model_key = m.path or f"tiny-{m.hidden_size}x{m.num_layers}-{m.intermediate_size}"
+        self.timings = t = Timings(cache_root() / "timings.json",
+                                   f"{model_key}|{cfg.sandbox.type}|{h.max_turns}x{h.max_tokens_per_turn}",
+                                   TINY_RATES if not m.path else {"tasks": 2.0})
+        n_heldout = _count_tasks(tc.heldout) if tc.train else tc.n_heldout
+        n_validation = 0 if tc.train else tc.n_validation
+
+        def per(unit: str, n: float) -> float | None:
+            rate = t.rate(unit)
+            return None if rate is None else rate * n
+
+        rl = per("rl_step", oc.max_steps)
+        phases = [Phase("tasks", per("tasks", 1)), Phase("sandbox", t.rate("sandbox"))]
+        if warm_start_source(cfg) != "off" and not self.resume:
+            phases.append(Phase("warm-start", per("warmstart_step", cfg.warmstart.steps), bound=True))
+        if n_heldout:
+            phases.append(Phase("base eval", per("eval_attempt", n_heldout * cfg.eval.trials)))
+        phases.append(Phase("train", min(rl, oc.max_minutes * 60) if rl is not None else oc.max_minutes * 60,
+                            bound=True))
+        if n_heldout:
+            phases.append(Phase("trained eval", per("eval_attempt", n_heldout * cfg.eval.trials)))
+        if n_validation:
+            phases.append(Phase("validation eval", per("eval_attempt", n_validation * cfg.eval.trials)))
+        phases.append(Phase("report", 5.0))
+        return Plan(phases, self.log)
+
+    def _sink(self) -> Any:
+        """The run's metrics sink: trainer steps, warm start and evaluations to JSONL, TensorBoard and W&B."""
+        from albatross.orchestrator.metrics import MetricsSink
+
+        oc = self.cfg.orchestrator
+        return MetricsSink(self.out / "run", oc.max_steps, self.log, oc.wandb_project, self.cfg.model_dump(),
+                           max_minutes=oc.max_minutes, run_name=self.out.name, group=self.cfg.name,
+                           resume=self.resume, plan=self.plan)
 
     def _run_with(self, backend: Any, tokenizer: Any, model_dir: Path | None, train: list, heldout: list) -> tuple:
         from albatross.harness.agent import build_agent
         from albatross.orchestrator.loop import AsyncLoop
         from albatross.pipeline.model import describe
-        from albatross.pipeline.warmstart import warm_start
 
         cfg = self.cfg
         agent = build_agent(cfg, None, backend, tokenizer)
-        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, self._pass_rate_fn(agent, train),
-                              cache_root(), self.log)
+        base_dir = self._warm_start(agent, tokenizer, train, model_dir)
         info = describe(self.model_name, base_dir)
         self.log(f"[model] {info.architecture}, {info.parameters / 1e6:.2f}M parameters, from {base_dir}")
         ray_run = self._ray(base_dir, tokenizer) if cfg.orchestrator.backend == "ray" else None
@@ -81,8 +137,13 @@ class Pipeline:
         try:
             base = self._base_eval(evaluator, heldout)
             loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log,
-                             resume=self.resume, launcher=ray_run)
-            state = loop.run()
+                             resume=self.resume, launcher=ray_run, sink=self.sink)
+            with self.plan.phase("train") as ph:
+                first = loop.state.step
+                t0 = time.monotonic()
+                state = loop.run()
+                ph.reason = f"{loop.stop_reason} at step {state.step}/{cfg.orchestrator.max_steps}"
+            self.timings.record("rl_step", time.monotonic() - t0, state.step - first)
             trained = self._trained_eval(evaluator, heldout)
             self.validation_result = self._validation_eval(evaluator)
             version = int(engine.version)
@@ -93,6 +154,39 @@ class Pipeline:
                 engine.close()
         self._export_final(base_dir, state.version)
         return base, trained, state, loop, info, version
+
+    def _warm_start(self, agent: Any, tokenizer: Any, train: list, model_dir: Path | None) -> Path:
+        """The warm start as a phase of the plan: a bar over its steps, its metrics logged, why it stopped."""
+        import json
+
+        from albatross.pipeline.warmstart import warm_start, warm_start_source
+        from albatross.progress import Bar
+
+        if warm_start_source(self.cfg) == "off":
+            return warm_start(self.cfg, tokenizer, agent, train, model_dir, self._pass_rate_fn(agent, train),
+                              cache_root(), self.log)
+        bar = Bar("warm-start", self.cfg.warmstart.steps, self.log, plan=self.plan)
+        steps = [0]
+
+        def on_step(step: int, metrics: dict) -> None:
+            steps[0] = step
+            self.sink.scalars("warmstart", {k: v for k, v in metrics.items() if k != "step"}, step)
+            if bar.tty or "pass_rate" not in metrics:  # plain lines: warmstart.py prints each check
+                bar.update(step)
+
+        with self.plan.phase("warm-start") as ph:
+            t0 = time.monotonic()
+            try:
+                base_dir = warm_start(self.cfg, tokenizer, agent, train, model_dir,
+                                      self._pass_rate_fn(agent, train), cache_root(), self.log, on_step)
+            finally:
+                bar.close()
+            info = json.loads((base_dir / "warmstart.json").read_text())
+            reason = info.get("stop_reason", "done")
+            ph.reason = reason if steps[0] else f"cached model ({reason})"
+        if steps[0]:
+            self.timings.record("warmstart_step", time.monotonic() - t0, steps[0])
+        return base_dir
 
     # ---- stages -------------------------------------------------------------------------------
     def _claim_out(self) -> None:
@@ -236,7 +330,7 @@ class Pipeline:
 
     def _base_eval(self, agent: Any, heldout: list) -> Any:
         """Evaluate the starting model; a resumed run only runs the (task, trial) pairs not yet scored."""
-        from albatross.eval.run import EvalResult, evaluate, final_records, finished_pairs, load_attempts
+        from albatross.eval.run import EvalResult, final_records, finished_pairs, load_attempts
         from albatross.records import STATUS_INFRA_ERROR, Trajectory
 
         if not heldout:
@@ -246,33 +340,57 @@ class Pipeline:
         done = finished_pairs(load_attempts(path))
         if done:
             self.log(f"[resume] base evaluation: {len(done)} attempts already scored")
-        evaluate(agent, heldout, self.cfg.eval.trials, out_jsonl=path, skip=done)
+        self._evaluate("base eval", agent, heldout, path, skip=done)
         rows = load_attempts(path)
         result = EvalResult([Trajectory.from_dict(r) for r in final_records(rows).values()])
         result.counts["infra_error_attempts"] = sum(r.get("status") == STATUS_INFRA_ERROR for r in rows)
         self.log(f"[eval] base held-out pass@1 {_fmt(result)} ({len(heldout)} tasks x {self.cfg.eval.trials} "
                  f"trials, temperature {self.cfg.eval.temperature})")
+        self._log_eval("base", result)
         return result
 
     def _trained_eval(self, agent: Any, heldout: list) -> Any:
-        from albatross.eval.run import evaluate
-
         if not heldout:
             return None
         (self.out / "eval_trained.jsonl").unlink(missing_ok=True)  # a resumed run evaluates anew
-        result = evaluate(agent, heldout, self.cfg.eval.trials, out_jsonl=self.out / "eval_trained.jsonl")
+        result = self._evaluate("trained eval", agent, heldout, self.out / "eval_trained.jsonl")
         self.log(f"[eval] trained held-out pass@1 {_fmt(result)}")
+        self._log_eval("trained", result)
         return result
 
     def _validation_eval(self, agent: Any) -> Any:
         """The trained model on the validation split (``tasks.n_validation``): the figure to tune on."""
-        from albatross.eval.run import evaluate
-
         if not self.validation:
             return None
-        result = evaluate(agent, self.validation, self.cfg.eval.trials, out_jsonl=self.out / "eval_validation.jsonl")
+        result = self._evaluate("validation eval", agent, self.validation, self.out / "eval_validation.jsonl")
         self.log(f"[eval] trained validation pass@1 {_fmt(result)}")
+        self._log_eval("validation", result)
         return result
+
+    def _evaluate(self, phase: str, agent: Any, tasks: list, path: Path, skip: set | None = None) -> Any:
+        """One evaluation as a phase of the plan: a bar over its attempts, and how it ended."""
+        from albatross.eval.run import evaluate
+        from albatross.progress import Bar
+
+        todo = len(tasks) * self.cfg.eval.trials - len(skip or ())
+        bar = Bar(phase, todo, self.log, unit="attempts", plan=self.plan)
+        with self.plan.phase(phase) as ph:
+            t0 = time.monotonic()
+            try:
+                result = evaluate(agent, tasks, self.cfg.eval.trials, out_jsonl=path, skip=skip or (),
+                                  progress=lambda done, _total: bar.update(done))
+            finally:
+                bar.close()
+            ph.reason = f"all {todo} attempts scored ({len(tasks)} tasks x {self.cfg.eval.trials} trials)"
+        self.timings.record("eval_attempt", time.monotonic() - t0, todo)
+        return result
+
+    def _log_eval(self, name: str, result: Any) -> None:
+        """An evaluation's Pass@1 (and its standard error over tasks) to TensorBoard / W&B as ``eval/<name>``."""
+        step = self.sink.max_steps if name != "base" else 0
+        self.sink.scalars(f"eval/{name}", {"pass_at_1": result.pass_at_1,
+                                           **({"pass_at_1_se": result.pass_at_1_se}
+                                              if result.pass_at_1_se is not None else {})}, step)
 
     def _export_final(self, base_dir: Path, version: int) -> None:
         """``<out>/final``: the last trained weights with the model's tokenizer and chat template, a directory
@@ -302,6 +420,7 @@ class Pipeline:
         infra = int(loop.counts["infra_error_attempts"]) + sum(r.infra_errors for r in (base, trained) if r)
         out = {
             **summ.eval_fields("base", base), **summ.eval_fields("trained", trained),
+            **summ.difference_fields(base, trained),
             "heldout_pass_at_1_by_family": summ.by_family(base=base, trained=trained),
             "heldout_tasks": n_heldout,
             **({"validation_pass_at_1": summ.eval_fields("validation", self.validation_result)["validation_pass_at_1"]}
@@ -322,6 +441,11 @@ class Pipeline:
         }
         summ.write_summary(self.out, out)
         return out
+
+
+def _count_tasks(dirs: list[str]) -> int:
+    """Task directories (with task.toml) under ``dirs``, counted without loading them (for the plan)."""
+    return sum(1 for d in dirs for _ in Path(d).glob("**/task.toml")) if dirs else 0
 
 
 def default_out(name: str, root: str | Path = "runs") -> str:

@@ -19,7 +19,8 @@ def _round(x: float | None) -> float | None:
 
 
 def eval_fields(prefix: str, result: Any) -> dict[str, Any]:
-    """``<prefix>_pass_at_1`` and its standard error over tasks (None when nothing was evaluated)."""
+    """``<prefix>_pass_at_1`` and its standard error over tasks (``eval/stats.py``; None when nothing was
+    evaluated)."""
     if result is None:
         return {f"{prefix}_pass_at_1": None, f"{prefix}_pass_at_1_se": None}
     return {f"{prefix}_pass_at_1": _round(result.pass_at_1), f"{prefix}_pass_at_1_se": _round(result.pass_at_1_se)}
@@ -33,13 +34,15 @@ def by_family(**results: Any) -> dict[str, dict[str, float | None]]:
             for name, r in results.items()}
 
 
-def difference(summary: dict[str, Any]) -> tuple[float, float] | None:
-    """Trained minus base pass@1 and its standard error (the two evaluations are independent samples)."""
-    b, t = summary.get("base_pass_at_1"), summary.get("trained_pass_at_1")
-    if b is None or t is None:
-        return None
-    se = ((summary.get("base_pass_at_1_se") or 0.0) ** 2 + (summary.get("trained_pass_at_1_se") or 0.0) ** 2) ** 0.5
-    return t - b, se
+def difference_fields(base: Any, trained: Any) -> dict[str, Any]:
+    """``trained_minus_base``: the paired difference over the held-out tasks, its 95% interval and a verdict
+    (``eval/stats.py``, the interval every figure uses); nothing when either evaluation is missing."""
+    from albatross.eval.stats import outcome_rates, paired_difference, verdict
+
+    if base is None or trained is None:
+        return {}
+    diff = paired_difference(outcome_rates(base.per_task()), outcome_rates(trained.per_task()))
+    return {"trained_minus_base": {**diff.as_dict(), "verdict": verdict(diff)}}
 
 
 def write_summary(out: Path, summary: dict[str, Any]) -> None:
@@ -50,7 +53,9 @@ def format_table(summary: dict[str, Any], title: str = "albatross train: results
     width = max(len(k) for k in summary)
     lines = ["", title, "-" * (width + 14)]
     lines += [f"{k:<{width}}  {json.dumps(v) if isinstance(v, dict) else v}" for k, v in summary.items()]
-    diff = difference(summary)
-    if diff is not None:
-        lines.append(f"{'trained - base':<{width}}  {diff[0]:+.3f} +/- {diff[1]:.3f} (s.e.)")
+    d = summary.get("trained_minus_base")
+    if isinstance(d, dict) and d.get("mean") is not None:
+        ci = (f" (95% CI {d['ci95_low']:+.3f} to {d['ci95_high']:+.3f}, over {d['tasks']} tasks)"
+              if d.get("ci95_low") is not None else "")
+        lines.append(f"{'trained - base':<{width}}  {d['mean']:+.3f}{ci}: {d.get('verdict', '')}")
     return "\n".join(lines)

@@ -135,9 +135,12 @@ def _hash_tree(h: Any, root: Path) -> None:
 
 
 def warm_start(cfg: RunConfig, tokenizer: Any, agent: Any, tasks: list[Task], model_dir: Path | None,
-               pass_rate: Callable[[Any], float], cache_root: Path, log: Callable[[str], None] = print) -> Path:
+               pass_rate: Callable[[Any], float], cache_root: Path, log: Callable[[str], None] = print,
+               on_step: Callable[[int, dict], None] | None = None) -> Path:
     """The model directory RL starts from: ``model_dir`` itself when the warm start is off, else the
-    warm-started copy (``model_dir`` None: the demo's tiny model, built here), cached under ``cache_root``."""
+    warm-started copy (``model_dir`` None: the demo's tiny model, built here), cached under ``cache_root``.
+    ``on_step(step, metrics)`` after each SFT step (progress and metrics logging); ``warmstart.json`` of the
+    result says why it stopped (``stop_reason``)."""
     source = warm_start_source(cfg)
     if source == "off":
         if model_dir is None:
@@ -154,14 +157,15 @@ def warm_start(cfg: RunConfig, tokenizer: Any, agent: Any, tasks: list[Task], mo
     else:
         demos = collect_demonstrations(agent, tasks)
         log(f"[warm-start] {len(demos)} oracle demonstrations collected in {time.monotonic() - t0:.0f}s")
-    model, history = _train(cfg, tokenizer, demos, model_dir, pass_rate, log, t0)
+    model, history, reason = _train(cfg, tokenizer, demos, model_dir, pass_rate, log, t0, on_step)
     _save(model, tokenizer, model_dir, out, {"history": history, "demos": len(demos), "source": source,
-                                              "seconds": time.monotonic() - t0})
+                                              "seconds": time.monotonic() - t0, "stop_reason": reason})
     return out
 
 
 def _train(cfg: RunConfig, tokenizer: Any, demos: list[Sample], model_dir: Path | None,
-           pass_rate: Callable[[Any], float], log: Callable[[str], None], t0: float) -> tuple[Any, list[dict]]:
+           pass_rate: Callable[[Any], float], log: Callable[[str], None], t0: float,
+           on_step: Callable[[int, dict], None] | None = None) -> tuple[Any, list[dict], str]:
     import torch
 
     from albatross.devices import trainer_device
@@ -175,16 +179,22 @@ def _train(cfg: RunConfig, tokenizer: Any, demos: list[Sample], model_dir: Path 
     rng = random.Random(cfg.seed)
     history: list[dict] = []
     ws = cfg.warmstart
+    reason = f"warmstart.steps ({ws.steps}) done"  # why it stopped, said by the run's progress line
     for step in range(1, ws.steps + 1):
         metrics = trainer.sft_step(rng.sample(demos, min(ws.batch_size, len(demos))))
-        if step % ws.check_every == 0 or step == ws.steps:
+        checked = step % ws.check_every == 0 or step == ws.steps
+        if checked:
             rate = pass_rate(model)
             history.append({"step": step, "loss": float(metrics["loss"]), "pass_rate": rate})
             log(f"[warm-start] step {step:>4}/{ws.steps}  loss {metrics['loss']:.3f}  "
                 f"train pass@1 {rate:.2f}  ({time.monotonic() - t0:.0f}s)")
-            if rate >= ws.target_pass_rate:
-                break
-    return model.cpu(), history
+        if on_step is not None:
+            on_step(step, history[-1] if checked else {"step": step, "loss": float(metrics["loss"])})
+        if checked and rate >= ws.target_pass_rate:
+            reason = (f"target reached at step {step} (train pass@1 {rate:.2f} >= warmstart.target_pass_rate "
+                      f"{ws.target_pass_rate:g})")
+            break
+    return model.cpu(), history, reason
 
 
 def _save(model: Any, tokenizer: Any, model_dir: Path | None, out: Path, info: dict) -> None:
