@@ -113,6 +113,14 @@ class HarnessConfig(_Section):
         "auto", description="How actions are written: fenced ```bash blocks (small models) or JSON tool calls in "
         "the model's chat template (Qwen/Hermes `<tool_call>`); `auto`: tool calls when the template has a "
         "`<tool_call>` format and the tokenizer a `<tool_call>` token, else bash blocks.")
+    system_prompt: str = Field("", description="A system message before each task's instruction, in the model's "
+                               "chat template (models with `model.path`; the demo's tiny format has no system "
+                               "role). Empty: none, as Terminal-Bench agents run.")
+    tools: list[Literal["bash", "job_start", "job_list", "job_log", "job_wait", "job_kill", "read_file",
+                        "write_file", "edit_file", "submit"]] = Field(
+        default_factory=list, description="`tool_calls` actions: the built-in tools offered to the model (their "
+        "schemas go into the chat template; `submit` is always offered). Empty: all of them. Fenced bash actions "
+        "have one tool, the shell.")
     reasoning: Literal["keep", "strip"] = Field(
         "keep", description="Whether the `<think>...</think>` part of a completion stays in the next turns' "
         "context (`strip`: the context is no longer a prefix, so each turn starts a new sample).")

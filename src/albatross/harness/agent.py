@@ -47,7 +47,7 @@ from albatross.tasks.verify import VerifierError, verify_attempt
 DEFAULTS: dict[str, Any] = {
     "redirect_output": True, "bash_tools_hint": False, "max_generated_tokens": 0,
     "compression": "mask_summary", "compress_at": 1.0, "compress_target": 0.5, "keep_observations": 3,
-    "summary_max_tokens": 256, "reasoning": "keep",
+    "summary_max_tokens": 256, "reasoning": "keep", "tools": [],
 }
 
 
@@ -79,7 +79,10 @@ class Agent:
             max_tokens=cfg.max_tokens_per_turn, stop_token_ids=fmt.stop_ids, seed=sampling.seed)
         self.tool_calls = resolve_action_format(cfg, fmt) == "tool_calls"
         self.rerender = not getattr(fmt, "append_only", True) or knob(cfg, "reasoning") == "strip"
-        self.parser: Parser = ToolCallParser(TOOL_SCHEMAS) if self.tool_calls else BashBlockParser()
+        offered = set(knob(cfg, "tools") or TOOL_SCHEMAS) | {SUBMIT}  # harness.tools: a subset of the built-ins
+        self.tools = [t for t in TOOLS if t["function"]["name"] in offered]
+        self.parser: Parser = (ToolCallParser({n: s for n, s in TOOL_SCHEMAS.items() if n in offered})
+                               if self.tool_calls else BashBlockParser())
 
     def run(self, spec: AttemptSpec, engine: Engine | None = None) -> Trajectory:
         traj = Trajectory(task_id=spec.task.id, group_id=spec.group_id, attempt=spec.attempt)
@@ -135,7 +138,7 @@ class Episode:
         instruction = task.instruction
         if not agent.tool_calls and knob(self.cfg, "bash_tools_hint"):
             instruction = instruction.strip() + "\n" + BASH_TOOLS_HINT
-        self.ctx = Context(self.fmt, instruction, TOOLS if agent.tool_calls else None)
+        self.ctx = Context(self.fmt, instruction, agent.tools if agent.tool_calls else None)
         self._new_sample(len(self.ctx))
         self.format_errors = 0
 

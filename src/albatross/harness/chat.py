@@ -192,11 +192,17 @@ def make_chat_format(tokenizer: Any, harness_cfg: Any) -> ChatFormat:
     """The demo's ``TinyChatFormat`` for a ``TinyTokenizer``; otherwise the tokenizer's own chat template
     (``hf_chat.HFChatFormat``), with observations as ``tool`` messages when actions are JSON tool calls
     (``resolve_action_format``) and as ``user`` messages otherwise."""
+    system = getattr(harness_cfg, "system_prompt", "")
     if isinstance(tokenizer, TinyTokenizer):
+        if system:
+            from albatross.errors import UserError
+
+            raise UserError("harness.system_prompt: the demo's tiny chat format has no system role; set it for a "
+                            "model with a chat template (model.path)")
         return TinyChatFormat(tokenizer)
     from albatross.harness.hf_chat import HFChatFormat
 
-    fmt = HFChatFormat(tokenizer, observation_role="user")
+    fmt = HFChatFormat(tokenizer, system=system, observation_role="user")
     if resolve_action_format(harness_cfg, fmt) == "tool_calls":
         fmt.observation_role = "tool"
     return fmt

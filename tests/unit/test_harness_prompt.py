@@ -1,0 +1,42 @@
+"""`harness.system_prompt` and `harness.tools`: what the docs tell users to change, reaching the model's prompt."""
+
+import pytest
+
+from albatross.config import ConfigError, load_config
+from albatross.engine.base import SamplingParams
+from albatross.harness.agent import Agent
+from albatross.harness.chat import make_chat_format
+from albatross.harness.context import Context
+from albatross.harness.parsers import FormatError
+from albatross.harness.templates import toy_tokenizer
+from albatross.sandbox.base import Limits
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return toy_tokenizer("qwen3", ["count the lines of the file", "bash command echo", "You are careful."])
+
+
+def _agent(tokenizer, *overrides: str) -> Agent:
+    cfg = load_config(None, ["harness.action_format=tool_calls", *overrides])
+    return Agent(None, None, make_chat_format(tokenizer, cfg.harness), cfg.harness, SamplingParams(), Limits())
+
+
+def test_the_system_prompt_and_the_tools_reach_the_prompt(tokenizer):
+    agent = _agent(tokenizer, "harness.system_prompt=You are careful.", "harness.tools=bash,read_file")
+    prompt = tokenizer.decode(Context(agent.fmt, "count the lines", agent.tools).prompt)
+    assert prompt.startswith("<|im_start|>system\nYou are careful.")
+    assert '"name": "bash"' in prompt and '"name": "read_file"' in prompt and '"name": "submit"' in prompt
+    assert '"name": "write_file"' not in prompt and '"name": "job_start"' not in prompt
+    with pytest.raises(FormatError):  # a tool not offered is a malformed action, as any unknown tool
+        agent.parser.parse('<tool_call>\n{"name": "write_file", "arguments": {"path": "a", "content": "b"}}\n'
+                           "</tool_call>")
+    default = _agent(tokenizer)
+    prompt = tokenizer.decode(Context(default.fmt, "count the lines", default.tools).prompt)
+    assert "You are careful." not in prompt and '"name": "write_file"' in prompt
+
+
+def test_an_unknown_tool_is_refused_by_name():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["harness.tools=bash,browser"])
+    assert "harness.tools" in str(e.value)
