@@ -113,6 +113,11 @@ class HarnessConfig(_Section):
         "auto", description="How actions are written: fenced ```bash blocks (small models) or JSON tool calls in "
         "the model's chat template (Qwen/Hermes `<tool_call>`); `auto`: tool calls when the template has a "
         "`<tool_call>` format and the tokenizer a `<tool_call>` token, else bash blocks.")
+    agent: str = Field("", description="Your own agent loop instead of the built-in one: `package.module:function` "
+                       "or `path/to/file.py:function`, called as `function(cfg, engine, backend, tokenizer)` and "
+                       "returning an agent (`harness.agent.AgentLoop`: `engine`, `backend`, `run(spec, engine=None)"
+                       " -> Trajectory`) that training and evaluation run every attempt with. Empty: the built-in "
+                       "loop. See docs/own-agent.md.")
     system_prompt: str = Field("", description="A system message before each task's instruction, in the model's "
                                "chat template (models with `model.path`; the demo's tiny format has no system "
                                "role). Empty: none, as Terminal-Bench agents run.")

@@ -40,3 +40,20 @@ def test_an_unknown_tool_is_refused_by_name():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["harness.tools=bash,browser"])
     assert "harness.tools" in str(e.value)
+
+
+def test_an_own_agent_loop_plugs_in_by_config(tokenizer, tmp_path):
+    from pathlib import Path
+
+    from albatross.errors import UserError
+    from albatross.harness.agent import build_agent
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "own_agent.py"
+    cfg = load_config(None, [f"harness.agent={example}:build", "harness.max_turns=3"])
+    agent = build_agent(cfg, None, None, tokenizer)
+    assert type(agent).__name__ == "ShellAgent" and agent.max_turns == 3 and agent.engine is None
+    for spec, needle in ((f"{example}:nope", "no function 'nope'"), (f"{tmp_path}/gone.py:build", "cannot load"),
+                         ("no_such_module_x:build", "cannot load"), ("build", "expected module:function")):
+        with pytest.raises(UserError) as e:
+            build_agent(load_config(None, [f"harness.agent={spec}"]), None, None, tokenizer)
+        assert needle in str(e.value) and "\n" not in str(e.value)

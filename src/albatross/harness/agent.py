@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from albatross.config import HarnessConfig
 from albatross.engine.base import Completion, Engine, EngineError, SamplingParams
@@ -47,7 +47,7 @@ from albatross.tasks.verify import VerifierError, verify_attempt
 DEFAULTS: dict[str, Any] = {
     "redirect_output": True, "bash_tools_hint": False, "max_generated_tokens": 0,
     "compression": "mask_summary", "compress_at": 1.0, "compress_target": 0.5, "keep_observations": 3,
-    "summary_max_tokens": 256, "reasoning": "keep", "tools": [],
+    "summary_max_tokens": 256, "reasoning": "keep", "tools": [], "agent": "",
 }
 
 
@@ -268,9 +268,55 @@ class Episode:
         self._new_sample(len(ids))
 
 
+class AgentLoop(Protocol):
+    """What training and evaluation use of an agent: ``harness.agent`` plugs in any object with these members
+    (the built-in ``Agent`` is one). ``run`` plays one attempt with ``engine`` (else ``self.engine``, which the
+    run sets once its engine is up) in a sandbox forked from ``backend``, verifies it, and returns the
+    ``Trajectory``: its ``samples`` (token ids, sampler log-probs, policy versions, loss mask) are what the
+    trainer learns from; an infrastructure failure is status ``infra_error`` (retried, never scored)."""
+
+    engine: Engine | None
+    backend: Backend
+
+    def run(self, spec: AttemptSpec, engine: Engine | None = None) -> Trajectory: ...
+
+
 def build_agent(cfg: Any, engine: Engine | None, backend: Backend, tokenizer: Any) -> Agent:
-    """The agent of a run config (``RunConfig``): the one constructor ``train`` and ``eval`` share."""
+    """The agent of a run config (``RunConfig``): the one constructor ``train`` and ``eval`` share; with
+    ``harness.agent`` set, the agent that function builds."""
+    if knob(cfg.harness, "agent"):
+        return load_agent_factory(cfg.harness.agent)(cfg, engine, backend, tokenizer)
     limits = Limits.from_config(cfg.sandbox)
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k)
     return Agent(engine, backend, make_chat_format(tokenizer, cfg.harness), cfg.harness, sampling, limits)
+
+
+def load_agent_factory(spec: str) -> Any:
+    """The function ``harness.agent`` names: ``package.module:function`` or ``path/to/file.py:function``.
+    A spec that does not resolve is a ``UserError`` naming it."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    from albatross.errors import UserError
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise UserError(f"harness.agent {spec!r}: expected module:function or file.py:function")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser().resolve()
+            loader = importlib.util.spec_from_file_location(f"albatross_agent_{path.stem}", path)
+            if loader is None or loader.loader is None or not path.is_file():
+                raise FileNotFoundError(f"{path}: no such file")
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except (ImportError, OSError, SyntaxError) as e:
+        raise UserError(f"harness.agent {spec!r}: cannot load {where}: {e}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise UserError(f"harness.agent {spec!r}: {where} has no function {name!r}")
+    return factory
