@@ -151,6 +151,8 @@ def _check_tasks_new(args: argparse.Namespace) -> None:
 def cmd_tasks_new(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.tasks.builtin import generate_tasks
 
+    if args.scaffold:
+        return _scaffold(args)
     _check_tasks_new(args)
     try:
         paths = generate_tasks(Path(args.out), families=args.family or None, n_train=args.count,
@@ -159,6 +161,23 @@ def cmd_tasks_new(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"tasks new: {e}") from None
     for split, ps in paths.items():
         print(f"{split}: {len(ps)} tasks under {Path(args.out) / split}")
+    return 0
+
+
+def _scaffold(args: argparse.Namespace) -> int:
+    """``tasks new --scaffold NAME``: one complete task directory to edit into your own."""
+    from albatross.tasks.scaffold import write_scaffold
+
+    if args.family:
+        raise UserError("tasks new: --scaffold writes one task of your own; it takes no FAMILY")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"tasks new: --out {args.out}: exists and is not a directory")
+    try:
+        task = write_scaffold(Path(args.out), args.scaffold)
+    except ValueError as e:
+        raise UserError(f"tasks new: {e}") from None
+    print(f"wrote {task}: edit instruction.md, environment/, solution/ and tests/, then "
+          f"`albatross tasks validate {task}`")
     return 0
 
 
@@ -279,8 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     tasks = sub.add_parser("tasks", help="task tools").add_subparsers(dest="tasks_command", required=True)
     p = tasks.add_parser("families", help="list built-in task families")
     p.set_defaults(fn=cmd_tasks_families)
-    p = tasks.add_parser("new", help="generate built-in task directories")
+    p = tasks.add_parser("new", help="generate built-in task directories, or one task of your own to edit")
     p.add_argument("family", nargs="*", help="families to generate, or `all` (default: the demo's three)")
+    p.add_argument("--scaffold", metavar="NAME", help="write one small, complete task directory OUT/NAME to edit "
+                   "into your own (it passes the nine gates as written)")
     p.add_argument("--difficulty", choices=("easy", "medium", "hard"), default="easy", help="difficulty knob")
     p.add_argument("--count", type=int, default=16, help=f"training tasks (0 to {MAX_NEW_TASKS})")
     p.add_argument("--heldout", type=int, default=0, help=f"held-out tasks (0 to {MAX_NEW_TASKS})")
