@@ -50,6 +50,7 @@ class Pipeline:
 
         t0 = time.monotonic()
         check_wandb(self.cfg.orchestrator.wandb_project)
+        self._check_agent()
         self._claim_out()
         self.plan = self._plan()
         self.plan.announce()  # the phases to come with an estimate each, before anything slow
@@ -76,6 +77,14 @@ class Pipeline:
             self._report()
             ph.reason = "written"
         return out
+
+    def _check_agent(self) -> None:
+        """An agent of one's own (``harness.agent``) cannot play the oracle warm start (the built-in harness does)."""
+        from albatross.pipeline.warmstart import warm_start_source
+
+        if self.cfg.harness.agent and not self.resume and warm_start_source(self.cfg) == "oracle":
+            raise UserError("harness.agent: the oracle warm start plays demonstrations through the built-in "
+                            "harness; set warmstart.source = \"chats\" or \"off\" (with model.path)")
 
     def _plan(self) -> Plan:
         """The phases of this run with an estimate each (``progress.py``): from earlier runs of this model and

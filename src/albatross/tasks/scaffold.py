@@ -57,14 +57,14 @@ wc -w < notes.txt > count.txt
 # The verifier: runs after the attempt, in a clean shell, with this directory at /tests. One entry per check in
 # /logs/verifier/reward.json (1 passed, 0 failed); the attempt succeeds when every check passes.
 mkdir -p /logs/verifier
-expected=%d
+expected=__EXPECTED__
 exists=0; correct=0
 if [ -f /app/count.txt ]; then
   exists=1
   if [ "$(tr -d '[:space:]' < /app/count.txt)" = "$expected" ]; then correct=1; fi
 fi
 echo "{\\"count_file_exists\\": $exists, \\"count_is_right\\": $correct}" > /logs/verifier/reward.json
-""" % len(NOTES.split()),
+""".replace("__EXPECTED__", str(len(NOTES.split()))),
 }
 EXECUTABLE = ("solution/solve.sh", "tests/test.sh")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
