@@ -30,7 +30,7 @@ def test_eval_and_train_run_the_same_harness_token_for_token(setup):
     from albatross.harness.retry import run_with_retries
 
     tasks, backend, tokenizer = setup
-    cfg = load_config(None, ["harness.max_turns=8", "harness.max_context_tokens=1024"])
+    cfg = load_config(None, ["harness.max_turns=8", "harness.max_context_tokens=1024", "harness.max_tokens_per_turn=32"])
     task = tasks[0]
     actions = ["```bash\nls -la /usr/bin\n```", "no block here"] + [f"```bash\n{s}\n```" for s in task.demo_steps]
 
