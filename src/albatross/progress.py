@@ -151,8 +151,8 @@ class PhaseRun:
 
 
 class Bar:
-    """Progress of one phase over ``total`` units: a tqdm bar on a terminal, else a plain line at least every 10%
-    and every ``PLAIN_EVERY_S`` seconds, each with done/total, elapsed, ETA and ``extra`` figures. ``eta_cap_s``:
+    """Progress of one phase over ``total`` units: a tqdm bar on a terminal, else a plain line at each further 10%
+    (and at least every ``PLAIN_EVERY_S`` seconds), each with done/total, elapsed, ETA and ``extra`` figures. ``eta_cap_s``:
     a time budget the ETA never exceeds (RL's ``max_minutes`` left)."""
 
     def __init__(self, label: str, total: int, log: Callable[[str], None] = print, stream: IO[str] | None = None,
@@ -162,17 +162,28 @@ class Bar:
         self.tty = _isatty(self.stream)
         self.t0 = time.monotonic()
         self.done = 0
-        self._decile, self._last_line = -1, 0.0
+        self._mark: tuple[float, int] | None = None  # (time, done) of the first update: the pace is measured from
+        # there, so set-up before the first unit (collecting demonstrations, loading an engine) does not count
+        self._decile, self._last_line = 0, time.monotonic()
         self._tqdm = _tqdm(label, self.total, unit, self.stream) if self.tty else None
 
     def eta_s(self, cap_s: float | None = None) -> float | None:
+        """Seconds left at the pace since the first update (before a second one: since the start), never above
+        ``cap_s``."""
         if not self.done:
             return cap_s
-        eta = (time.monotonic() - self.t0) / self.done * max(0, self.total - self.done)
+        now = time.monotonic()
+        if self._mark is not None and self.done > self._mark[1]:
+            pace = (now - self._mark[0]) / (self.done - self._mark[1])
+        else:
+            pace = (now - self.t0) / self.done
+        eta = pace * max(0, self.total - self.done)
         return min(eta, cap_s) if cap_s is not None else eta
 
     def update(self, done: int, extra: str = "", eta_cap_s: float | None = None) -> None:
         self.done = min(done, self.total) if self.total else done
+        if self._mark is None and self.done > 0:
+            self._mark = (time.monotonic(), self.done)
         eta = self.eta_s(eta_cap_s)
         if self._tqdm is not None:
             self._tqdm.n = self.done
