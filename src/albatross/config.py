@@ -73,6 +73,10 @@ class TasksConfig(_Section):
     n_validation: int = Field(0, ge=0, description="Generated validation tasks, disjoint from train and held-out "
                               "(their own words and phrasings), evaluated after training as "
                               "`validation_pass_at_1`: tune on these, report held-out.")
+    reward_only_families: list[str] = Field(default_factory=list, description="Families learned from the reward "
+                                            "alone: the warm start never shows their demonstrations (a task's "
+                                            "family is its task.toml `[metadata] family`, or a built-in task's). "
+                                            "Evaluations report them apart (`*_reward_only`, `*_warm_started`).")
     heldout_families: list[str] = Field(default_factory=list, description="Built-in families that appear only in "
                                         "the held-out split (never trained on): a test of transfer to a new "
                                         "kind of task, reported per family.")
@@ -227,6 +231,9 @@ class RLConfig(_Section):
     mask_high: float = Field(2.0, gt=0, description="`masked_is`: tokens whose ratio is above this give no "
                              "gradient.")
     max_staleness: int = Field(6, ge=0, description="Tokens more than this many versions old give no gradient.")
+    mask_after_error: bool = Field(False, description="Attempts with a negative advantage: the actions after "
+                                   "the first failed one (malformed, nonzero exit code, timeout) give no gradient; "
+                                   "the failure is pushed down where it happened, not in the states it led to.")
     p_floor: float = Field(0.0, ge=0, lt=1, description="Loss floor: negative-advantage tokens below this "
                            "probability stop contributing.")
     n_floor: int = Field(64, ge=1, description="Token-count floor of the loss denominator.")

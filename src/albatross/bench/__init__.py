@@ -13,6 +13,7 @@ BENCHES = {
     "packing": "albatross.bench.packing",
     "replay": "albatross.bench.replay",
     "recipe": "albatross.bench.recipe",
+    "learn": "albatross.bench.learn",
     "gpu": "albatross.bench.gpu",
 }
 

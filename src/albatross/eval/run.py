@@ -15,7 +15,6 @@ completion) counts as cached input, the rest (the instruction, then each observa
 from __future__ import annotations
 
 import math
-import re
 import sys
 import threading
 from collections import Counter
@@ -29,14 +28,13 @@ from typing import Any, Protocol
 from albatross.harness.agent import AttemptSpec
 from albatross.harness.retry import run_with_retries
 from albatross.records import STATUS_INFRA_ERROR, Trajectory, append_jsonl, read_jsonl
-from albatross.tasks.format import Task
+from albatross.tasks.format import UNCATEGORIZED, Task, family_of_id
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-UNCATEGORIZED = "uncategorized"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -78,6 +76,11 @@ class EvalResult:
         move on another draw of tasks of the same kind, which dominates with few tasks and few trials."""
         return _task_se(list(self.per_task().values()))
 
+    def only(self, task_ids: Iterable[str]) -> EvalResult:
+        """The attempts at ``task_ids`` alone (counts are not carried over)."""
+        keep = set(task_ids)
+        return EvalResult([t for t in self.trajectories if t.task_id in keep])
+
     @property
     def tokens_per_solve(self) -> float:
         """Mean generated tokens of the solved attempts (0 when none solved)."""
@@ -89,16 +92,12 @@ class EvalResult:
         return self.counts["infra_error_attempts"]
 
 
-_BUILTIN_ID = re.compile(r"^(?:train|validation|heldout)-\d+-(?P<family>\w+)$")
-
-
 def task_family(task_id: str, families: dict[str, str] | None = None) -> str:
     """A task's family: ``families[task_id]`` (e.g. from ``task.metadata["family"]``), else the family
     named by a built-in task id (``heldout-0003-count_lines``), else ``uncategorized``."""
     if families and task_id in families:
         return families[task_id]
-    match = _BUILTIN_ID.match(task_id)
-    return match.group("family") if match else UNCATEGORIZED
+    return family_of_id(task_id)
 
 
 def pass_at_1_by_family(result: EvalResult, families: dict[str, str] | None = None) -> dict[str, float]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from albatross.records import STATUS_INFRA_ERROR, Batch, Group, TrainSample, Trajectory
+from albatross.records import STATUS_INFRA_ERROR, Batch, Group, Sample, TrainSample, Trajectory
 
 
 def admissible(untrained_batches: int, groups_in_flight: int, groups_per_step: int, max_staleness: int) -> bool:
@@ -42,6 +42,7 @@ class BatchBuilder:
 
     groups_per_step: int
     max_staleness: int | None = None
+    mask_after_error: bool = False  # ``rl.mask_after_error``: see ``credited``
     pending: list[Group] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)  # over the whole run
     window: Counter = field(default_factory=Counter)  # since the last batch: sent with it, logged per step
@@ -71,7 +72,7 @@ class BatchBuilder:
         if len(self.pending) < self.groups_per_step:
             return None
         groups, self.pending = self.pending[: self.groups_per_step], self.pending[self.groups_per_step:]
-        batch = make_batch(groups)
+        batch = make_batch(groups, self.mask_after_error)
         batch.info = {"groups_seen": self.window["groups"], "groups_trained": len(groups),
                       **{k: v for k, v in self.window.items() if k.startswith("dropped_")}}
         if train_version is not None:
@@ -80,17 +81,33 @@ class BatchBuilder:
         return batch
 
 
-def make_batch(groups: list[Group]) -> Batch:
+def make_batch(groups: list[Group], mask_after_error: bool = False) -> Batch:
     samples: list[TrainSample] = []
     min_version = 1 << 30
     for g in groups:
         for traj, adv in zip(g.trajectories, g.advantages, strict=True):
-            for s in traj.samples:
+            for s in credited(traj, adv, mask_after_error):
                 if s.num_model_tokens == 0:
                     continue
                 samples.append(TrainSample(sample=s, advantage=adv, task_id=traj.task_id))
                 min_version = min(min_version, min(v for v in s.versions if v >= 0))
     return Batch(samples=samples, groups=len(groups), min_version=min_version if samples else 0)
+
+
+def credited(traj: Trajectory, advantage: float, mask_after_error: bool) -> list[Sample]:
+    """The trajectory's samples as they are trained. With ``mask_after_error`` and a negative advantage, the
+    actions after the attempt's first failed one (malformed, nonzero exit, timeout) leave the loss mask: the
+    failure is pushed down where it happened, not in the states it led to, which the policy rarely reaches
+    again and where pushing every action down only raises the entropy (``rl.mask_after_error``)."""
+    first = next((i for i, t in enumerate(traj.turns) if t.failed), None) if mask_after_error and advantage < 0 else None
+    if first is None:
+        return traj.samples
+    samples = [replace(s, loss_mask=list(s.loss_mask)) for s in traj.samples]
+    for turn in traj.turns[first + 1:]:
+        if turn.sample >= 0:
+            mask = samples[turn.sample].loss_mask
+            mask[turn.start:turn.start + turn.completion_tokens] = [0] * turn.completion_tokens
+    return samples
 
 
 def group_complete(trajs: list[Trajectory], size: int) -> bool:

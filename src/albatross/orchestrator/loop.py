@@ -58,7 +58,8 @@ class AsyncLoop:
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
-        self.builder = BatchBuilder(cfg.orchestrator.groups_per_step, max_staleness=cfg.rl.max_staleness)
+        self.builder = BatchBuilder(cfg.orchestrator.groups_per_step, max_staleness=cfg.rl.max_staleness,
+                                    mask_after_error=cfg.rl.mask_after_error)
         self.sampler = TaskSampler(len(tasks), cfg.seed)
         self.state = RunState(version=engine.version)
         self.counts: Counter = Counter()

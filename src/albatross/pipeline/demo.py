@@ -1,4 +1,4 @@
-"""The demo recipe: built-in tasks, a tiny Qwen2-architecture model with a word-level tokenizer, built as an
+"""The demo recipe: built-in tasks, a tiny Llama-architecture model with a word-level tokenizer, built as an
 ordinary transformers model directory, warm-started by SFT on oracle demonstrations. ``albatross demo`` is
 ``albatross train`` with this recipe."""
 
@@ -63,23 +63,32 @@ def demo_tokenizer(families: list[str] | None = None, heldout_families: list[str
 
 
 def build_tiny(cfg: ModelConfig, tokenizer: Any, seed: int = 0):
-    """A Qwen2-architecture causal LM with random weights, sized by ``cfg`` (nothing downloaded)."""
+    """A Llama-architecture causal LM with random weights, sized by ``cfg`` (nothing downloaded), whose generation
+    config stops at the end of an assistant turn (``<|end|>``) as well as at ``<|eos|>``.
+
+    Llama rather than Qwen2: transformers loads the tokenizer of a ``qwen2`` directory as its own Qwen2 tokenizer
+    whatever the directory's tokenizer files say, so a saved demo model would come back with other token ids;
+    for ``llama`` it loads the directory's own tokenizer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     if hasattr(tokenizer, "special"):  # the legacy TinyTokenizer
         ids = {"vocab_size": tokenizer.vocab_size, "bos_token_id": tokenizer.special("<|user|>"),
                "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+        end = tokenizer.special("<|end|>")
     else:
         ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.convert_tokens_to_ids("<|user|>"),
                "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    config = Qwen2Config(
+        end = tokenizer.convert_tokens_to_ids("<|end|>")
+    config = LlamaConfig(
         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_positions, tie_word_embeddings=True, **ids,
     )
-    return Qwen2ForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = [end, ids["eos_token_id"]]
+    return model
 
 
 def save_model(model: Any, tokenizer: Any, directory: str | Path) -> Path:

@@ -72,7 +72,7 @@ class Pipeline:
         finally:
             backend.close()
             self.sink.close()
-        out = self._summary(*results, n_heldout=len(heldout), seconds=time.monotonic() - t0)
+        out = self._summary(*results, heldout=heldout, seconds=time.monotonic() - t0)
         with self.plan.phase("report") as ph:
             self._report()
             ph.reason = "written"
@@ -313,19 +313,22 @@ class Pipeline:
         return self.cfg.model_copy(update={"sampling": sampling})
 
     def _pass_rate_fn(self, agent: Any, train: list) -> Callable[[Any], float]:
-        """The warm start's stopping check: pass@1 of a copy of the model on a sample of training tasks."""
+        """The warm start's stopping check: pass@1 of a copy of the model on a sample of the training tasks it
+        has demonstrations of."""
         import copy
         import random
 
         from albatross.devices import engine_device
         from albatross.engine.builtin import BuiltinEngine
         from albatross.eval.run import evaluate
+        from albatross.pipeline.warmstart import demonstrated
 
         rng = random.Random(self.cfg.seed)
         device = str(engine_device(self.cfg.engine.device, self.cfg.trainer.gpus))
 
         def pass_rate(model: Any) -> float:
-            tasks = rng.sample(train, min(self.cfg.warmstart.check_tasks, len(train)))
+            pool = demonstrated(train, self.cfg.tasks.reward_only_families)
+            tasks = rng.sample(pool, min(self.cfg.warmstart.check_tasks, len(pool)))
             engine = BuiltinEngine(copy.deepcopy(model).eval(), device=device,
                                    max_batch_size=self.cfg.engine.max_batch_size)
             try:
@@ -423,15 +426,16 @@ class Pipeline:
         path = write_report([self.out], self.out / "report.html")
         self.log(f"[report] {path}")
 
-    def _summary(self, base: Any, trained: Any, state: Any, loop: Any, info: Any, version: int, *, n_heldout: int,
+    def _summary(self, base: Any, trained: Any, state: Any, loop: Any, info: Any, version: int, *, heldout: list,
                  seconds: float) -> dict[str, Any]:
         groups = max(1, loop.builder.counts["groups"])
         infra = int(loop.counts["infra_error_attempts"]) + sum(r.infra_errors for r in (base, trained) if r)
         out = {
             **summ.eval_fields("base", base), **summ.eval_fields("trained", trained),
             **summ.difference_fields(base, trained),
-            "heldout_pass_at_1_by_family": summ.by_family(base=base, trained=trained),
-            "heldout_tasks": n_heldout,
+            **summ.split_fields(heldout, self.cfg.tasks.reward_only_families, base=base, trained=trained),
+            "heldout_pass_at_1_by_family": summ.by_family(heldout, base=base, trained=trained),
+            "heldout_tasks": len(heldout),
             **({"validation_pass_at_1": summ.eval_fields("validation", self.validation_result)["validation_pass_at_1"]}
                if self.validation_result is not None else {}),
             "train_steps": state.step,

@@ -26,11 +26,13 @@ def eval_fields(prefix: str, result: Any) -> dict[str, Any]:
     return {f"{prefix}_pass_at_1": _round(result.pass_at_1), f"{prefix}_pass_at_1_se": _round(result.pass_at_1_se)}
 
 
-def by_family(**results: Any) -> dict[str, dict[str, float | None]]:
-    """``heldout_pass_at_1_by_family``: {"base": {family: pass@1}, "trained": {...}}."""
+def by_family(heldout: list[Any], **results: Any) -> dict[str, dict[str, float | None]]:
+    """``heldout_pass_at_1_by_family``: {"base": {family: pass@1}, "trained": {...}} (``family_of`` each task)."""
     from albatross.eval.run import pass_at_1_by_family
+    from albatross.tasks.format import family_of
 
-    return {name: {k: _round(v) for k, v in pass_at_1_by_family(r).items()} if r is not None else {}
+    families = {t.id: family_of(t) for t in heldout}
+    return {name: {k: _round(v) for k, v in pass_at_1_by_family(r, families).items()} if r is not None else {}
             for name, r in results.items()}
 
 
@@ -43,6 +45,24 @@ def difference_fields(base: Any, trained: Any) -> dict[str, Any]:
         return {}
     diff = paired_difference(outcome_rates(base.per_task()), outcome_rates(trained.per_task()))
     return {"trained_minus_base": {**diff.as_dict(), "verdict": verdict(diff)}}
+
+
+def split_fields(heldout: list[Any], reward_only: list[str], **results: Any) -> dict[str, Any]:
+    """With ``tasks.reward_only_families``: ``<name>_pass_at_1_reward_only`` / ``_warm_started`` (and their
+    ``_se``) for each result, over the held-out tasks of the reward-only families and of the others."""
+    from albatross.tasks.format import family_of
+
+    if not reward_only:
+        return {}
+    ids = {"reward_only": {t.id for t in heldout if family_of(t) in set(reward_only)}}
+    ids["warm_started"] = {t.id for t in heldout} - ids["reward_only"]
+    out: dict[str, Any] = {}
+    for name, result in results.items():
+        for part, task_ids in ids.items():
+            fields = eval_fields(name, result.only(task_ids) if result is not None and task_ids else None)
+            out.update({f"{name}_pass_at_1_{part}": fields[f"{name}_pass_at_1"],
+                        f"{name}_pass_at_1_{part}_se": fields[f"{name}_pass_at_1_se"]})
+    return out
 
 
 def write_summary(out: Path, summary: dict[str, Any]) -> None:

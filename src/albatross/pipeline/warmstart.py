@@ -26,7 +26,7 @@ from albatross.errors import UserError
 from albatross.records import Sample
 from albatross.tasks.format import Task
 
-CACHE_VERSION = 3  # bump when the demo's tasks, tokenizer or model layout change
+CACHE_VERSION = 4  # bump when the demo's tasks, tokenizer or model layout change
 
 
 def warm_start_source(cfg: RunConfig) -> str:
@@ -37,6 +37,18 @@ def warm_start_source(cfg: RunConfig) -> str:
     if source == "chats" and not cfg.warmstart.chats:
         raise UserError("warmstart.source = \"chats\" needs warmstart.chats (a JSONL file of chats)")
     return source
+
+
+def demonstrated(tasks: list[Task], reward_only: list[str]) -> list[Task]:
+    """The tasks whose demonstrations the warm start may use: those of families not in ``reward_only``
+    (``tasks.reward_only_families``). None left is a ``UserError``."""
+    from albatross.tasks.format import family_of
+
+    kept = [t for t in tasks if family_of(t) not in set(reward_only)]
+    if tasks and not kept:
+        raise UserError(f"tasks.reward_only_families = {reward_only}: every training task is reward-only, so the "
+                        "warm start has no demonstration to learn from (set warmstart.source = \"off\")")
+    return kept
 
 
 def collect_demonstrations(agent: Any, tasks: list[Task], workers: int = 8) -> list[Sample]:
@@ -146,6 +158,7 @@ def warm_start(cfg: RunConfig, tokenizer: Any, agent: Any, tasks: list[Task], mo
         if model_dir is None:
             raise UserError("warmstart.source = \"off\" needs model.path (the demo's tiny model starts untrained)")
         return model_dir
+    tasks = demonstrated(tasks, cfg.tasks.reward_only_families)
     out = cache_root / f"warm-{cache_key(cfg, source, tokenizer, tasks, model_dir)}"
     if (out / "warmstart.json").is_file():
         log(f"[warm-start] using cached model {out}")

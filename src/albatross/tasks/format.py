@@ -83,6 +83,26 @@ class Task:
         return (self.source_env_dir or self.env_dir) / "Dockerfile"
 
 
+BUILTIN_ID = re.compile(r"^(?:train|validation|heldout)-\d+-(?P<family>\w+)$")
+"""The directory name of a generated built-in task (``heldout-0003-count_lines``) and its family."""
+UNCATEGORIZED = "uncategorized"
+
+
+def family_of(task: Task) -> str:
+    """A task's family: ``[metadata] family`` in its task.toml, else the family a built-in task's directory name
+    carries, else ``uncategorized``."""
+    family = task.metadata.get("family")
+    if isinstance(family, str) and family:
+        return family
+    return family_of_id(task.id)
+
+
+def family_of_id(task_id: str) -> str:
+    """The family a built-in task's directory name carries (``heldout-0003-count_lines``), else ``uncategorized``."""
+    match = BUILTIN_ID.match(task_id)
+    return match.group("family") if match else UNCATEGORIZED
+
+
 # ----------------------------------------------------------------------------------------------- load
 
 

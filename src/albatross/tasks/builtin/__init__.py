@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from albatross.tasks.builtin.code import GitRepair, PyFix
+from albatross.tasks.builtin.compose import COMPOSED
 from albatross.tasks.builtin.data import CsvToJson, LogErrors
 from albatross.tasks.builtin.families import (
     DIFFICULTIES,
@@ -75,6 +76,7 @@ FAMILIES: dict[str, Family] = {
     **_DEMO,
     **{f.name: f for f in (SortUnique(), FsSurgery(), LogErrors(), CsvToJson(), PyFix(), GitRepair(),
                            JobControl(), FindKey())},
+    **{f.name: f for f in COMPOSED},
 }
 _MAX_TRIES_PER_TASK = 5000  # a split's words are a few of WORDS: most draws are rejected
 
