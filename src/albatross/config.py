@@ -231,11 +231,16 @@ class RLConfig(_Section):
     mask_high: float = Field(2.0, gt=0, description="`masked_is`: tokens whose ratio is above this give no "
                              "gradient.")
     max_staleness: int = Field(6, ge=0, description="Tokens more than this many versions old give no gradient.")
-    mask_after_error: bool = Field(False, description="Attempts with a negative advantage: the actions after "
-                                   "the first failed one (malformed, nonzero exit code, timeout) give no gradient; "
-                                   "the failure is pushed down where it happened, not in the states it led to.")
+    credit: Literal["all", "divergence"] = Field(
+        "all", description="Which model tokens of an attempt with a negative advantage are trained: `all`, or "
+        "`divergence`: those up to where it left the path of the group's attempts with a positive advantage (the "
+        "longest token prefix it shares with one), the diverging choice included; the turns after it give no "
+        "gradient.")
     p_floor: float = Field(0.0, ge=0, lt=1, description="Loss floor: negative-advantage tokens below this "
                            "probability stop contributing.")
+    p_ceiling: float = Field(1.0, gt=0, le=1, description="Negative-advantage tokens the sampler gave at least this "
+                             "probability give no gradient: in a failed attempt they are what the policy does "
+                             "anyway (a turn's end, a fence), not where it went wrong (1 = off).")
     n_floor: int = Field(64, ge=1, description="Token-count floor of the loss denominator.")
     test_weights: str = Field("", description="Partial-credit weights: a `tasks validate --json` report "
                               "(tests that pass untouched weigh 0). Empty: every test weighs 1.")

@@ -37,7 +37,7 @@ ROWS: tuple[tuple[str, str], ...] = (  # (loss, advantage)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer steps per row (the CI test)")
-    p.add_argument("--steps", type=int, default=0, help="RL steps per row (default: 40, quick 25)")
+    p.add_argument("--steps", type=int, default=0, help="RL steps per row (default: 60, quick 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampler")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-3, help="RL learning rate (default %(default)s)")
@@ -102,33 +102,41 @@ def warm_start(work: Workload, rng: random.Random, steps: int = 80) -> None:
     work.model.eval()
 
 
-def pass_rate(engine: Any, work: Workload, temperature: float, seed: int, n: int = 256) -> float:
-    """Pass rate over ``n`` fresh prompts, sampled at ``temperature``."""
+def sample(engine: Any, work: Workload, prompts: list[list[int]], temperature: float, rng: random.Random) -> list[Any]:
+    """One completion per prompt, each with its own seed from ``rng`` (reproducible runs)."""
+    from dataclasses import replace
+
     from albatross.engine.base import SamplingParams
 
-    tasks = [task(random.Random(seed + i)) for i in range(n)]
     params = SamplingParams(temperature=temperature, max_tokens=4, stop_token_ids=[work.end])
-    done = engine.generate([work.prompt(i) for i, _ in tasks], params)
+    futures = [engine.submit(p, replace(params, seed=rng.randrange(1 << 62))) for p in prompts]
+    return [f.result() for f in futures]
+
+
+def pass_rate(engine: Any, work: Workload, temperature: float, seed: int, n: int = 256) -> float:
+    """Pass rate over ``n`` fresh prompts, sampled at ``temperature``."""
+    rng = random.Random(seed)
+    tasks = [task(rng) for _ in range(n)]
+    done = sample(engine, work, [work.prompt(i) for i, _ in tasks], temperature, rng)
     return sum(work.correct(c.token_ids, a) for c, (_, a) in zip(done, tasks, strict=True)) / n
 
 
 def rollout_groups(engine: Any, work: Workload, rng: random.Random, cfg: Any, n_groups: int) -> list[Any]:
-    """``n_groups`` groups of ``orchestrator.group_size`` sampled answers, as scored-ready trajectories."""
-    from albatross.engine.base import SamplingParams
+    """``n_groups`` groups of ``orchestrator.group_size`` sampled answers, as trajectories ready to be scored."""
     from albatross.records import Group, Reward, Sample, Trajectory
 
-    params = SamplingParams(temperature=cfg.sampling.temperature, max_tokens=4, stop_token_ids=[work.end])
+    tasks = [task(rng) for _ in range(n_groups)]
+    size = cfg.orchestrator.group_size
+    prompts = [work.prompt(instruction) for instruction, _ in tasks]
+    done = sample(engine, work, [p for p in prompts for _ in range(size)], cfg.sampling.temperature, rng)
     groups = []
-    for g in range(n_groups):
-        instruction, answer = task(rng)
-        prompt = work.prompt(instruction)
-        done = engine.generate([prompt] * cfg.orchestrator.group_size, params)
+    for g, ((_, answer), prompt) in enumerate(zip(tasks, prompts, strict=True)):
         trajs = []
-        for i, c in enumerate(done):
-            sample = Sample(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt))
-            sample.extend(c.token_ids, model=True, logprobs=c.logprobs, versions=c.versions)
+        for i, c in enumerate(done[g * size:(g + 1) * size]):
+            sample_ = Sample(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt))
+            sample_.extend(c.token_ids, model=True, logprobs=c.logprobs, versions=c.versions)
             ok = work.correct(c.token_ids, answer)
-            trajs.append(Trajectory(task_id=f"pick-{g}", group_id=str(g), attempt=i, samples=[sample],
+            trajs.append(Trajectory(task_id=f"pick-{g}", group_id=str(g), attempt=i, samples=[sample_],
                                     reward=Reward(metrics={"answer": float(ok)}, success=ok),
                                     completion_tokens=len(c.token_ids)))
         groups.append(Group(f"pick-{g}", str(g), trajs))
@@ -147,7 +155,7 @@ def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, step
 
     cfg = load_config(None, [f"rl.loss={loss}", f"rl.advantage={advantage}", f"sampling.temperature={args.temperature}",
                              f"trainer.lr={args.lr}", "orchestrator.group_size=8", "rl.efficiency_lambda=0",
-                             f"seed={args.seed}"])
+                             "rl.credit=divergence", f"seed={args.seed}"])
     work = copy.copy(base)
     work.model = copy.deepcopy(base.model)
     rng = random.Random(args.seed + 1)
@@ -162,7 +170,7 @@ def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, step
             kept = [g for g in groups if not g.dropped]
             if not kept:
                 continue
-            kls.append(trainer.step(make_batch(kept))["mismatch_kl"])
+            kls.append(trainer.step(make_batch(kept, cfg.rl.credit))["mismatch_kl"])
             weights = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
             engine.update_weights_from_state_dict(weights, trainer.version)
         end = pass_rate(engine, work, args.temperature, args.seed + 2)
@@ -171,21 +179,25 @@ def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, step
             "mismatch_kl": round(max(kls), 6) if kls else 0.0}
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace, rows: tuple[tuple[str, str], ...] = ROWS,
+            base: Workload | None = None) -> dict[str, Any]:
+    """Warm-start the family's model (unless ``base`` is given), then train one copy per row."""
     import torch
 
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest, and several crawl on a loaded machine
     torch.manual_seed(args.seed)
-    steps = args.steps or (25 if args.quick else 40)
-    base = Workload(args.seed)
-    warm_start(base, random.Random(args.seed))
-    rows = []
-    for loss, advantage in ROWS:
+    steps = args.steps or (30 if args.quick else 60)
+    if base is None:
+        base = Workload(args.seed)
+        warm_start(base, random.Random(args.seed))
+    out = []
+    for loss, advantage in rows:
         row = run_row(loss, advantage, args, base, steps)
         print(f"[learn] {row['name']:<18} pass {row['start_pass']:.2f} -> {row['end_pass']:.2f}  "
               f"({row['steps']} steps, {row['seconds']:.0f}s, max on-policy KL {row['mismatch_kl']:.1e})", flush=True)
-        rows.append(row)
-    return {"rows": rows, "all_learn": all(r["end_pass"] >= LEARNED for r in rows),
-            "all_on_policy": all(r["mismatch_kl"] <= ON_POLICY_KL for r in rows), "quick": bool(args.quick),
+        out.append(row)
+    return {"rows": out, "all_learn": all(r["end_pass"] >= LEARNED for r in out),
+            "all_on_policy": all(r["mismatch_kl"] <= ON_POLICY_KL for r in out), "quick": bool(args.quick),
             "temperature": args.temperature, "lr": args.lr, "seed": args.seed}
 
 

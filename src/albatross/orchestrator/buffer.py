@@ -42,7 +42,7 @@ class BatchBuilder:
 
     groups_per_step: int
     max_staleness: int | None = None
-    mask_after_error: bool = False  # ``rl.mask_after_error``: see ``credited``
+    credit: str = "all"  # ``rl.credit``: see ``credited``
     pending: list[Group] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)  # over the whole run
     window: Counter = field(default_factory=Counter)  # since the last batch: sent with it, logged per step
@@ -72,7 +72,7 @@ class BatchBuilder:
         if len(self.pending) < self.groups_per_step:
             return None
         groups, self.pending = self.pending[: self.groups_per_step], self.pending[self.groups_per_step:]
-        batch = make_batch(groups, self.mask_after_error)
+        batch = make_batch(groups, self.credit)
         batch.info = {"groups_seen": self.window["groups"], "groups_trained": len(groups),
                       **{k: v for k, v in self.window.items() if k.startswith("dropped_")}}
         if train_version is not None:
@@ -81,12 +81,14 @@ class BatchBuilder:
         return batch
 
 
-def make_batch(groups: list[Group], mask_after_error: bool = False) -> Batch:
+def make_batch(groups: list[Group], credit: str = "all") -> Batch:
+    """The trainer's batch of kept groups: every model sample with its trajectory's advantage, its loss mask as
+    ``credited`` leaves it (``rl.credit``)."""
     samples: list[TrainSample] = []
     min_version = 1 << 30
     for g in groups:
-        for traj, adv in zip(g.trajectories, g.advantages, strict=True):
-            for s in credited(traj, adv, mask_after_error):
+        for traj, adv, trained in zip(g.trajectories, g.advantages, credited(g, credit), strict=True):
+            for s in trained:
                 if s.num_model_tokens == 0:
                     continue
                 samples.append(TrainSample(sample=s, advantage=adv, task_id=traj.task_id))
@@ -94,20 +96,46 @@ def make_batch(groups: list[Group], mask_after_error: bool = False) -> Batch:
     return Batch(samples=samples, groups=len(groups), min_version=min_version if samples else 0)
 
 
-def credited(traj: Trajectory, advantage: float, mask_after_error: bool) -> list[Sample]:
-    """The trajectory's samples as they are trained. With ``mask_after_error`` and a negative advantage, the
-    actions after the attempt's first failed one (malformed, nonzero exit, timeout) leave the loss mask: the
-    failure is pushed down where it happened, not in the states it led to, which the policy rarely reaches
-    again and where pushing every action down only raises the entropy (``rl.mask_after_error``)."""
-    first = next((i for i, t in enumerate(traj.turns) if t.failed), None) if mask_after_error and advantage < 0 else None
-    if first is None:
-        return traj.samples
-    samples = [replace(s, loss_mask=list(s.loss_mask)) for s in traj.samples]
-    for turn in traj.turns[first + 1:]:
-        if turn.sample >= 0:
-            mask = samples[turn.sample].loss_mask
-            mask[turn.start:turn.start + turn.completion_tokens] = [0] * turn.completion_tokens
-    return samples
+def credited(group: Group, credit: str) -> list[list[Sample]]:
+    """Each trajectory's samples as they are trained (``rl.credit``). ``all``: every model token. ``divergence``:
+    an attempt with a negative advantage keeps its model tokens only up to the point where it left the path of
+    the group's attempts with a positive advantage (the longest token prefix it shares with one of them), the
+    choice there included: the failure is pushed down where it went wrong, not in the states it led to, which
+    the policy rarely reaches again and where pushing every token down spreads the failure to what successes
+    share (the end of a turn, a fence) and raises the entropy."""
+    samples = [t.samples for t in group.trajectories]
+    if credit == "all":
+        return samples
+    if credit != "divergence":
+        raise ValueError(f"rl.credit: expected 'all' or 'divergence', got {credit!r}")
+    better = [s for s, a in zip(samples, group.advantages, strict=True) if a > 0]
+    if not better:
+        return samples
+    return [s if a >= 0 else _until_divergence(s, better) for s, a in zip(samples, group.advantages, strict=True)]
+
+
+def _until_divergence(samples: list[Sample], better: list[list[Sample]]) -> list[Sample]:
+    """``samples`` with the loss mask cleared after the first token no ``better`` trajectory shares (sample by
+    sample: the samples after the diverging one leave the loss entirely)."""
+    out = [replace(s, loss_mask=list(s.loss_mask)) for s in samples]
+    for k, sample in enumerate(out):
+        peers = [b[k].token_ids for b in better if len(b) > k]
+        shared = max((_common_prefix(sample.token_ids, p) for p in peers), default=0)
+        if shared < len(sample.token_ids) or not peers:
+            cut = shared + 1 if peers else 0  # the first diverging token stays in the loss (when it is a model's)
+            sample.loss_mask[cut:] = [0] * (len(sample.loss_mask) - cut)
+            for later in out[k + 1:]:
+                later.loss_mask[:] = [0] * len(later.loss_mask)
+            break
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def group_complete(trajs: list[Trajectory], size: int) -> bool:

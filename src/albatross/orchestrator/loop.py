@@ -59,7 +59,7 @@ class AsyncLoop:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
         self.builder = BatchBuilder(cfg.orchestrator.groups_per_step, max_staleness=cfg.rl.max_staleness,
-                                    mask_after_error=cfg.rl.mask_after_error)
+                                    credit=cfg.rl.credit)
         self.sampler = TaskSampler(len(tasks), cfg.seed)
         self.state = RunState(version=engine.version)
         self.counts: Counter = Counter()

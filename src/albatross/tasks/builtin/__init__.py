@@ -32,6 +32,7 @@ from pathlib import Path
 
 from albatross.tasks.builtin.code import GitRepair, PyFix
 from albatross.tasks.builtin.compose import COMPOSED
+from albatross.tasks.builtin.variants import VARIANTS
 from albatross.tasks.builtin.data import CsvToJson, LogErrors
 from albatross.tasks.builtin.families import (
     DIFFICULTIES,
@@ -77,6 +78,7 @@ FAMILIES: dict[str, Family] = {
     **{f.name: f for f in (SortUnique(), FsSurgery(), LogErrors(), CsvToJson(), PyFix(), GitRepair(),
                            JobControl(), FindKey())},
     **{f.name: f for f in COMPOSED},
+    **{f.name: f for f in VARIANTS},
 }
 _MAX_TRIES_PER_TASK = 5000  # a split's words are a few of WORDS: most draws are rejected
 
