@@ -448,7 +448,8 @@ def _format_error(source: str, err: ValidationError) -> str:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> RunConfig:
-    """Load a RunConfig from a TOML file, then apply ``key.path=value`` overrides. An empty ``name`` becomes
+    """Load a RunConfig from a TOML file (or a run directory's ``config.json``), then apply ``key.path=value``
+    overrides. An empty ``name`` becomes
     the file's name without ``.toml`` (``run`` without a file)."""
     data: dict[str, Any] = dict(base or {})
     source = "<defaults>"
@@ -458,9 +459,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+            text = p.read_text(encoding="utf-8")
+            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)  # a run's config.json too
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: invalid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from None
         except OSError as e:  # unreadable (permissions, a directory in disguise)
             raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
     for item in overrides or []:

@@ -49,6 +49,33 @@ def test_demo_quick(tmp_path, demo_cache):
     versions = {v for r in rows for s in r["samples"] for v in s["versions"] if v >= 0}
     assert len(versions) >= 2, "tokens after a weight swap must carry the new version"
     assert (out / "run" / "metrics.jsonl").is_file()
+    _check_final(out, rows, summary, env)
+
+
+def _check_final(out, rows, summary, env) -> None:
+    """``<out>/final`` loads with transformers' Auto classes, gives the ids the run trained on, stops at the end of
+    a turn, and ``albatross eval --model <out>/final`` on the run's held-out tasks gives the run's figure."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    final = out / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    AutoModelForCausalLM.from_pretrained(final)
+    first = rows[0]
+    instruction = (out / "tasks" / "train" / first["task_id"] / "instruction.md").read_text()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=True,
+                                           add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert first["samples"][0]["token_ids"][: len(prompt)] == prompt
+    assert tokenizer.convert_tokens_to_ids("<|end|>") in GenerationConfig.from_pretrained(final).eos_token_id
+    r = subprocess.run([sys.executable, "-m", "albatross.cli", "eval", "--model", str(final), "--tasks",
+                        str(out / "tasks" / "heldout"), "--config", str(out / "config.json"), "--trials", "4",
+                        "--out", str(out / "eval-final")], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    again = json.loads((out / "eval-final" / "summary.json").read_text())
+    print("final:", again["pass_at_1"], "run:", summary["trained_pass_at_1"])
+    assert again["pass_at_1"] > 0 or summary["trained_pass_at_1"] == 0  # the final model solves what the run's did
+    se = ((again.get("pass_at_1_se") or 0.0) ** 2 + (summary.get("trained_pass_at_1_se") or 0.0) ** 2) ** 0.5
+    assert abs(again["pass_at_1"] - summary["trained_pass_at_1"]) <= max(2 * se, 0.25)
 
 
 def _run_timed(cmd: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -442,14 +442,20 @@ def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda:
     finally:
         engine.close()
     out = {"run_dir": str(run_dir), "wall_seconds": round(wall, 1), "steps": int(state.step),
-           "efficiency_lambda": efficiency_lambda, **_eval_fields(result)}
+           "efficiency_lambda": efficiency_lambda, **_eval_fields(w, result)}
     _log(f"[recipe] {name}: {out['steps']} steps in {wall:.0f}s, held-out pass@1 {out['pass_at_1']:.3f}")
     return out
 
 
-def _eval_fields(result: Any) -> dict[str, Any]:
+def _eval_fields(w: Workload, result: Any) -> dict[str, Any]:
+    """Held-out Pass@1 with its s.e., and (with ``tasks.reward_only_families``) the same over the reward-only
+    families' tasks and over the others (``pass_at_1_reward_only``, ``pass_at_1_warm_started``)."""
+    from albatross.pipeline.summary import split_fields
+
     se = result.pass_at_1_se
+    split = split_fields(w.heldout, w.cfg.tasks.reward_only_families, held=result)
     return {"pass_at_1": round(result.pass_at_1, 4), "pass_at_1_se": None if se is None else round(se, 4),
+            **{k.removeprefix("held_"): v for k, v in split.items()},
             "tokens_per_solve": round(result.tokens_per_solve, 2), "attempts": len(result.trajectories)}
 
 
@@ -476,7 +482,7 @@ def sft_control(w: Workload, name: str, seed: int, seconds: float) -> dict[str, 
         result = w.evaluate(engine)
     finally:
         engine.close()
-    out = {"wall_seconds": round(wall, 1), "sft_steps": steps, **_eval_fields(result)}
+    out = {"wall_seconds": round(wall, 1), "sft_steps": steps, **_eval_fields(w, result)}
     _log(f"[recipe] {name}: {steps} SFT steps in {wall:.0f}s, held-out pass@1 {out['pass_at_1']:.3f}")
     return out
 
@@ -496,10 +502,11 @@ def seed_runs(w: Workload, parts: Parts, seeds: int, minutes: float) -> dict[str
 
 def _one_seed(w: Workload, seed: int, minutes: float, keep_versions: bool) -> dict[str, dict[str, Any]]:
     from albatross.harness.agent import build_agent
-    from albatross.pipeline.warmstart import collect_demonstrations
+    from albatross.pipeline.warmstart import collect_demonstrations, demonstrated
 
-    if not w.demos:
-        w.demos = collect_demonstrations(build_agent(w.cfg, None, w.backend, w.tokenizer), w.train)
+    if not w.demos:  # the demonstrations the warm start had: none of a reward-only family
+        demonstrable = demonstrated(w.train, w.cfg.tasks.reward_only_families)
+        w.demos = collect_demonstrations(build_agent(w.cfg, None, w.backend, w.tokenizer), demonstrable)
     names = (f"rl-seed{seed}", f"sft-seed{seed}", f"rl-noeff-seed{seed}")
     for name in names:  # a run measured anew starts from nothing (not from a stopped run's directory)
         shutil.rmtree(w.root / name, ignore_errors=True)
@@ -515,9 +522,12 @@ def rl_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Pass@1 of RL and of the SFT control (mean, s.e. over seeds) and the efficiency reward's token ratio."""
     out: dict[str, Any] = {}
     for key, name in (("rl", "rl_pass_at_1"), ("sft_control", "sft_control_pass_at_1")):
-        values = [r["pass_at_1"] for r in runs[key]]
-        mean, se = mean_se(values)
-        out.update({name: _round(mean), f"{name}_se": _round(se), f"{name}_by_seed": values})
+        for part in ("", "_reward_only", "_warm_started"):
+            values = [r[f"pass_at_1{part}"] for r in runs[key] if r.get(f"pass_at_1{part}") is not None]
+            if not values:
+                continue
+            mean, se = mean_se(values)
+            out.update({f"{name}{part}": _round(mean), f"{name}{part}_se": _round(se), f"{name}{part}_by_seed": values})
     on, off = runs["rl"], runs["rl_no_efficiency"]
     tps_on, _ = mean_se([r["tokens_per_solve"] for r in on if r["tokens_per_solve"]])
     tps_off, _ = mean_se([r["tokens_per_solve"] for r in off if r["tokens_per_solve"]])
@@ -627,7 +637,7 @@ def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
             result = w.evaluate(engine, knobs, temperature=0.0, trials=1, workers=1)
             costs = [attempt_cost(t, price)[1] for t in result.trajectories]
             cost, cost_se = mean_se(costs)
-            results[name] = {**_eval_fields(result), "cost_per_attempt": round(cost, 2),
+            results[name] = {**_eval_fields(w, result), "cost_per_attempt": round(cost, 2),
                              "cost_per_attempt_se": _round(cost_se, 2),
                              "compressions_per_attempt": statistics.fmean(len(t.compressions)
                                                                           for t in result.trajectories), **knobs}
@@ -749,7 +759,7 @@ def base_figures(w: Workload, parts: Parts, args: argparse.Namespace) -> dict[st
                              with_engine(lambda e: measure_zero_signal(w, e, n))))
         out.update(parts.get("infra", {"probe_tasks": n, "fault_rate": args.fault_rate},
                              with_engine(lambda e: measure_infra(w, e, n, args.fault_rate))))
-        out["base"] = parts.get("base", {}, with_engine(lambda e: _eval_fields(w.evaluate(e))))
+        out["base"] = parts.get("base", {}, with_engine(lambda e: _eval_fields(w, w.evaluate(e))))
     finally:
         for engine in engines:
             engine.close()

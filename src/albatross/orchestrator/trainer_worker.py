@@ -26,9 +26,11 @@ def trainer_main(model_dir: str, run_dir: str, cfg_json: str, batch_q: Any, resu
     """Entry point of the trainer process (spawned). Puts one dict per step on ``result_q``.
 
     SIGINT is ignored here: on Ctrl-C the orchestrator stops the trainer in order, so the last
-    checkpoint stays whole.
+    checkpoint stays whole. If the orchestrator dies without stopping it (SIGKILL, SIGTERM), the trainer gets
+    SIGTERM and ends too, instead of waiting for batches forever.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _end_with_parent()
     ranks: list[subprocess.Popen] = []
     try:
         from albatross.config import RunConfig
@@ -42,6 +44,19 @@ def trainer_main(model_dir: str, run_dir: str, cfg_json: str, batch_q: Any, resu
         result_q.put({"error": traceback.format_exc()})
     finally:
         _stop_ranks(ranks)
+
+
+def _end_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux ``PR_SET_PDEATHSIG``), and end now if it already has."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if sys.platform.startswith("linux"):
+        from albatross.sandbox import linux
+
+        linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent is not None and os.getppid() != parent.pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _queue_source(batch_q: Any) -> Callable[[], Any]:

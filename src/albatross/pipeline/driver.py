@@ -57,6 +57,7 @@ class Pipeline:
         import torch
 
         torch.manual_seed(self.cfg.seed)
+        torch.set_num_threads(self.cfg.engine.threads)  # this process runs the built-in engine (and the warm start)
         self._prepare_out()
         with self.plan.phase("tasks") as ph:
             train, heldout = self._tasks()
@@ -161,7 +162,7 @@ class Pipeline:
                 ray_run.close()
             else:
                 engine.close()
-        self._export_final(base_dir, state.version)
+        self._export_final(base_dir, state.version, tokenizer)
         return base, trained, state, loop, info, version
 
     def _warm_start(self, agent: Any, tokenizer: Any, train: list, model_dir: Path | None) -> Path:
@@ -404,10 +405,10 @@ class Pipeline:
                                            **({"pass_at_1_se": result.pass_at_1_se}
                                               if result.pass_at_1_se is not None else {})}, step)
 
-    def _export_final(self, base_dir: Path, version: int) -> None:
+    def _export_final(self, base_dir: Path, version: int, tokenizer: Any) -> None:
         """``<out>/final``: the last trained weights with the model's tokenizer and chat template, a directory
         that loads with transformers (``AutoModelForCausalLM.from_pretrained``) and serves with any engine."""
-        from albatross.pipeline.model import copy_tokenizer_files
+        from albatross.pipeline.model import copy_tokenizer_files, write_generation_config
         from albatross.trainer.checkpoint import version_dir
 
         src = version_dir(self.out / "run" / "weights", version) if version else base_dir
@@ -418,6 +419,7 @@ class Pipeline:
         shutil.rmtree(final, ignore_errors=True)
         shutil.copytree(src, final)
         copy_tokenizer_files(base_dir, final)
+        write_generation_config(base_dir, final, tokenizer)
         self.log(f"[model] final weights (version {version}): {final}")
 
     def _report(self) -> None:

@@ -115,6 +115,25 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
             shutil.copy2(Path(src) / name, Path(dst) / name)
 
 
+def write_generation_config(src: str | Path, dst: str | Path, tokenizer: Any) -> None:
+    """``dst/generation_config.json``: ``src``'s own (else one made from ``dst``'s config) whose ``eos_token_id`` also
+    holds the token that ends an assistant turn in the chat template, so that ``generate`` stops where the
+    harness stops a turn."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from albatross.engine.tokenizer import stop_token_id
+
+    try:
+        gen = GenerationConfig.from_pretrained(str(src))
+    except OSError:
+        gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(dst)))
+    eos = gen.eos_token_id
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    end = stop_token_id(tokenizer)
+    gen.eos_token_id = [end, *[i for i in ids if i != end]] if end is not None else (ids or None)
+    gen.save_pretrained(str(dst))
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__

@@ -18,6 +18,8 @@ import re
 import shlex
 import sys
 import tarfile
+import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,22 +110,46 @@ def env_key(env_dir: Path | None, salt: str = "") -> str:
 
 
 class EnvKeys:
-    """``env_key`` cached per directory, recomputed only when a file's size, mode or mtime changed."""
+    """``env_key`` cached per directory (thread-safe). A directory's files are looked at again (their size, mode
+    and mtime) at most every ``RECHECK_S`` seconds, and hashed again only when one changed: the attempts of a group
+    fork at once, and each fork needs the key of its task's environment."""
+
+    RECHECK_S = 2.0
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[str, str], tuple[tuple[object, ...], str]] = {}
+        self._cache: dict[tuple[str, str], tuple[tuple[object, ...], str, float]] = {}
+        self._lock = threading.Lock()
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
 
     def get(self, env_dir: Path | None, salt: str = "") -> str:
         if env_dir is None:
             return env_key(None, salt)
-        stats = [(str(p), p.lstat()) for p in sorted(Path(env_dir).rglob("*"))]
-        stamp = tuple((name, st.st_mtime_ns, st.st_size, st.st_mode) for name, st in stats)
-        cached = self._cache.get((str(env_dir), salt))
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        key = env_key(env_dir, salt)
-        self._cache[(str(env_dir), salt)] = (stamp, key)
-        return key
+        name = (str(env_dir), salt)
+        with self._lock:
+            lock = self._locks.setdefault(name, threading.Lock())
+        with lock:  # one thread hashes a new directory; the others wait for its key
+            cached = self._cache.get(name)
+            now = time.monotonic()
+            if cached is not None and now - cached[2] < self.RECHECK_S:
+                return cached[1]
+            stamp = _stamp(Path(env_dir))
+            key = cached[1] if cached is not None and cached[0] == stamp else env_key(env_dir, salt)
+            self._cache[name] = (stamp, key, now)
+            return key
+
+
+def _stamp(root: Path) -> tuple[object, ...]:
+    """(path, mtime, size, mode) of every entry under ``root``, in a fixed order (links not followed)."""
+    out: list[tuple[object, ...]] = []
+    stack = [str(root)]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                out.append((entry.path, st.st_mtime_ns, st.st_size, st.st_mode))
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+    return tuple(sorted(out))
 
 
 SOURCE_MARKER = ".albatross-task-dir"  # in an adapted copy of an environment: the task directory it came from

@@ -32,7 +32,6 @@ from pathlib import Path
 
 from albatross.tasks.builtin.code import GitRepair, PyFix
 from albatross.tasks.builtin.compose import COMPOSED
-from albatross.tasks.builtin.variants import VARIANTS
 from albatross.tasks.builtin.data import CsvToJson, LogErrors
 from albatross.tasks.builtin.families import (
     DIFFICULTIES,
@@ -47,6 +46,7 @@ from albatross.tasks.builtin.families import (
 from albatross.tasks.builtin.families import FAMILIES as _DEMO
 from albatross.tasks.builtin.files import FsSurgery, SortUnique
 from albatross.tasks.builtin.system import FindKey, JobControl
+from albatross.tasks.builtin.variants import VARIANTS
 from albatross.tasks.format import write_task
 
 __all__ = [

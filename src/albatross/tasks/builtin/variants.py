@@ -100,20 +100,23 @@ class CountTo(Family):
 
 
 class GrepTo(Family):
-    """grep_word writing to a named file: the lines go to {o}.txt."""
+    """grep_word writing to a named file, on .log or .txt files: the lines of {a}.{e} that contain {w} go to
+    {o}.txt."""
 
     name = "grep_to"
     category = "text-processing"
-    instruction_template = "Write the lines of {a}.log that contain {w} to {o}.txt."
-    demo_templates = ("grep {w} {a}.log > {o}.txt", "submit")
+    instruction_template = "Write the lines of {a}.{e} that contain {w} to {o}.txt."
+    demo_templates = ("grep {w} {a}.{e} > {o}.txt", "submit")
 
     def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
         base = GrepWord().generate(rng, difficulty)
-        w, a = base.key[1], base.key[2][0]
-        o = rng.choice([x for x in WORDS if x != w and f"{x}.log" not in base.files])
-        expected = text([line for line in base.files[f"{a}.log"].splitlines() if w in line.split()])
+        w, a, e = base.key[1], base.key[2][0], rng.choice(("log", "txt"))
+        files = {f"{name[: -len('.log')]}.{e}": content for name, content in base.files.items()}
+        o = rng.choice([x for x in WORDS if x != w and f"{x}.{e}" not in files])
+        expected = text([line for line in files[f"{a}.{e}"].splitlines() if w in line.split()])
         test = make_test_sh(self.name, [("out_exists", "out_correct", f"{o}.txt")], expected)
-        return self._instance((*base.key[1:], o), difficulty, base.files, test, self.demo_templates[0], a=a, w=w, o=o)
+        return self._instance((*base.key[1:], e, o), difficulty, files, test, self.demo_templates[0], a=a, w=w,
+                              e=e, o=o)
 
 
 class PointerTo(Family):
@@ -134,7 +137,27 @@ class PointerTo(Family):
         return self._instance((*base.key[1:], o), difficulty, base.files, test, self.solve_template, a=a, b=b, o=o)
 
 
-VARIANTS: tuple[Family, ...] = (CountLog(), GrepTxt(), PointerLog(), CountTo(), GrepTo(), PointerTo())
+class CopyTo(Family):
+    """Single step. /app holds {a}.{e} and two other files of the same kind (``.log`` or ``.txt``) with distinct
+    contents; copy {a}.{e} to {o}.txt."""
+
+    name = "copy_to"
+    category = "file-operations"
+    instruction_template = "Copy {a}.{e} to {o}.txt."
+    demo_templates = ("cp {a}.{e} {o}.txt", "submit")
+
+    def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
+        e = rng.choice(("log", "txt"))
+        names = rng.sample(WORDS, 4 + extra_files(difficulty))
+        o, inputs = names[0], names[1:]
+        contents = FollowPointer._distinct_contents(rng, len(inputs))
+        files = {f"{n}.{e}": c for n, c in zip(inputs, contents, strict=True)}
+        test = make_test_sh(self.name, [("out_exists", "out_correct", f"{o}.txt")], contents[0])
+        key = (e, o, tuple(inputs), tuple(contents))
+        return self._instance(key, difficulty, files, test, self.demo_templates[0], a=inputs[0], e=e, o=o)
+
+
+VARIANTS: tuple[Family, ...] = (CountLog(), GrepTxt(), PointerLog(), CountTo(), GrepTo(), PointerTo(), CopyTo())
 
 
 class _Paraphrase(Family):
