@@ -192,6 +192,13 @@ def table_rows(data: dict[str, Any]) -> list[tuple[str, str, str]]:
          f"{_num(rl)} +/- {_num(data.get('rl_pass_at_1_se'))} vs {_num(sft)} +/- "
          f"{_num(data.get('sft_control_pass_at_1_se'))} ({data.get('seeds')} seed(s); warm start "
          f"{_num((data.get('base') or {}).get('pass_at_1'))})"),
+        *[(f"held-out Pass@1 of the {label} families, RL vs equal-time SFT", SEED_FIGURES["rl_vs_sft"],
+           f"{_num(data.get(f'rl_pass_at_1_{part}'))} +/- {_num(data.get(f'rl_pass_at_1_{part}_se'))} vs "
+           f"{_num(data.get(f'sft_control_pass_at_1_{part}'))} +/- "
+           f"{_num(data.get(f'sft_control_pass_at_1_{part}_se'))} (warm start "
+           f"{_num((data.get('base') or {}).get(f'pass_at_1_{part}'))})")
+          for part, label in (("reward_only", "reward-only"), ("warm_started", "warm-started"))
+          if data.get(f"rl_pass_at_1_{part}") is not None],
         ("entropy / mismatch KL over the run (max)", SEED_FIGURES["stability"],
          f"{_num(max(data.get('entropy_by_step') or [math.nan]))} / "
          f"{_num(max(data.get('mismatch_kl_by_step') or [math.nan]), '.4f')}"),
@@ -809,6 +816,11 @@ def notes(data: dict[str, Any]) -> list[str]:
     rl, sft = data.get("rl_pass_at_1"), data.get("sft_control_pass_at_1")
     if rl is not None and sft is not None and rl <= sft:
         out.append(f"RL is NOT ahead of the equal-wall-time SFT control ({rl:.3f} vs {sft:.3f})")
+    rl_ro, sft_ro = data.get("rl_pass_at_1_reward_only"), data.get("sft_control_pass_at_1_reward_only")
+    if rl_ro is not None and sft_ro is not None:
+        out.append(f"reward-only families (no demonstration ever shown; the SFT control trains on the other "
+                   f"families' demonstrations): RL {rl_ro:.3f} vs SFT {sft_ro:.3f}, "
+                   + ("RL ahead" if rl_ro > sft_ro else "RL NOT ahead"))
     out.append("SFT control: the same wall time as its RL run, which includes the trainer process's start-up "
                "and the training of batches queued when the budget ran out")
     if data.get("tokens_per_solve_ratio") is None:
