@@ -25,6 +25,7 @@ LIMIT_TIMEOUT = "timeout"  # the command ran past its timeout and was killed
 LIMIT_DISK = "disk"  # the attempt's writable layer is full
 LIMIT_OUTPUT = "output"  # output beyond max_output_bytes was dropped
 LIMITS = (LIMIT_OOM, LIMIT_PIDS, LIMIT_ATTEMPT_TIMEOUT, LIMIT_TIMEOUT, LIMIT_DISK, LIMIT_OUTPUT)
+NETWORK_POLICIES = ("none", "registries", "open")  # narrowest first (``egress``: what each allows)
 
 
 class SandboxError(RuntimeError):
@@ -61,24 +62,29 @@ class Limits:
     max_output_bytes: int = 1 << 20
     attempt_timeout_s: float | None = None  # wall time from fork; None: no limit
     cpus: float = 0.0  # CPU time per wall second (1.5 = one and a half CPUs); 0: no limit
+    network: str = "none"  # the attempt's network policy: none, registries or open (``egress``)
+    build_timeout_s: float | None = None  # wall time of the whole build, if this fork has to build its environment
 
     def __post_init__(self) -> None:
         for name in ("memory_mb", "disk_mb", "pids", "max_output_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"sandbox limit {name} must be a whole number >= 1, got {value!r}")
-        for name in ("command_timeout_s", "attempt_timeout_s"):
+        for name in ("command_timeout_s", "attempt_timeout_s", "build_timeout_s"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"sandbox limit {name} must be a finite number > 0, got {value!r}")
         if not (math.isfinite(self.cpus) and self.cpus >= 0):
             raise ValueError(f"sandbox limit cpus must be a finite number >= 0, got {self.cpus!r}")
+        if self.network not in NETWORK_POLICIES:
+            raise ValueError(f"sandbox limit network must be one of {', '.join(NETWORK_POLICIES)}, got "
+                             f"{self.network!r}")
 
     @classmethod
     def from_config(cls, sc: Any) -> Limits:
         """The limits of a ``[sandbox]`` config section (``SandboxConfig``)."""
         return cls(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb, command_timeout_s=sc.command_timeout_s,
-                   attempt_timeout_s=sc.attempt_timeout_s or None, cpus=sc.cpus)
+                   attempt_timeout_s=sc.attempt_timeout_s or None, cpus=sc.cpus, network=sc.network)
 
 
 def pick_limit(hit: dict[str, bool]) -> str:

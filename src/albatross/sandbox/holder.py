@@ -25,12 +25,11 @@ import shutil
 import signal
 import socket
 import stat
-import tarfile
 import traceback
 from pathlib import Path
 from typing import Any
 
-from albatross.sandbox import linux, seccomp
+from albatross.sandbox import extract, linux, seccomp
 from albatross.sandbox.build import DEFAULT_PATH
 from albatross.sandbox.wire import recv, send
 
@@ -145,20 +144,24 @@ def _mount_overlay(cfg: dict[str, Any]) -> str:
         os.chown(upper, cfg["id_base"], cfg["id_base"])  # the root directory belongs to root inside
         os.chown(f"{scratch}/shm", cfg["id_base"], cfg["id_base"])
     data = f"lowerdir={':'.join(cfg['lower'])},upperdir={upper},workdir={work}"
-    linux.mount("overlay", merged, "overlay", 0, data)
+    linux.mount("overlay", merged, "overlay", linux.MS_NODEV, data)  # a device node in the image opens nothing
     return merged
 
 
-def _mount_binds(root: str, binds: list[list[str]], userns_fd: int | None) -> None:
-    """Bind host directories into the root (a builder's download caches), idmapped in user-namespace
-    mode so that root inside owns what it writes there as host root does."""
-    for host_dir, inside in binds:
+def _mount_binds(root: str, binds: list[list[Any]], userns_fd: int | None) -> None:
+    """Bind host directories into the root (a builder's download caches; read-only where the third
+    item says so), idmapped in user-namespace mode so that root inside owns what it writes there as host
+    root does."""
+    for host_dir, inside, *flags in binds:
+        readonly = bool(flags and flags[0])
         target = f"{root}{inside}"
         os.makedirs(target, exist_ok=True)
         if userns_fd is not None:
-            linux.idmapped_mount(host_dir, target, userns_fd)
-        else:
-            linux.mount(host_dir, target, None, linux.MS_BIND)
+            linux.idmapped_mount(host_dir, target, userns_fd, readonly=readonly)
+            continue
+        linux.mount(host_dir, target, None, linux.MS_BIND)
+        extra = linux.MS_RDONLY if readonly else 0
+        linux.mount(host_dir, target, None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV | extra)
 
 
 def _mount_pseudo(root: str, cfg: dict[str, Any]) -> None:
@@ -331,7 +334,7 @@ class Holder:
             elif op == "pty":
                 self.start_pty(msg)
             elif op == "put":
-                _extract(payload)
+                _put(fds[0] if fds else None, payload)
                 send(self.sock, {"ok": True})
             elif op == "read":
                 send(self.sock, {"ok": True}, _read_regular(msg["path"]))
@@ -342,7 +345,7 @@ class Holder:
                 send(self.sock, {"error": f"unknown request {op!r}"})
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             send(self.sock, {"missing": True})
-        except (OSError, tarfile.TarError, ValueError) as err:
+        except (OSError, ValueError) as err:
             if isinstance(err, OSError) and err.errno == errno.ELOOP and op == "read":
                 send(self.sock, {"missing": True})  # a symbolic link where a file was asked for
             else:
@@ -439,10 +442,18 @@ def _exit_code(status: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _extract(payload: bytes) -> None:
-    with tarfile.open(fileobj=io.BytesIO(payload)) as tar:
-        kw = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
-        tar.extractall("/", numeric_owner=True, **kw)
+def _put(fd: int | None, payload: bytes) -> None:
+    """Unpack a tar into the attempt's root: read from the pipe ``fd`` as it comes (the host writes it),
+    or ``payload``; every path resolved inside the root, no device node made (``extract``)."""
+    if fd is None:
+        extract.unpack(io.BytesIO(payload), "/")
+        return
+    with os.fdopen(os.dup(fd), "rb", buffering=1 << 16) as stream:
+        try:
+            extract.unpack(stream, "/")
+        finally:
+            while stream.read(1 << 16):  # drain what is left, so the writer is never stuck
+                pass
 
 
 def _read_regular(path: str) -> bytes:

@@ -22,6 +22,7 @@ _KEYCTL_JOIN_SESSION_KEYRING = 1
 # New mount API; the numbers are the same on every architecture (unified syscall table).
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
 _OPEN_TREE_CLONE, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = 1, 0x1000, 4
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
 _MOUNT_ATTR_IDMAP = 0x00100000
 _AT_FDCWD = -100
 
@@ -114,9 +115,10 @@ def pivot_root_here() -> None:
     os.chdir("/")
 
 
-def idmapped_mount(source: str, target: str, userns_fd: int) -> None:
+def idmapped_mount(source: str, target: str, userns_fd: int, readonly: bool = False) -> None:
     """Mount a clone of ``source`` (one file system, not its sub-mounts) at ``target`` with its owners
-    shifted by the user namespace's mapping: host uid 0 appears as the namespace's uid 0."""
+    shifted by the user namespace's mapping: host uid 0 appears as the namespace's uid 0 (``readonly``:
+    and read-only, nosuid, nodev)."""
     fd = _check(
         _libc.syscall(
             ctypes.c_long(_SYS_OPEN_TREE),
@@ -127,7 +129,8 @@ def idmapped_mount(source: str, target: str, userns_fd: int) -> None:
         f"open_tree {source}",
     )
     try:
-        attr = ctypes.create_string_buffer(struct.pack("QQQQ", _MOUNT_ATTR_IDMAP, 0, 0, userns_fd), 32)
+        flags = _MOUNT_ATTR_IDMAP | (_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV if readonly else 0)
+        attr = ctypes.create_string_buffer(struct.pack("QQQQ", flags, 0, 0, userns_fd), 32)
         _check(
             _libc.syscall(
                 ctypes.c_long(_SYS_MOUNT_SETATTR),
