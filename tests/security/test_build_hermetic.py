@@ -68,7 +68,8 @@ FETCH = {  # how a RUN step tries to read the host's server (writes what it got 
     "urllib": "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://{host}:{port}/s', "
               "timeout=5).read().decode())\"",
     "socket": "python3 -c \"import socket; s = socket.create_connection(('{host}', {port}), 5); "
-              "s.sendall(b'GET /s HTTP/1.0\\\\r\\\\n\\\\r\\\\n'); print(s.recv(4096).decode())\"",
+              "s.sendall(b'GET /s HTTP/1.0\\\\r\\\\n\\\\r\\\\n'); "
+              "print(b''.join(iter(lambda: s.recv(4096), b'')).decode())\"",
 }
 
 

@@ -49,11 +49,11 @@ def score_after(backend: LocalBackend, task, *commands: str) -> float:
 
 
 TAMPERING = {
-    "sitecustomize": plant(f"{SITE}/sitecustomize.py", FORGE_PY),
+    "sitecustomize": plant("/etc/python3.11/sitecustomize.py", FORGE_PY),  # what Debian's python imports
     "pth-file": plant(f"{SITE}/zz-forge.pth", "import os; os._exit(0)\n"),
     "python-on-path": plant("/usr/local/bin/python3", "#!/bin/sh\nexit 0\n", "755"),
     "bash-wrapper": plant("/tmp/fake-bash", "#!/bin/sh\nmkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt\n",
-                          "755") + " && cp /tmp/fake-bash /usr/bin/bash",
+                          "755") + " && rm -f /usr/bin/bash && cp /tmp/fake-bash /usr/bin/bash",
     "user-site": plant("/root/.local/lib/python3.11/site-packages/zz-forge.pth", "import os; os._exit(0)\n"),
 }
 
