@@ -106,6 +106,14 @@ class SandboxConfig(_Section):
         "names, or `*.example.org` for subdomains. The host's own Debian mirror and pip/npm index hosts are "
         "added.")
 
+    @field_validator("network")
+    @classmethod
+    def _network_needs_local(cls, value: str, info: Any) -> str:
+        if value != "none" and info.data.get("type") == "docker":
+            raise ValueError(f"network {value!r} needs type = \"local\" (the docker sandbox runs attempts with no "
+                             "network)")
+        return value
+
 
 class HarnessConfig(_Section):
     action_format: Literal["auto", "bash_block", "tool_calls"] = Field(

@@ -18,12 +18,12 @@ from _probes import needs_local
 
 from sandbox_util import task_env
 
-EXPANDED = 400 << 20  # bytes of zeros inside each bomb
+EXPANDED = 256 << 20  # bytes of zeros inside each bomb
 PEAK_MB = 300  # what a streamed build or import may take at most (python + albatross: ~80 MB)
 
 
 def gzip_bomb(path: Path, name: str = "zeros.bin") -> Path:
-    """A gzip-compressed tar holding one file of EXPANDED zero bytes (about 400 KB on disk)."""
+    """A gzip-compressed tar holding one file of EXPANDED zero bytes (about 1 MB on disk)."""
 
     class Zeros:
         def __init__(self) -> None:
@@ -34,7 +34,7 @@ def gzip_bomb(path: Path, name: str = "zeros.bin") -> Path:
             self.left -= n
             return bytes(n)
 
-    with gzip.open(path, "wb", compresslevel=9) as raw, tarfile.open(fileobj=raw, mode="w|") as tar:
+    with gzip.open(path, "wb", compresslevel=1) as raw, tarfile.open(fileobj=raw, mode="w|") as tar:
         info = tarfile.TarInfo(name)
         info.size, info.mode = EXPANDED, 0o644
         tar.addfile(info, Zeros())  # type: ignore[arg-type]
@@ -55,8 +55,9 @@ def peak_mb(code: str, *args: str) -> tuple[int, str]:
 def test_add_of_a_gzip_bomb_is_streamed(tmp_path: Path) -> None:
     env = task_env(tmp_path, "FROM python:3.11-slim-bookworm\nADD bomb.tar.gz /opt/\n")
     gzip_bomb(env / "bomb.tar.gz")
-    code = ("import sys\nfrom albatross.sandbox import LocalBackend, EnvBuildError\n"
-            "b = LocalBackend(warm=0, hide_paths=[sys.argv[2]])\n"
+    code = ("import sys\nfrom albatross.sandbox import LocalBackend, EnvBuildError, Limits\n"
+            "b = LocalBackend(warm=0, hide_paths=[sys.argv[2]], build_limits=Limits(memory_mb=1024, pids=512, "
+            "disk_mb=64))\n"
             "try:\n    b.prepare(sys.argv[1]); print('built')\n"
             "except EnvBuildError as e:\n    print('refused:', e)\nfinally:\n    b.close()\n")
     peak, output = peak_mb(code, str(env), str(tmp_path))

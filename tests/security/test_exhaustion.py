@@ -18,8 +18,8 @@ from albatross.tasks.verify import verify_attempt
 pytestmark = needs_local
 FILL_DISK = "dd if=/dev/zero of=/app/fill bs=1M count=4096 2>/dev/null; true"
 FILL_FILES = ("python3 -c 'import itertools\nfor i in itertools.count():\n    try:\n"
-              "        open(f\"/app/f{i}\", \"w\").write(\"x\")\n    except OSError:\n        break\n"
-              "print(i)'; true")
+              "        open(f\"/app/f{i}\", \"w\").close()\n    except OSError:\n        break\n"
+              "print(i)'; true")  # empty files: the file table fills, not the blocks
 FILL_MEMORY = "dd if=/dev/zero of=/dev/shm/fill bs=1M count=1024 2>/dev/null; true"
 LIMITS = {"disk": Limits(disk_mb=16, command_timeout_s=60), "files": Limits(disk_mb=16, command_timeout_s=60),
           "memory": Limits(memory_mb=96, disk_mb=512, command_timeout_s=60)}

@@ -31,9 +31,11 @@ from typing import Any
 
 from albatross.sandbox import extract, linux, seccomp
 from albatross.sandbox.build import DEFAULT_PATH
+from albatross.sandbox.verifier import TOOLCHAIN
 from albatross.sandbox.wire import recv, send
 
 STATE_FILE = "/run/albatross/state"
+INODES_PER_MB = 256  # files an attempt may make per MiB of its disk limit (one per 4 KiB block)
 MAX_READ_BYTES = 64 << 20
 _DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
 _DEV_LINKS = {
@@ -134,7 +136,9 @@ def _give_to_user(uid: int, gid: int) -> None:
 def _mount_overlay(cfg: dict[str, Any]) -> str:
     scratch = cfg["scratch"]
     size_mb = cfg["disk_mb"] if cfg["upper"] is None else 64
-    linux.mount("tmpfs", scratch, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={size_mb}m,mode=755")
+    inodes = max(4096, size_mb * INODES_PER_MB)  # a file table as big as the disk's blocks: filling it is ENOSPC
+    linux.mount("tmpfs", scratch, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
+                f"size={size_mb}m,nr_inodes={inodes},mode=755")
     upper, work, merged = cfg["upper"] or f"{scratch}/u", cfg["work"] or f"{scratch}/w", f"{scratch}/m"
     for path in (upper, work, merged):
         os.makedirs(path, exist_ok=True)
@@ -321,10 +325,11 @@ class Holder:
         return 0
 
     def disk_free(self) -> int:
+        """Bytes the writable layer can still take (0 once its file table is full, too)."""
         if self.scratch_fd is None:
             return -1
         st = os.fstatvfs(self.scratch_fd)
-        return st.f_bavail * st.f_frsize
+        return st.f_bavail * st.f_frsize if st.f_favail > 16 else 0
 
     def handle(self, msg: dict[str, Any], payload: bytes, fds: list[int]) -> None:
         op = msg.get("op")
@@ -338,6 +343,8 @@ class Holder:
                 send(self.sock, {"ok": True})
             elif op == "read":
                 send(self.sock, {"ok": True}, _read_regular(msg["path"]))
+            elif op == "changes":
+                send(self.sock, {"ok": True, "changes": _system_changes(self.scratch_fd)})
             elif op == "mkdirs":
                 os.makedirs(msg["path"], exist_ok=True)
                 send(self.sock, {"ok": True})
@@ -454,6 +461,28 @@ def _put(fd: int | None, payload: bytes) -> None:
         finally:
             while stream.read(1 << 16):  # drain what is left, so the writer is never stuck
                 pass
+
+
+def _system_changes(scratch_fd: int | None, shown: int = 20, scanned: int = 5000) -> list[str]:
+    """What the attempt wrote over the image's system paths (/usr, /etc, /bin, /lib ...): entries of its
+    writable layer there (a deletion is a whiteout), the first ``shown`` of them and how many in all."""
+    if scratch_fd is None:
+        return []
+    found: list[str] = []
+    for name in TOOLCHAIN:
+        try:
+            st = os.stat(f"u/{name}", dir_fd=scratch_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            found.append(f"/{name}")
+            continue
+        for top, _dirs, files, _fd in os.fwalk(f"u/{name}", dir_fd=scratch_fd):
+            found += [f"{top[1:]}/{entry}" for entry in files]  # a deletion is a whiteout: a file too
+            if len(found) > scanned:
+                break
+    total = len(found)
+    return sorted(found)[:shown] + ([f"... {total - shown} more"] if total > shown else [])
 
 
 def _read_regular(path: str) -> bytes:

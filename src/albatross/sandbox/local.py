@@ -82,12 +82,15 @@ from albatross.sandbox.base import (
     LIMIT_OUTPUT,
     LIMIT_PIDS,
     LIMIT_TIMEOUT,
+    AttemptBroken,
     ExecResult,
     ForkError,
     Limits,
     Output,
     SandboxDied,
     SandboxError,
+    VerifierExec,
+    VerifierSpec,
     closed_at_exit,
     pick_limit,
 )
@@ -169,6 +172,7 @@ class LocalAttempt:
         self.user: UserIds | None = None  # the image's USER every command runs as (None: root)
         self.network = egress.NONE  # its network policy (the egress proxy serves it unless none)
         self.lowers: list[str] = []  # the pristine image under its writable layer (paths in its zygote)
+        self.broken = ""  # why the attempt's own doing killed its sandbox (out of memory); "" while it lives
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def activate(self) -> None:
@@ -201,6 +205,99 @@ class LocalAttempt:
         """Run ``command`` as a fresh ``bash --noprofile --norc -c`` with the image's environment only."""
         return self.run_argv(["/bin/bash", "--noprofile", "--norc", "-c", command], dict(self.image_env), cwd,
                              timeout_s)
+
+    def verify(self, spec: VerifierSpec) -> VerifierExec:
+        """Run the verifier in a mount namespace of its own (``verifier.py``): the pristine image's tools
+        (``spec.toolchain``), the attempt's working state, its own /tests, reward directory and toolkit;
+        test.sh is a command of the attempt (its namespaces, cgroups, limits, seccomp filter, user)."""
+        if self.broken:
+            raise AttemptBroken(self.broken)
+        try:
+            return self._verify(spec)
+        except SandboxDied as err:
+            if isinstance(err, AttemptBroken) or not self._killed_by_itself():
+                raise
+            self.broken = self.broken or f"the attempt's sandbox was killed when it ran out of memory ({err})"
+            raise AttemptBroken(self.broken) from err
+
+    def _verify(self, spec: VerifierSpec) -> VerifierExec:
+        with self._lock:
+            self._check_open()
+            self._skip_ready()  # the holder's root must be complete before the verifier looks at it
+            changes = self._system_changes() if spec.toolchain == "attempt" else []
+            group = self._cgroups.new_group("cv")
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            read_fd, write_fd = os.pipe()
+            user = None if self.user is None else [self.user.uid, self.user.gid, list(self.user.groups)]
+            puts = [[str(spec.toolkit[0]), spec.toolkit[1], False]] if spec.toolkit is not None else []
+            msg = {"op": "verify", "holder": self.pid, "lowers": self.lowers, "toolchain": spec.toolchain,
+                   "cgroups": [str(self._cgroups.memory), str(group), str(self._cgroups.cpu or "")],
+                   "user": user, "isolate": spec.keep_agent_processes, "env": {**self.image_env, **spec.env},
+                   "argv": ["/bin/bash", "--noprofile", "--norc", "-c", spec.command], "cwd": spec.cwd,
+                   "tests_dir": str(spec.tests_dir), "tests_path": spec.tests_path, "reward_dir": spec.reward_dir,
+                   "puts": puts, "reads": list(spec.reads), "disk_mb": self.limits.disk_mb}
+            start = time.monotonic()
+            try:
+                try:
+                    pid = self.zygote.request(msg, fds=[theirs.fileno(), write_fd])["pid"]
+                finally:
+                    theirs.close()
+                    os.close(write_fd)
+                reply, payload, out, timed_out = self._verifier_report(ours, read_fd, pid, start + spec.timeout_s)
+            finally:
+                ours.close()
+                os.close(read_fd)
+                self._cgroups.kill(group.name)  # what test.sh left running
+        if "error" in reply:
+            raise self._died(RuntimeError(f"the verifier could not start: {reply['error']}"))
+        files, offset = {}, 0
+        for path, size in reply.get("files", {}).items():
+            files[path] = None if size is None else payload[offset:offset + size]
+            offset += size or 0
+        code = -1 if timed_out else int(reply.get("exit", -1))
+        run = ExecResult(out.text(), code, timed_out, time.monotonic() - start, out.dropped,
+                         LIMIT_TIMEOUT if timed_out else "")
+        return VerifierExec(run, files, changes)
+
+    def _verifier_report(self, sock: socket.socket, read_fd: int, pid: int, deadline: float
+                         ) -> tuple[dict[str, Any], bytes, Output, bool]:
+        """The verifier's output and report; past ``deadline`` its processes are killed (timed out)."""
+        out = Output(self.limits.max_output_bytes)
+        poller = select.poll()
+        poller.register(read_fd, select.POLLIN)
+        poller.register(sock, select.POLLIN)
+        timed_out, give_up = False, 0.0
+        while True:
+            for fd, _event in poller.poll(max(0.0, min(deadline - time.monotonic(), 1.0)) * 1000):
+                if fd == read_fd:
+                    data = os.read(read_fd, 1 << 16)
+                    out.add(data) if data else poller.unregister(read_fd)
+                else:
+                    try:
+                        reply, payload, _fds = wire.recv(sock)
+                    except (EOFError, OSError) as err:
+                        raise self._died(err) from err
+                    os.set_blocking(read_fd, False)
+                    with contextlib.suppress(BlockingIOError):
+                        while data := os.read(read_fd, 1 << 16):
+                            out.add(data)
+                    return reply, payload, out, timed_out
+            now = time.monotonic()
+            if now >= deadline:
+                if not timed_out:
+                    timed_out, give_up = True, now + 10.0
+                elif now > give_up:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    raise SandboxDied(f"attempt {self.id}: the verifier did not end after its timeout")
+                self._cgroups.kill("cv")
+                deadline = now + 0.2
+
+    def _system_changes(self) -> list[str]:
+        """The attempt's changes under /usr, /etc, /bin, /lib ... (what it wrote over the image)."""
+        self._send({"op": "changes"})
+        reply = self._reply()[0]
+        return list(reply.get("changes", []))
 
     def kill(self) -> None:
         """Kill the sandbox now, as if it had crashed (fault injection; ``close`` still cleans up)."""
@@ -270,9 +367,29 @@ class LocalAttempt:
 
     def run_argv(self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
                  ) -> ExecResult:
-        """Run ``argv`` with exactly ``env`` in ``cwd`` (no shell state); used for builds."""
+        """Run ``argv`` with exactly ``env`` in ``cwd`` (no shell state); used for builds. A sandbox that its
+        own commands killed (they ran it out of memory) answers every command so, as a command that was
+        killed by the memory limit, instead of failing as an infrastructure error would."""
+        try:
+            return self._run_argv(argv, env, cwd, timeout_s)
+        except SandboxDied as err:
+            if not self._killed_by_itself():
+                raise
+            if not self.broken:
+                self.broken = f"the attempt's sandbox was killed when it ran out of memory ({err})"
+            return ExecResult(f"albatross: {self.broken}\n", 137, False, 0.0, 0, LIMIT_OOM)
+
+    def _killed_by_itself(self) -> bool:
+        """The holder is gone, its zygote lives, and the attempt's memory limit has killed a process."""
+        gone = self._pidfd is None or _wait_readable(self._pidfd, 0.5)
+        return gone and (self.zygote is None or self.zygote.alive()) and self._cgroups.oom_kills() > 0
+
+    def _run_argv(self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
+                  ) -> ExecResult:
         with self._lock:
             self._check_open()
+            if self.broken:
+                raise SandboxDied(self.broken)
             start = time.monotonic()
             crowded = self._at_pids_limit()
             if crowded:  # background processes filled the process table: contain them first

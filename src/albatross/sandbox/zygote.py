@@ -201,6 +201,10 @@ def _handle(state: _State, msg: dict[str, Any], fds: list[int]) -> tuple[dict[st
     if op == "spawn":
         pid, listener = _spawn_holder(state, msg["cfg"], fds[0])
         return {"pid": pid}, [] if listener is None else [listener]
+    if op == "verify":
+        from albatross.sandbox import verifier
+
+        return {"pid": verifier.start(state, msg, fds)}, []
     return _handle_plain(state, msg), []
 
 
