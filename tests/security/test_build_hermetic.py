@@ -85,6 +85,20 @@ def test_run_step_cannot_reach_a_host_service(backend: LocalBackend, host_server
     assert SECRET not in got, got
 
 
+def test_add_of_a_url_cannot_fetch_a_host_service(backend: LocalBackend, host_server: int, tmp_path: Path) -> None:
+    """albatross downloads an ``ADD <url>`` itself (as Docker's daemon does): from the host, so the build's
+    policy is checked there too."""
+    from albatross.sandbox import EnvBuildError
+
+    env = task_env(tmp_path, f"FROM python:3.11-slim-bookworm\nADD http://127.0.0.1:{host_server}/s /got.txt\n")
+    try:
+        with backend.fork(env) as attempt:
+            got = (attempt.read_file("/got.txt") or b"").decode(errors="replace")
+    except EnvBuildError as err:
+        got = str(err)
+    assert SECRET not in got, got
+
+
 def test_build_cannot_poison_the_caches_of_another_build(backend: LocalBackend, tmp_path: Path) -> None:
     poison = ("RUN for f in \"$SSL_CERT_FILE\" /var/cache/albatross-ca/ca-certificates.crt; do "
               "[ -n \"$f\" ] && echo POISON >> \"$f\" && echo wrote \"$f\" >> /wrote.txt; done 2>/dev/null; "

@@ -78,3 +78,19 @@ def test_module_shadowing_pytest_in_the_workdir_is_not_imported(tmp_path: Path, 
     shadow = plant("/app/pytest.py", FORGE_PY)
     assert score_after(backend, task, shadow) == 0.0
     assert score_after(backend, task, "echo forty-two > /app/answer.txt") == 1.0
+
+
+def test_a_task_that_verifies_in_its_own_toolchain_flags_the_attempts_changes(tmp_path: Path,
+                                                                            backend: LocalBackend) -> None:
+    """``[verifier] toolchain = "attempt"``: test.sh sees what the agent installed (here under /usr/local),
+    and the trajectory lists the attempt's changes to system paths."""
+    test_sh = ("#!/bin/bash\nmkdir -p /logs/verifier\n"
+               "if [ \"$(/usr/local/bin/answer)\" = forty-two ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n")
+    task = make_task(tmp_path, "own-tools", test_sh, toml={"verifier": {"toolchain": "attempt"}})
+    install = plant("/usr/local/bin/answer", "#!/bin/sh\necho forty-two\n", "755")
+    with backend.fork(task.env_dir, task.workdir) as attempt:
+        assert attempt.exec(install).exit_code == 0
+        result = verify_attempt(attempt, task, backend)
+    assert result.reward == 1.0 and "/usr/local/bin/answer" in result.system_changes, result
+    pristine = make_task(tmp_path, "image-tools", test_sh)
+    assert score_after(backend, pristine, install) == 0.0  # the image has no /usr/local/bin/answer
