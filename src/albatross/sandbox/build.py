@@ -16,7 +16,6 @@ import os
 import posixpath
 import re
 import shlex
-import sys
 import tarfile
 import tempfile
 from collections.abc import Callable
@@ -39,11 +38,6 @@ from albatross.sandbox.dockerfile import (
     User,
     Workdir,
 )
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = ["DEFAULT_PATH", "EnvBuildError", "Parent", "UserIds", "apply_dockerfile", "copy_tar", "resolve_user"]
 
@@ -145,18 +139,6 @@ def task_dir_of(env_dir: Path) -> Path:
     except OSError:
         named = ""
     return Path(named) if named else env_dir.parent
-
-
-def task_allows_internet(env_dir: Path | None) -> bool:
-    """``[environment] allow_internet`` of the task.toml next to ``env_dir`` (False if absent)."""
-    if env_dir is None:
-        return False
-    try:
-        with open(Path(env_dir).parent / "task.toml", "rb") as f:
-            value = tomllib.load(f).get("environment", {}).get("allow_internet", False)
-    except (OSError, tomllib.TOMLDecodeError, AttributeError):
-        return False
-    return value is True
 
 
 def state_script(env: dict[str, str], workdir: str) -> str:

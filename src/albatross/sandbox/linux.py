@@ -158,16 +158,18 @@ def idmapped_mount(source: str, target: str, userns_fd: int, readonly: bool = Fa
         os.close(fd)
 
 
-def clone_tree(path: str, recursive: bool = True, readonly: bool = False) -> int:
+def clone_tree(path: str, recursive: bool = True, readonly: bool = False, userns_fd: int | None = None) -> int:
     """A detached copy of the mount tree at ``path`` (``open_tree`` clone; with its sub-mounts when
-    ``recursive``; ``readonly``: read-only, nosuid, nodev), as a descriptor to ``attach_tree`` elsewhere,
-    even in another mount namespace. A file works as well as a directory."""
+    ``recursive``; ``readonly``: read-only, nosuid, nodev; ``userns_fd``: owners shifted by that user
+    namespace, as ``idmapped_mount``), as a descriptor to ``attach_tree`` elsewhere, even in another mount
+    namespace. A file works as well as a directory."""
     flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | (_AT_RECURSIVE if recursive else 0) | _AT_SYMLINK_NOFOLLOW
     fd = _check(_libc.syscall(ctypes.c_long(_SYS_OPEN_TREE), ctypes.c_int(_AT_FDCWD), path.encode(),
                               ctypes.c_uint(flags)), f"open_tree {path}")
-    if readonly:
-        attr = ctypes.create_string_buffer(struct.pack(
-            "QQQQ", _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, 0), 32)
+    attrs = (_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV if readonly else 0)
+    attrs |= _MOUNT_ATTR_IDMAP if userns_fd is not None else 0
+    if attrs:
+        attr = ctypes.create_string_buffer(struct.pack("QQQQ", attrs, 0, 0, userns_fd or 0), 32)
         try:
             _check(_libc.syscall(ctypes.c_long(_SYS_MOUNT_SETATTR), ctypes.c_int(fd), b"",
                                  ctypes.c_uint(_AT_EMPTY_PATH | (_AT_RECURSIVE if recursive else 0)), attr,

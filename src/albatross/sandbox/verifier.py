@@ -71,7 +71,7 @@ def _verify(state: Any, msg: dict[str, Any], report: socket.socket, out_fd: int)
     groups = [os.open(f"{path}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for path in msg["cgroups"] if path]
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount("none", "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    root = _build_root(state, msg, ns["mnt"])
+    root = _build_root(state, msg, ns["mnt"], ns.get("user"))
     os.chdir(root)
     linux.pivot_root_here()
     for name in ("pid", "net", "ipc", "uts"):  # "pid": for the child about to be forked
@@ -88,8 +88,9 @@ def _verify(state: Any, msg: dict[str, Any], report: socket.socket, out_fd: int)
     send(report, {"exit": code if code >= 0 else 128 - code, "files": files}, payload)
 
 
-def _build_root(state: Any, msg: dict[str, Any], attempt_mnt: int) -> str:
-    """The verifier's root, under ``<zygote root>/scratch`` of this (private) namespace."""
+def _build_root(state: Any, msg: dict[str, Any], attempt_mnt: int, userns: int | None) -> str:
+    """The verifier's root, under ``<zygote root>/scratch`` of this (private) namespace (``userns``: the
+    attempt's user namespace, which the host's files put here read-only are shown through)."""
     work = f"{state.root}/scratch"
     linux.mount("tmpfs", work, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=1m,mode=700")
     root, pristine = f"{work}/root", f"{work}/pristine"
@@ -125,7 +126,11 @@ def _build_root(state: Any, msg: dict[str, Any], attempt_mnt: int) -> str:
             shutil.copytree(host, target, symlinks=True, dirs_exist_ok=True)
             _chown_tree(target, state.id_base, state.id_base)
         else:
-            linux.attach_tree(linux.clone_tree(host, recursive=False, readonly=True), target)
+            fd = linux.clone_tree(host, recursive=False, readonly=True, userns_fd=userns)
+            try:
+                linux.attach_tree(fd, target)
+            finally:
+                os.close(fd)
     return root
 
 
