@@ -94,3 +94,17 @@ def test_a_task_that_verifies_in_its_own_toolchain_flags_the_attempts_changes(tm
     assert result.reward == 1.0 and "/usr/local/bin/answer" in result.system_changes, result
     pristine = make_task(tmp_path, "image-tools", test_sh)
     assert score_after(backend, pristine, install) == 0.0  # the image has no /usr/local/bin/answer
+
+
+def test_the_verifiers_own_toolkit_runs_where_the_image_has_none(tmp_path: Path, backend: LocalBackend) -> None:
+    """An image the toolkit was not built into (debian, no RUN): the verifier's read-only copy serves its
+    ``apt-get install curl`` and ``curl`` (the uv installer), as root of the attempt's user namespace."""
+    test_sh = ("#!/bin/bash\napt-get install -y curl >/dev/null 2>&1\n"
+               "curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh >/dev/null 2>&1 && source $HOME/.local/bin/env\n"
+               "mkdir -p /logs/verifier\n"
+               "if command -v curl | grep -q albatross-offline && command -v uvx >/dev/null; then echo 1; else echo 0; fi"
+               " > /logs/verifier/reward.txt\n")
+    task = make_task(tmp_path, "bare-image", test_sh, dockerfile="FROM debian:bookworm-slim\nWORKDIR /app\n")
+    assert task.offline is None
+    with backend.fork(task.env_dir, task.workdir) as attempt:
+        assert verify_attempt(attempt, task, backend).reward == 1.0
