@@ -83,3 +83,17 @@ def test_offline_gate_judges_the_task_under_its_policy(backend: LocalBackend, tm
     assert online.gates["offline"].status == PASS and "registries" in online.gates["offline"].reason, online.gates
     offline = gate_task(path, backend, GateOptions(reruns=2, parallelism=1, network="none"))
     assert offline.gates["offline"].status == FAIL, offline.gates["offline"]
+
+
+def test_add_of_a_registry_url_downloads_under_the_builds_policy(backend: LocalBackend, tmp_path: Path) -> None:
+    """``ADD https://pypi.org/...`` is fetched by albatross (as Docker's daemon does), over TLS, because the
+    build's policy allows the registries; a host outside them is a named build failure."""
+    from albatross.sandbox import EnvBuildError
+
+    good = task_env(tmp_path / "a", "FROM python:3.11-slim-bookworm\nADD https://pypi.org/simple/six/ /six.html\n")
+    with backend.fork(good) as attempt:
+        assert b"six-" in (attempt.read_file("/six.html") or b"")
+    bad = task_env(tmp_path / "b", "FROM python:3.11-slim-bookworm\nADD https://github.com/robots.txt /r.txt\n")
+    with pytest.raises(EnvBuildError, match=r"Dockerfile:2: ADD https://github.com/robots.txt: needs github.com, "
+                                            r"which the network policy registries does not allow"):
+        backend.fork(bad)

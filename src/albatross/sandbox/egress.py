@@ -29,10 +29,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from albatross.sandbox.base import NETWORK_POLICIES as POLICIES  # narrowest first
+
 log = logging.getLogger(__name__)
-
-from albatross.sandbox.base import NETWORK_POLICIES as POLICIES  # noqa: E402 - narrowest first
-
 NONE, REGISTRIES, OPEN = POLICIES
 PROXY_PORT = 3128  # where the proxy listens inside a sandbox (its own 127.0.0.1)
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
