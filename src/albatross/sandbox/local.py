@@ -2,8 +2,9 @@
 
 Layout of one attempt::
 
-    /            overlay: lowerdir=<parent layer>:<base root> (read-only), upper+work on a tmpfs of
-                 ``limits.disk_mb`` (the disk-write limit, shared with /tmp, /run and /dev/shm)
+    /            overlay (nodev): lowerdir=<parent layer>:<base root> (read-only), upper+work on a tmpfs of
+                 ``limits.disk_mb`` (the disk-write limit, shared with /tmp, /run and /dev/shm; its file
+                 table is 256 files per MiB)
     /proc /sys   the attempt's own procfs (pid namespace) and read-only sysfs (net namespace: only lo)
     /dev         null zero full random urandom tty, /dev/pts (new instance), /dev/shm
     hidden       on the host's root (``base="host"``): /work /root /home /tmp /var/tmp /run /mnt /media
@@ -18,8 +19,9 @@ owns none of the attempt's other namespaces and is charged to a host uid of its 
 counts such as inotify instances are per attempt): root inside can own files and kill its own
 processes, but cannot mount, reconfigure the network, or touch anything on the host as root. Every
 command runs under the seccomp filter of ``seccomp.py`` and in a session keyring of its attempt.
-Before verification ``kill_all`` ends every process of the attempt and ``exec_clean`` runs the
-verifier as a fresh process with the image's environment only. When the image has a ``USER`` (the last
+Before verification ``kill_all`` ends every process of the attempt and ``verify`` runs the verifier
+as a fresh process with the image's environment only, in a mount namespace of its own with the pristine
+image's tools (``verifier.py``). When the image has a ``USER`` (the last
 stage's, resolved once per environment in the built image's /etc/passwd and /etc/group), every command
 of an attempt (agent, oracle, verifier) runs as that user, with its groups and HOME, as ``docker exec``
 does; builds, tars and reads stay root. Without user namespaces, commands run
@@ -30,9 +32,10 @@ Parents: a parent is built once per distinct environment (files, base, hidden pa
 whose overlay upper directory is the parent's layer applies the Dockerfile (COPY through a tar, WORKDIR,
 RUN with ``bash -c``); the layer is then frozen and becomes the top lower layer of every attempt forked
 from it. The base under it is the image the Dockerfile's ``FROM`` names (``images.resolve_base``; a
-multi-stage Dockerfile builds each earlier stage first, for ``COPY --from``). Builds on an image base
-have the host's network (package managers: apt, pip, npm) with shared download caches bind-mounted
-(``build_caches``); attempts never have a network.
+multi-stage Dockerfile builds each earlier stage first, for ``COPY --from``). Builds run in a network
+namespace of their own and reach the package registries through the egress proxy (``egress.py``,
+``buildnet.py``: per-environment download caches, the host's CA bundle read-only); an attempt reaches
+what its network policy (``Limits.network``) allows, through the same proxy.
 
 Speed: the zygote keeps network namespaces ready; the backend keeps ``warm`` attempts of each recently
 forked (parent, workdir, limits) ready in the background, so a fork usually takes an attempt that is
