@@ -98,6 +98,7 @@ def _build_root(state: Any, msg: dict[str, Any], attempt_mnt: int, userns: int |
     os.mkdir(pristine)
     size = max(64, int(msg.get("disk_mb", 256)))
     linux.mount("tmpfs", root, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={size}m,mode=755")
+    os.chown(root, state.id_base, state.id_base)  # root inside owns "/" (a new top-level entry stays in here)
     image = msg["toolchain"] == "image"
     if image:
         lowers = ":".join(msg["lowers"])
