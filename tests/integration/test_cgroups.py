@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from albatross.sandbox.base import ForkError, Limits
-from albatross.sandbox.cgroups import AttemptCgroups, CommandCgroups, Hierarchy, detect, unavailable_reason, v2_root
+from albatross.sandbox.cgroups import (
+    AttemptCgroups,
+    CommandCgroups,
+    Hierarchy,
+    detect,
+    unavailable_reason,
+    v2_root,
+)
 
 HYBRID = """cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0
 cgroup /sys/fs/cgroup/pids cgroup rw,relatime,pids 0 0

@@ -121,6 +121,7 @@ def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Calla
             t_send = time.monotonic()
             path = sender.send(trainer.model, trainer.version)
             metrics["weight_sync_s"] = time.monotonic() - t_send
+            metrics.update(_peak_memory())
             ckpt, report = "", None
             if checkpoints.due(trainer.version):
                 ckpt, report = _checkpoint(trainer, run_dir / "checkpoints", dtype, checkpoints, result_q, metrics)
@@ -132,6 +133,15 @@ def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Calla
         checkpoints.wait()
     if batch == FINISH:
         _put(result_q, {"final": _final_weights(trainer, sender, run_dir, dtype)})
+
+
+def _peak_memory() -> dict[str, float]:
+    """This rank's peak GPU memory so far (``peak_memory_gib``), when it has a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def _checkpoint(trainer: Any, directory: Path, dtype: str, checkpoints: Any, result_q: Any,

@@ -16,7 +16,8 @@ a resumed trainer sends the weights of its checkpoint before the first step.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,11 @@ class NCCLSender:
         comm = self._communicator(urls)
         joins = [self.pool.submit(s.join, comm.rendezvous(), 1 + sum(sizes[:i]), world)
                  for i, s in enumerate(servers)]
-        comm.open(world)  # blocks until every worker has joined
-        for f in joins:
+        opened = _in_daemon_thread(comm.open, world)  # blocks until every worker has joined
+        done, _ = wait([opened, *joins], return_when=FIRST_EXCEPTION)
+        for f in done:  # a server that could not join fails the send now, not after the rendezvous timeout
+            f.result()
+        for f in [opened, *joins]:
             f.result()
         self.urls, self.servers, self.comm = urls, servers, comm
 
@@ -137,3 +141,17 @@ def _raise_failed(futures: list[Future]) -> None:
     for f in futures:
         if f.done() and f.exception() is not None:
             raise f.exception()  # type: ignore[misc]
+
+
+def _in_daemon_thread(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` in a daemon thread (one stuck in a rendezvous must not keep the trainer from exiting)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="albatross-weight-group").start()
+    return future
