@@ -6,7 +6,7 @@ A round, driven by ``nccl.py`` for every server in parallel: ``pause`` -> ``begi
 
 vLLM 0.32 (server started with ``--weight-transfer-config '{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``;
 routes in ``vllm/entrypoints/rl/online/api_router.py`` and ``vllm/entrypoints/serve/dev/cache/api_router.py``;
-docs/engines.md cites the lines):
+docs/gpu.md cites the lines):
 ``POST /pause?mode=keep`` (requests freeze in the queue), ``POST /init_weight_transfer_engine`` ``{"init_info":
 {...}}``, ``POST /start_weight_update``, ``POST /update_weights`` ``{"update_info": {"names", "dtype_names",
 "shapes"}}`` (the workers receive one broadcast per tensor, in order, and load it), ``POST /finish_weight_update``
