@@ -22,6 +22,7 @@ import torch
 from albatross.config import EngineConfig, RunConfig
 from albatross.engine import BuiltinEngine, SamplingParams
 from albatross.engine.launch import make_engine
+from albatross.sandbox import local_available
 from albatross.engine.remote import (
     RemoteError,
     VLLMEngine,
@@ -291,6 +292,7 @@ def vllm_requests(url: str) -> float:
 
 
 @needs_vllm
+@pytest.mark.skipif(not local_available(), reason="the tasks' verifiers need the local sandbox")
 def test_probe_and_eval_of_a_model_directory_run_on_the_configured_engine(vllm_url, weights, tmp_path) -> None:
     """`tasks probe --model DIR` and `eval --model DIR` build `[engine]` (here: the running vLLM server, attached
     by engine.urls), not the built-in engine: every attempt's turns are requests that server answers."""
@@ -300,7 +302,7 @@ def test_probe_and_eval_of_a_model_directory_run_on_the_configured_engine(vllm_u
 
     tasks = generate_tasks(tmp_path / "tasks", n_train=2, n_heldout=0, seed=3)["train"][0].parent
     engine = ["--set", "engine.type=vllm", "--set", f'engine.urls=["{vllm_url}"]', "--set", "harness.max_turns=2",
-              "--set", "harness.max_tokens_per_turn=8", "--set", "sandbox.type=process"]
+              "--set", "harness.max_tokens_per_turn=8", "--set", "sandbox.type=local"]
     before = vllm_requests(vllm_url)
     probe = subprocess.run([sys.executable, "-m", "albatross.cli", "tasks", "probe", str(tasks), "--model",
                             str(weights[0]), "--attempts", "4", "--json", str(tmp_path / "probe.json"), *engine],
@@ -308,8 +310,10 @@ def test_probe_and_eval_of_a_model_directory_run_on_the_configured_engine(vllm_u
     assert probe.returncode == 0, probe.stderr[-3000:]
     after_probe = vllm_requests(vllm_url)
     assert after_probe - before >= 8  # 2 tasks x 4 attempts, a turn at least each
+    rows = json.loads((tmp_path / "probe.json").read_text())["tasks"]
+    assert [(r["attempts"], r["infra_errors"]) for r in rows] == [(4, 0), (4, 0)]
     out = subprocess.run([sys.executable, "-m", "albatross.cli", "eval", "--tasks", str(tasks), "--model",
-                          str(weights[0]), "--trials", "1", "--out", str(tmp_path / "eval"), "--sandbox", "process",
+                          str(weights[0]), "--trials", "1", "--out", str(tmp_path / "eval"), "--sandbox", "local",
                           *engine], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert vllm_requests(vllm_url) - after_probe >= 2

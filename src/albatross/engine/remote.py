@@ -332,6 +332,11 @@ def add_lm_head(path: str | Path) -> None:
             tmp = file.with_suffix(".tmp")
             save_file(state, str(tmp), metadata={"format": "pt"})
             tmp.replace(file)
+            index = root / "model.safetensors.index.json"
+            if index.is_file():  # a sharded checkpoint: the index names the shard that holds it
+                data = json.loads(index.read_text())
+                data.setdefault("weight_map", {})["lm_head.weight"] = file.name
+                index.write_text(json.dumps(data, indent=2) + "\n")
             return
     raise ValueError(f"{root}: no model.embed_tokens.weight in its safetensors files")
 

@@ -83,8 +83,11 @@ class AsyncLoop:
     # ---- resume -------------------------------------------------------------------------------
     def _restore(self) -> None:
         saved = RunState.load(self.run_dir)
-        if saved is None:
-            self.log(f"[resume] no {self.run_dir}/state.json yet: starting the run from the beginning")
+        if saved is None:  # no checkpoint was written: what the stopped run logged is not counted
+            for name in ("trajectories.jsonl", "metrics.jsonl"):
+                truncate_lines(self.run_dir / name, 0)
+            self.log(f"[resume] no {self.run_dir}/state.json yet (no checkpoint was written): starting the run "
+                     "from the beginning")
             return
         self.state = saved
         self.counts = Counter(saved.counts)
