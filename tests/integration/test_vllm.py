@@ -22,7 +22,6 @@ import torch
 from albatross.config import EngineConfig, RunConfig
 from albatross.engine import BuiltinEngine, SamplingParams
 from albatross.engine.launch import make_engine
-from albatross.sandbox import local_available
 from albatross.engine.remote import (
     RemoteError,
     VLLMEngine,
@@ -30,6 +29,7 @@ from albatross.engine.remote import (
     tied_without_lm_head,
     vllm_python,
 )
+from albatross.sandbox import local_available
 
 pytestmark = pytest.mark.slow
 

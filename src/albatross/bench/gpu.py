@@ -190,8 +190,8 @@ def run_config(out: Path, gpus: int, vllm: bool, sandbox: str) -> Any:
                f"engine.weight_sync={'filesystem' if shared else 'nccl'}"] if vllm else ["engine.type=builtin"])
     return load_config(None, [
         "name=bench-gpu", f"out={out}", f"model.path={out / 'model'}", "tasks.n_train=16", "tasks.n_heldout=4",
-        f"sandbox.type={sandbox}", "warmstart.source=oracle", "warmstart.steps=60", "warmstart.check_every=60",
-        "warmstart.check_tasks=8", "warmstart.batch_size=16", "warmstart.lr=3e-4", "warmstart.target_pass_rate=0.05",
+        f"sandbox.type={sandbox}", "warmstart.source=oracle", "warmstart.steps=150", "warmstart.check_every=50",
+        "warmstart.check_tasks=8", "warmstart.batch_size=16", "warmstart.lr=3e-4", "warmstart.target_pass_rate=0.1",
         "trainer.device=cuda", f"trainer.gpus={ranks}", "trainer.precision=bf16", "trainer.lr=1e-6",
         f"trainer.micro_batch_tokens={TOKENS}", "trainer.activation_checkpointing=true",
         "orchestrator.group_size=4", "orchestrator.groups_per_step=2", f"orchestrator.max_steps={RL_STEPS}",
@@ -228,9 +228,10 @@ def greedy(engine: Any) -> list[list[int]]:
 
 
 def sync_figures(engine: Any, model: Any, weights_dir: Path, dtype: str, nccl: Any = None,
-                 names: Names = "unique", version: int = 1000) -> dict[str, Any]:
-    """Push ``model``'s weights (those the engine already serves) back over the filesystem (in ``dtype``) and,
-    given an ``nccl`` sender, over NCCL; time each and compare the greedy tokens before and after each."""
+                 names: Names = "unique", version: int = 0) -> dict[str, Any]:
+    """Push ``model``'s weights (those the engine already serves, as ``version``: the run then starts from it)
+    back over the filesystem (in ``dtype``) and, given an ``nccl`` sender, over NCCL; time each and compare the
+    greedy tokens before and after each."""
     from albatross.trainer.checkpoint import export_weights
 
     before = greedy(engine)
@@ -242,14 +243,15 @@ def sync_figures(engine: Any, model: Any, weights_dir: Path, dtype: str, nccl: A
                            "greedy_identical_after_filesystem": greedy(engine) == before}
     if nccl is not None:
         t0 = time.perf_counter()
-        engine.update_weights(nccl.send(model, version + 1), version + 1)
+        engine.update_weights(nccl.send(model, version), version)
         out["nccl_s"] = time.perf_counter() - t0
         out["greedy_identical_after_nccl"] = greedy(engine) == before
     return out
 
 
-def _bench_pipeline(ranks_before_engine: int, results: dict[str, Any]) -> Any:
-    """The run driver, its engine built on the GPUs the bench chose and checked with ``sync_figures`` first."""
+def bench_pipeline(ranks_before_engine: int, results: dict[str, Any], device: str = "cuda:0") -> Any:
+    """The run driver, its engine built on the GPUs the bench chose and checked with ``sync_figures`` first (the
+    model it pushes back is loaded on ``device``, then freed)."""
     from albatross.pipeline.driver import Pipeline
 
     class BenchRun(Pipeline):
@@ -265,8 +267,8 @@ def _bench_pipeline(ranks_before_engine: int, results: dict[str, Any]) -> Any:
             engine = make_engine(self.cfg, base_dir, self.out / "run", self.log, trainer_gpus=ranks_before_engine)
             results["engine_start_s"] = time.perf_counter() - t0
             ec = self.cfg.engine
-            model = load_model(base_dir).to("cuda:0")
-            nccl = NCCLSender(ec.type, self.out / "run", dtype="bfloat16", device="cuda:0",
+            model = load_model(base_dir).to(device)
+            nccl = NCCLSender(ec.type, self.out / "run", dtype="bfloat16", device=device,
                               names="served" if ec.type == "vllm" else "unique") if ec.weight_sync == "nccl" else None
             try:
                 results["sync"] = sync_figures(engine, model, self.out / "sync-weights", declared_dtype(base_dir),
@@ -275,7 +277,8 @@ def _bench_pipeline(ranks_before_engine: int, results: dict[str, Any]) -> Any:
                 if nccl is not None:
                     nccl.close()
                 del model
-                torch.cuda.empty_cache()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             return engine
 
     return BenchRun
@@ -302,7 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = run_config(out, gpus, vllm, "local" if local_available() else "process")
     results["weight_sync"] = cfg.engine.weight_sync
     t0 = time.perf_counter()
-    _bench_pipeline(before_engine, results)(cfg, log=print).run()
+    bench_pipeline(before_engine, results)(cfg, log=print).run()
     results["run"] = run_figures(out, time.perf_counter() - t0, matmul_params(QWEN3_05B), peak, ranks)
     results["wall_seconds"] = time.perf_counter() - t_start
     results["under_8_minutes"] = results["wall_seconds"] < 480
