@@ -110,6 +110,26 @@ class SandboxConfig(_Section):
     images: str = Field("", description="`local`: a directory of OCI image layouts / `docker save` archives; "
                         "a FROM naming one of their tags builds on it (imported on first use).")
     warm: int = Field(3, ge=0, description="`local`: ready pre-forked attempts kept per recent environment.")
+    network: Literal["none", "registries", "open"] = Field(
+        "none", description="Network policy of attempts (agent, oracle, verifier): `none`: loopback only; "
+        "`registries`: the package registries of `registries`, through albatross's egress proxy; `open`: any "
+        "host through the proxy, never the host's own services. A task may narrow it (`[environment] network` "
+        "or `allow_internet = false` in task.toml), never widen it. Builds always reach the registries (`open` "
+        "builds: any host). `local` only; `docker` runs attempts with `none`.")
+    registries: list[str] = Field(
+        default_factory=lambda: ["pypi.org", "files.pythonhosted.org", "deb.debian.org", "security.debian.org",
+                                 "registry.npmjs.org"],
+        description="Hosts the `registries` policy (and every build) may reach through the egress proxy: exact "
+        "names, or `*.example.org` for subdomains. The host's own Debian mirror and pip/npm index hosts are "
+        "added.")
+
+    @field_validator("network")
+    @classmethod
+    def _network_needs_local(cls, value: str, info: Any) -> str:
+        if value != "none" and info.data.get("type") == "docker":
+            raise ValueError(f"network {value!r} needs type = \"local\" (the docker sandbox runs attempts with no "
+                             "network)")
+        return value
 
 
 class HarnessConfig(_Section):
@@ -207,6 +227,10 @@ class EngineConfig(_Section):
         "speculative flags), `ngram` with prompt lookup (`builtin`, plain-KV models). Sampled tokens are "
         "distributed exactly as without it; greedy output is the same.")
     draft_tokens: int = Field(2, ge=1, le=16, description="Tokens drafted per step when `speculative` is on.")
+    # ---- GPU node: tensor parallelism of launched servers (engine/launch.py) ----
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per launched vLLM / SGLang server (vLLM "
+                                      "`--tensor-parallel-size`, SGLang `--tp-size`): server i takes GPUs "
+                                      "first + i x this, ... (after the trainer's), so replicas x this GPUs in all.")
 
 
 class RLConfig(_Section):
@@ -307,7 +331,12 @@ class OrchestratorConfig(_Section):
     max_minutes: float = Field(600.0, gt=0, description="Stop training after this wall time (minutes).")
     queue_size: int = Field(2, ge=1, description="Batches that may wait for the trainer.")
     rollout_workers: int = Field(32, ge=1, description="Attempts run concurrently.")
-    checkpoint_every: int = Field(1, ge=1, description="Trainer steps between resumable checkpoints.")
+    # ---- checkpoint cadence (trainer/checkpoint.py): by steps or by time, whichever is due first ----
+    checkpoint_every: int = Field(50, ge=0, description="Trainer steps between resumable checkpoints (model "
+                                  "weights in the model's dtype plus optimizer state, written in the background); "
+                                  "0: by time only.")
+    checkpoint_minutes: float = Field(30.0, ge=0, description="Minutes between resumable checkpoints; 0: by steps "
+                                      "only. A checkpoint is written when either is due (both 0: never).")
     wandb_project: str = Field("", description="Log to this Weights & Biases project (`pip install "
                                "'albatross[wandb]'`; set without wandb installed is an error). The W&B run is "
                                "named after the run directory; a resumed run continues its W&B run.")

@@ -21,6 +21,7 @@ from typing import IO, Any
 from albatross.errors import UserError
 
 AGENTS = ("model", "oracle", "noop")
+NETWORK_POLICIES = ("none", "registries", "open")  # sandbox.base.NETWORK_POLICIES (not imported: it is heavy)
 NOOP_ACTION = "```bash\nsubmit\n```"
 ATTEMPTS_FILE, CONFIG_FILE, SUMMARY_FILE = "attempts.jsonl", "eval.json", "summary.json"
 _IDENTITY = ("agent", "model", "label")
@@ -33,8 +34,9 @@ def register(sub: Any, tasks_sub: Any) -> None:
     """Add the ``eval`` and ``report`` commands to the top-level subparsers."""
     p = sub.add_parser("eval", help="evaluate a model (or the tasks' oracle) on tasks: Pass@1, pass@k, "
                        "tokens, cost; resumable")
-    p.add_argument("--model", metavar="SPEC", help="a local model directory (built-in engine) or the "
-                   "http(s) URL of a vLLM / SGLang / OpenAI-compatible server")
+    p.add_argument("--model", metavar="SPEC", help="a local model directory (served by the config's [engine]: "
+                   "built-in, or vLLM / SGLang servers launched or attached) or the http(s) URL of a vLLM / SGLang "
+                   "/ OpenAI-compatible server")
     p.add_argument("--agent", choices=AGENTS, default="model", help="model: the training harness driving "
                    "--model; oracle: each task's solution/solve.sh (checks the tasks); noop: submits at once")
     p.add_argument("--tasks", nargs="+", required=True, metavar="DIR", help="task directories or folders "
@@ -55,6 +57,9 @@ def register(sub: Any, tasks_sub: Any) -> None:
     p.add_argument("--config", help="run config TOML for the harness, sandbox limits and sampling")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. "
                    "--set harness.max_turns=8")
+    p.add_argument("--network", choices=NETWORK_POLICIES, help="network policy of the attempts (default: the "
+                   "config's sandbox.network): none, registries (the package registries through albatross's "
+                   "egress proxy) or open; a task may narrow it; recorded with every attempt")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="one self-contained HTML page: Pass@1 vs cost with the Pareto "
                        "frontier, training curves, per-category breakdown, configurations")
@@ -87,6 +92,11 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"--out {args.out}: exists and is not a directory")
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     cfg.sampling.temperature = cfg.eval.temperature
+    if args.network:
+        cfg.sandbox.network = args.network
+    if args.sandbox == "docker" and cfg.sandbox.network != "none":
+        raise UserError(f"--network {cfg.sandbox.network}: the docker sandbox runs attempts with no network "
+                        "(the local sandbox enforces the registries and open policies)")
     tasks = _usable_tasks(args.tasks, args.agent == "oracle")
     model = _resolve_model(args)
     try:
@@ -209,6 +219,7 @@ def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model,
     return {"agent": args.agent, "model": model.spec, "label": label,
             "tokenizer": str(model.tokenizer) if model.tokenizer else None,
             "server": args.server if model.remote is not None else None,
+            "engine": cfg.engine.model_dump() if model.directory is not None else None,
             "tasks": [t.id for t in tasks], "task_dirs": [str(Path(d).resolve()) for d in args.tasks],
             "trials": args.trials, "retries": args.retries, "sandbox": args.sandbox,
             "price_per_million": asdict(price), "harness": cfg.harness.model_dump(),
@@ -265,11 +276,12 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     todo = sum((t.id, i) not in skip for t in tasks for i in range(args.trials))
     print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
           + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
-    backend = _backend(args.sandbox, [out, *args.tasks, *([model.directory] if model.directory else [])])
+    backend = _backend(args.sandbox, [out, *args.tasks, *([model.directory] if model.directory else [])],
+                       cfg.sandbox.registries)
     engine = None
     start = time.monotonic()
     try:
-        agent, engine = _agent(args, cfg, backend, model)
+        agent, engine = _agent(args, cfg, backend, model, out)
         progress = Progress(todo)
         evaluate(agent, tasks, args.trials, workers=args.workers, retries=args.retries, progress=progress,
                  skip=skip, on_try=_writer(out / ATTEMPTS_FILE, tasks, config["label"], price, progress))
@@ -284,7 +296,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     return _finish(out, tasks, args.trials, config, time.monotonic() - start)
 
 
-def _backend(kind: str, hide: list):
+def _backend(kind: str, hide: list, registries: list[str]):
     from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
 
@@ -292,11 +304,12 @@ def _backend(kind: str, hide: list):
         kind = "local" if local_available() else "process"
     if kind in ("process", "docker"):  # docker: a container sees nothing of the host to hide
         return make_backend(kind)
-    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]])
+    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=registries)
 
 
-def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):
-    """The runner for ``--agent`` and the engine to close afterwards (None when there is none)."""
+def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model, out: Path):
+    """The runner for ``--agent`` and the engine to close afterwards (None when there is none). A model directory
+    is served by the config's ``[engine]`` (its logs in ``OUT/engine/logs``)."""
     if args.agent == "oracle":
         from albatross.eval.oracle import OracleAgent
         from albatross.sandbox.base import Limits
@@ -315,13 +328,9 @@ def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):
     tokenizer = _load_tokenizer(model.tokenizer)
     if model.remote is not None:  # closed by cmd_eval
         return _harness_agent(cfg, model.remote, backend, tokenizer), None
-    import torch
+    from albatross.pipeline.probe import model_agent
 
-    from albatross.engine.builtin import BuiltinEngine
-
-    torch.set_num_threads(cfg.engine.threads)
-    engine = BuiltinEngine(str(model.directory), max_batch_size=cfg.engine.max_batch_size)
-    return _harness_agent(cfg, engine, backend, tokenizer), engine
+    return model_agent(cfg, backend, model.directory, model.tokenizer, out / "engine")
 
 
 def _load_tokenizer(directory: Path) -> Any:
