@@ -262,9 +262,6 @@ class RLConfig(_Section):
         "gradient.")
     p_floor: float = Field(0.0, ge=0, lt=1, description="Loss floor: negative-advantage tokens below this "
                            "probability stop contributing.")
-    p_ceiling: float = Field(1.0, gt=0, le=1, description="Negative-advantage tokens the sampler gave at least this "
-                             "probability give no gradient: in a failed attempt they are what the policy does "
-                             "anyway (a turn's end, a fence), not where it went wrong (1 = off).")
     n_floor: int = Field(64, ge=1, description="Token-count floor of the loss denominator.")
     test_weights: str = Field("", description="Partial-credit weights: a `tasks validate --json` report "
                               "(tests that pass untouched weigh 0). Empty: every test weighs 1.")

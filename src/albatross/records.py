@@ -45,13 +45,6 @@ class Turn:
     seconds: float = 0.0
     tool: str | None = None  # the tool called ("bash", "read_file", ...), None if the action was malformed
     context_tokens: int = 0  # length of the context the model saw when it wrote this action
-    sample: int = -1  # the trajectory's sample holding this action's tokens (-1: not recorded)
-    start: int = -1  # where in that sample the action's tokens begin
-
-    @property
-    def failed(self) -> bool:
-        """The action went wrong where the agent could see it: malformed, a nonzero exit code, or a timeout."""
-        return self.command is None or self.timed_out or self.exit_code not in (None, 0)
 
 
 @dataclass

@@ -227,8 +227,7 @@ class Episode:
         completion = self._complete(min(self.cfg.max_tokens_per_turn, self._generation_left()))
         self.ctx.add_action(completion.token_ids, completion.logprobs, completion.versions, completion.routing)
         text = self.fmt.decode(completion.token_ids)
-        self.traj.turns.append(Turn(text, None, "", len(completion.token_ids), 0, context_tokens=context,
-                                    sample=len(self.traj.samples) - 1, start=context))
+        self.traj.turns.append(Turn(text, None, "", len(completion.token_ids), 0, context_tokens=context))
         return text
 
     def _act(self, text: str) -> None:

@@ -8,9 +8,6 @@ All variants share one signature. Inputs are 1-D tensors over the tokens of a mi
 - ``max_staleness``: a token with current_version - version > max_staleness gives no gradient.
 - ``p_floor``: loss floor; a negative-advantage token whose current probability is below ``p_floor``
   gives no gradient, so rare tokens are not pushed to zero (0 turns it off).
-- ``p_ceiling``: a negative-advantage token the sampler gave at least this probability gives no gradient: in a
-  failed attempt it is what the policy does anyway (the end of a turn, a fence), not where the attempt went wrong,
-  and pushing it down spreads the failure to the successes that share it (1 turns it off).
 - ``n_floor``: the loss is -sum(...) / max(num_batch_tokens, n_floor), so small batches do not take
   larger steps (1 turns it off; set it near the typical batch token count).
 
@@ -59,31 +56,26 @@ class LossFn(Protocol):
 
 def _token_masks(
     logprobs_new: Tensor,
-    logprobs_old: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
     versions: Tensor,
     current_version: int,
     max_staleness: int,
     p_floor: float,
-    p_ceiling: float,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Boolean mask of tokens that give gradient (loss mask, fresh, between the floor and the ceiling), and its
-    metrics."""
+    """Boolean mask of tokens that give gradient (loss mask, fresh, above the floor), and its metrics."""
     mask = loss_mask.bool()
     staleness = (current_version - versions).to(torch.float32)
     stale = mask & (staleness > max_staleness)
-    negative = mask & ~stale & (advantages < 0)
-    floored = negative & (logprobs_new.detach().exp() < p_floor)
-    ceiled = negative & ~floored & (logprobs_old.exp() >= p_ceiling)
-    active = mask & ~stale & ~floored & ~ceiled
+    prob = logprobs_new.detach().exp()
+    floored = mask & ~stale & (advantages < 0) & (prob < p_floor)
+    active = mask & ~stale & ~floored
     n = int(mask.sum())
     metrics = {
         "tokens": float(n),
         "active_tokens": float(active.sum()),
         "stale_tokens_dropped": float(stale.sum()),
         "floored_tokens": float(floored.sum()),
-        "ceiled_tokens": float(ceiled.sum()),
         "staleness_mean": float(staleness[mask].mean()) if n else 0.0,
         "staleness_max": float(staleness[mask].max()) if n else 0.0,
         **_staleness_hist(staleness[mask & ~stale]),
@@ -149,12 +141,11 @@ def tis_loss(
     cap: float = default("rl", "is_cap"),
     max_staleness: int = default("rl", "max_staleness"),
     p_floor: float = default("rl", "p_floor"),
-    p_ceiling: float = default("rl", "p_ceiling"),
     n_floor: int = default("rl", "n_floor"),
 ) -> LossOutput:
     """Truncated importance sampling: -sum_t m_t * sg(min(r_t, cap)) * A_t * logp_t / max(N, n_floor)."""
     active, metrics = _token_masks(
-        logprobs_new, logprobs_old, advantages, loss_mask, versions, current_version, max_staleness, p_floor, p_ceiling
+        logprobs_new, advantages, loss_mask, versions, current_version, max_staleness, p_floor
     )
     log_ratio = logprobs_new - logprobs_old
     ratio = log_ratio.detach().exp()
@@ -177,12 +168,11 @@ def ppo_clip_loss(
     eps_high: float = default("rl", "clip_high"),
     max_staleness: int = default("rl", "max_staleness"),
     p_floor: float = default("rl", "p_floor"),
-    p_ceiling: float = default("rl", "p_ceiling"),
     n_floor: int = default("rl", "n_floor"),
 ) -> LossOutput:
     """PPO clip: surrogate min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A); clipped tokens give no gradient."""
     active, metrics = _token_masks(
-        logprobs_new, logprobs_old, advantages, loss_mask, versions, current_version, max_staleness, p_floor, p_ceiling
+        logprobs_new, advantages, loss_mask, versions, current_version, max_staleness, p_floor
     )
     log_ratio = logprobs_new - logprobs_old
     ratio = log_ratio.exp()
@@ -206,12 +196,11 @@ def masked_is_loss(
     hi: float = default("rl", "mask_high"),
     max_staleness: int = default("rl", "max_staleness"),
     p_floor: float = default("rl", "p_floor"),
-    p_ceiling: float = default("rl", "p_ceiling"),
     n_floor: int = default("rl", "n_floor"),
 ) -> LossOutput:
     """Masked IS: weight sg(r) inside [lo, hi]; tokens whose ratio falls outside are dropped."""
     active, metrics = _token_masks(
-        logprobs_new, logprobs_old, advantages, loss_mask, versions, current_version, max_staleness, p_floor, p_ceiling
+        logprobs_new, advantages, loss_mask, versions, current_version, max_staleness, p_floor
     )
     log_ratio = logprobs_new - logprobs_old
     ratio = log_ratio.detach().exp()
@@ -233,12 +222,11 @@ def cispo_loss(
     eps_high: float = default("rl", "clip_high"),
     max_staleness: int = default("rl", "max_staleness"),
     p_floor: float = default("rl", "p_floor"),
-    p_ceiling: float = default("rl", "p_ceiling"),
     n_floor: int = default("rl", "n_floor"),
 ) -> LossOutput:
     """CISPO: weight sg(clip(r, 1 - eps_low, 1 + eps_high)); unlike PPO, clipped tokens keep their gradient."""
     active, metrics = _token_masks(
-        logprobs_new, logprobs_old, advantages, loss_mask, versions, current_version, max_staleness, p_floor, p_ceiling
+        logprobs_new, advantages, loss_mask, versions, current_version, max_staleness, p_floor
     )
     log_ratio = logprobs_new - logprobs_old
     ratio = log_ratio.detach().exp()
@@ -305,8 +293,7 @@ def get_loss_fn(name: str, **knobs: object) -> LossFn:
 
 
 # The ``[rl]`` fields each variant takes, by its own parameter names.
-_SHARED_KNOBS = {"max_staleness": "max_staleness", "p_floor": "p_floor", "p_ceiling": "p_ceiling",
-                 "n_floor": "n_floor"}
+_SHARED_KNOBS = {"max_staleness": "max_staleness", "p_floor": "p_floor", "n_floor": "n_floor"}
 _VARIANT_KNOBS = {
     "tis": {"cap": "is_cap"},
     "ppo_clip": {"eps_low": "clip_low", "eps_high": "clip_high"},

@@ -39,7 +39,7 @@ from albatross.trainer.offload import HostOffloadAdamW
 from albatross.trainer.packing import MicroBatch, attention_inputs, pack
 
 # How per-micro-batch loss metrics combine into batch metrics; anything else is a mean weighted by tokens.
-SUM_KEYS = frozenset({"loss", "tokens", "active_tokens", "stale_tokens_dropped", "floored_tokens", "ceiled_tokens",
+SUM_KEYS = frozenset({"loss", "tokens", "active_tokens", "stale_tokens_dropped", "floored_tokens",
                       "kl_penalty", "entropy_bonus", "mtp_tokens"})
 SUM_PREFIXES = ("staleness_hist/",)
 MAX_KEYS = frozenset({"staleness_max", "ratio_max"})
