@@ -36,15 +36,15 @@ TINY_CHAT_TEMPLATE = (
     "{%- set ns = namespace(first=true, system='') %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'system' %}{%- set ns.system = m.content + '\\n\\n' %}"
-    "{%- elif m.role == 'user' and ns.first %}{{- '<|user|>' + ns.system + m.content }}" + _TINY_TOOLS +
+    "{%- elif m.role == 'user' and ns.first %}{{- '<|user|>' + ns.system + (m.content | trim) }}" + _TINY_TOOLS +
     "{%- set ns.first = false %}"
     "{%- elif m.role == 'assistant' %}{{- '<|assistant|>' + m.content + '<|end|>' }}"
     "{%- else %}{{- '<|obs|>' + m.content }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
 )
-"""The demo's layout as a chat template: ``<|user|>`` instruction (a system message is prepended to it, then a
-blank line; tools are listed after it as ``describe_tools`` does), each assistant message ``<|assistant|>`` text
+"""The demo's layout as a chat template: ``<|user|>`` instruction (stripped, as the harness does; a system
+message is prepended to it, then a blank line; tools are listed after it as ``describe_tools`` does), each assistant message ``<|assistant|>`` text
 ``<|end|>``, each tool result and every later user message ``<|obs|>`` text, generation prompt ``<|assistant|>``.
 It has no ``<tool_call>`` token, so ``action_format = "auto"`` gives fenced bash blocks."""
 
