@@ -43,7 +43,10 @@ def gzip_bomb(path: Path, name: str = "zeros.bin") -> Path:
 
 def peak_mb(code: str, *args: str) -> tuple[int, str]:
     """Run ``code`` in a fresh python (argv: args); its peak RSS in MiB and its output."""
-    script = code + "\nimport resource\nprint('peak_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    # VmHWM is this process's own high-water mark (ru_maxrss would include the forking pytest's size, kept
+    # across exec)
+    script = code + ("\nhwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+                     "print('peak_kb', hwm.split()[1])\n")
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert "peak_kb" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

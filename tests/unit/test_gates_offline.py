@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -154,10 +155,12 @@ def test_environment_that_installs_packages_is_adapted(tmp_path: Path) -> None:
     assert isinstance(task.offline, OfflineEnv) and task.env_dir != task.source_env_dir
     adapted = (task.env_dir / "Dockerfile").read_text().splitlines()
     assert adapted[:2] == ["# comment", "FROM ubuntu:24.04"]
-    assert adapted[2] == "COPY .albatross-offline/ /usr/local/lib/albatross-offline/"
+    assert adapted[2] == "ADD .albatross-offline.tar /usr/local/lib/albatross-offline/"
     assert adapted[3].startswith("ENV PATH=/usr/local/lib/albatross-offline/bin:/usr/local/sbin:")
     assert adapted[4:] == dockerfile.splitlines()[2:]
-    assert (task.env_dir / ".albatross-offline" / "bin" / "apt-get").is_file()
+    with tarfile.open(task.env_dir / ".albatross-offline.tar") as tar:
+        shim = tar.getmember("./bin/apt-get")
+    assert shim.isfile() and shim.mode & 0o111 and (shim.uid, shim.gid) == (0, 0)
     assert (task.env_dir / "data.txt").read_text() == "data\n"
     assert task.dockerfile == task.source_env_dir / "Dockerfile"
     again = load_task(tmp_path / "t")
@@ -171,8 +174,8 @@ def test_adapted_environments_share_the_toolkit_and_are_pruned_with_their_task(t
     dockerfile = "FROM python:3.11-slim-bookworm\nWORKDIR /app\n"
     first, second = (load_task(_task(tmp_path, dockerfile, name)) for name in ("a", "b"))
     assert first.env_dir != second.env_dir
-    pytest_a, pytest_b = (t.env_dir / ".albatross-offline" / "bin" / "apt-get" for t in (first, second))
-    assert os.stat(pytest_a).st_ino == os.stat(pytest_b).st_ino  # hard links of one toolkit
+    tar_a, tar_b = (t.env_dir / ".albatross-offline.tar" for t in (first, second))
+    assert os.stat(tar_a).st_ino == os.stat(tar_b).st_ino  # hard links of one toolkit archive
     shutil.rmtree(tmp_path / "a")
     assert prune_adapted() == 1
     assert not first.env_dir.exists() and second.env_dir.is_dir()

@@ -77,6 +77,7 @@ class AsyncLoop:
         self._t0 = time.monotonic()
         self._busy_mark = (time.monotonic(), self._engine_busy())
         self._pending: dict[str, RunState] = {}  # checkpoints being written -> the state they belong to
+        self._saved: RunState | None = None  # the state of the last checkpoint on disk
         self._checkpoint_figures: dict[str, Any] = {}  # the last written checkpoint's, for the next step record
         self.final_weights = ""  # the last version as a directory, once the trainer has written it
         if resume:
@@ -92,7 +93,7 @@ class AsyncLoop:
             self.log(f"[resume] no {self.run_dir}/state.json yet (no checkpoint was written): starting the run "
                      "from the beginning")
             return
-        self.state = saved
+        self.state = self._saved = saved
         self.counts = Counter(saved.counts)
         self.builder.counts = Counter(saved.batch_counts)
         self.sampler.restore(saved.sampler)
@@ -119,6 +120,7 @@ class AsyncLoop:
         if snapshot is None:
             return
         snapshot.save(self.run_dir)
+        self._saved = snapshot
         prune_before(self.run_dir, snapshot.version, self.cfg.trainer.keep_versions)
         self._checkpoint_figures = {"checkpoint_bytes": int(msg["bytes"]),
                                     "checkpoint_write_s": round(float(msg["seconds"]), 2)}
@@ -191,6 +193,11 @@ class AsyncLoop:
         deadline = time.monotonic() + 3600
         while not self.final_weights and time.monotonic() < deadline:
             self._drain_results(result_q, proc, block=True)
+        saved = self._saved
+        if saved is not None and saved.step == self.state.step:
+            # the last step's checkpoint is the run's end: its state counts every attempt run, those that
+            # finished after that step included (a resume has nothing left to do)
+            self._snapshot(saved.trainer_checkpoint).save(self.run_dir)
 
     # ---- the scheduling loop ------------------------------------------------------------------
     def _drive(self, pool, batch_q, result_q, proc) -> None:

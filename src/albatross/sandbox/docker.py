@@ -708,7 +708,8 @@ class DockerBackend:
                 stages.add(stage.lower())
         tag = f"{IMAGE_REPO}:{key}"
         if not self._has_image(tag):
-            args = ["build", "-t", tag, "--label", f"{LABEL}.env={key}", "-f", str(dockerfile), str(env_dir)]
+            args = ["build", "--force-rm", "-t", tag,  # a failed build leaves no working container
+                    "--label", f"{LABEL}.env={key}", "-f", str(dockerfile), str(env_dir)]
             run = self._call(args, check=False, timeout_s=self.build_timeout_s)
             if run.returncode != 0:
                 raise EnvBuildError(

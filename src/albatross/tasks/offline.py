@@ -15,8 +15,9 @@ A request that only the network could satisfy fails with one line ``albatross-of
 network: ...``; :func:`network_evidence` finds it (and the usual resolver errors) in command output.
 
 Environments whose Dockerfile ``RUN`` steps call those tools, or that start ``FROM`` a python image,
-are *adapted* (:func:`adapt_environment`): a copy of ``environment/`` with the toolkit in it and two lines
-after ``FROM`` that copy it into the image and put it first on ``PATH``. The verifier and oracle get a
+are *adapted* (:func:`adapt_environment`): a copy of ``environment/`` with the toolkit in it as one archive (a
+hard link to :func:`toolkit_archive`) and two lines after ``FROM`` that ``ADD`` it into the image and put it first
+on ``PATH``. The verifier and oracle get a
 fresh copy of the toolkit before they run (``verify.py``), so an agent cannot tamper with it.
 """
 
@@ -26,6 +27,7 @@ import hashlib
 import os
 import re
 import shutil
+import tarfile
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ TOOLKIT_PYBIN = f"{TOOLKIT_PATH}/pybin"
 TEST_RESULTS = "/logs/verifier/albatross-tests.json"
 _TOOLKIT_FORMAT = "1"
 _ENV_DIR = ".albatross-offline"
+_ADAPTED_FORMAT = "2"  # the toolkit ADDed as one archive
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SKIPPED_DISTS = {"colorama"}  # Windows only (pygments stays: pytest >= 8.4 imports it unconditionally)
 _TOOLS = re.compile(r"(?<![\w./-])(apt-get|apt|pip3?|uvx?|curl|wget|pytest|py\.test)(?![\w.-])")
@@ -144,6 +147,32 @@ def toolkit_dir() -> Path:
         if root not in _toolkits or not _toolkits[root].is_dir():
             _toolkits[root] = _build_toolkit(root)
         return _toolkits[root]
+
+
+def toolkit_archive() -> Path:
+    """The toolkit as one uncompressed tar (built once beside it): an adapted environment holds a link to it and
+    ``ADD``s it, instead of a copy of its thousand files per task."""
+    toolkit = toolkit_dir()
+    final = toolkit.with_name(toolkit.name + ".tar")
+    with _lock:
+        if not final.is_file():
+            fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".tar", dir=toolkit.parent)
+            try:
+                with os.fdopen(fd, "wb") as out, tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                    tar.add(toolkit, arcname=".", filter=_as_root)  # members in sorted order
+                os.rename(tmp, final)
+            except OSError:
+                Path(tmp).unlink(missing_ok=True)
+                if not final.is_file():
+                    raise
+    return final
+
+
+def _as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Members owned by root, as COPY makes them."""
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
 
 
 def _toolkit_digest(dists: list[metadata.Distribution]) -> str:
@@ -270,11 +299,11 @@ def adapt_environment(env_dir: Path) -> OfflineEnv | None:
     env_dir = Path(env_dir)
     if not needs_adapting(env_dir):
         return None
-    toolkit = toolkit_dir()
+    toolkit = toolkit_archive()
     if not _pruned:
         _pruned.append(prune_adapted())
     # the source path is part of the key: the copy names its task directory for the sandbox to hide
-    digest = hashlib.sha256(f"{toolkit.name}\0{env_dir.resolve()}\0".encode())
+    digest = hashlib.sha256(f"{_ADAPTED_FORMAT}\0{toolkit.name}\0{env_dir.resolve()}\0".encode())
     for path in sorted(env_dir.rglob("*")):
         digest.update(f"{path.relative_to(env_dir)}\0".encode())
         if path.is_file():
@@ -302,7 +331,7 @@ def _insertion(dockerfile: str) -> tuple[int, list[str]]:
             python_image = is_python_image(image)
             break
     dirs = [TOOLKIT_BIN] + ([TOOLKIT_PYBIN] if python_image else [])
-    return after, [f"COPY {_ENV_DIR}/ {TOOLKIT_PATH}/", f"ENV PATH={':'.join(dirs)}:{_DEFAULT_PATH}"]
+    return after, [f"ADD {_ENV_DIR}.tar {TOOLKIT_PATH}/", f"ENV PATH={':'.join(dirs)}:{_DEFAULT_PATH}"]
 
 
 def _write_adapted(env_dir: Path, final: Path, toolkit: Path, text: str, after: int, lines: list[str]) -> None:
@@ -311,7 +340,7 @@ def _write_adapted(env_dir: Path, final: Path, toolkit: Path, text: str, after: 
     try:
         shutil.copytree(env_dir, tmp, symlinks=True, dirs_exist_ok=True)
         _make_writable(tmp)  # a read-only task directory gives read-only copies
-        _link_tree(toolkit, tmp / _ENV_DIR)
+        _link_or_copy(toolkit, tmp / f"{_ENV_DIR}.tar")
         rows = text.splitlines()
         (tmp / "Dockerfile").write_text("\n".join(rows[:after] + lines + rows[after:]) + "\n")
         (tmp / SOURCE_MARKER).write_text(f"{env_dir.resolve().parent}\n")
@@ -322,16 +351,13 @@ def _write_adapted(env_dir: Path, final: Path, toolkit: Path, text: str, after: 
             raise
 
 
-def _link_tree(source: Path, dest: Path) -> None:
-    """Copy ``source`` to ``dest`` as hard links (the toolkit is read-only and shared by every adapted
-    environment, so hundreds of tasks cost its inodes, not hundreds of copies); a real copy across devices."""
-    def link_or_copy(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(source, dest, symlinks=True, copy_function=link_or_copy)
+def _link_or_copy(source: Path, dest: Path) -> None:
+    """``dest`` a hard link to ``source`` (read-only, shared by every adapted environment), a copy across
+    devices."""
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copy2(source, dest)
 
 
 def prune_adapted(root: Path | None = None) -> int:
