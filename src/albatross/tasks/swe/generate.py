@@ -271,6 +271,8 @@ class Generator:
         batches = [candidates[i:i + self.opts.batch] for i in range(0, len(candidates), self.opts.batch)]
         kept: list[Bug] = []
         lock = threading.Lock()
+        done = [0]
+        every = max(1, len(batches) // 10)
 
         def one(batch: list[tuple[list[mutate.Mutation], list[str]]]) -> None:
             jobs = [{"id": str(i), "files": self._files(edits), "tests": files, "timeout": self._timeout(files)}
@@ -282,6 +284,11 @@ class Generator:
                 if bug is not None:
                     with lock:
                         kept.append(bug)
+            with lock:
+                done[0] += 1
+                if done[0] % every == 0 or done[0] == len(batches):
+                    self.log(f"[swe] ran {min(len(candidates), done[0] * self.opts.batch)} of {len(candidates)}, "
+                             f"kept {len(kept)}")
 
         with ThreadPoolExecutor(self.workers, thread_name_prefix="swe") as pool:
             list(pool.map(one, batches))
@@ -527,3 +534,16 @@ def _split(made: list[tuple[Path, str]], out: Path, heldout: int, rng: random.Ra
 
 def _count_difficulties(made: list[tuple[Path, str]]) -> dict[str, int]:
     return {d: sum(1 for _p, x in made if x == d) for d in DIFFICULTIES}
+
+
+def format_yield(y: Yield) -> str:
+    """The yield as a few lines: what each stage tried and kept, and the seconds it took."""
+    s = y.seconds
+    lines = [f"{y.project} {y.version} ({y.image})",
+             f"  tests: {y.stable_tests} of {y.tests} pass twice; {y.functions_covered} library functions covered",
+             f"  mutations: {y.mutants_kept} of {y.mutations_tried} kept; combinations: {y.combinations_kept} of "
+             f"{y.combinations_tried} kept",
+             f"  tasks: {y.tasks_written} written, {y.tasks_validated} passed the nine gates, {len(y.rejected)} "
+             f"rejected; by difficulty: " + ", ".join(f"{d} {n}" for d, n in y.by_difficulty.items()),
+             "  seconds: " + ", ".join(f"{k} {v:g}" for k, v in s.items())]
+    return "\n".join(lines)
