@@ -495,7 +495,7 @@ def _write_tasks(gen: Generator, bugs: list[Bug], out: Path, backend: Any) -> li
             kept.append((path, bug.difficulty, index))
             report.tasks_validated += gen.opts.validate
         gen.log(f"[swe] {task.task_id} ({bug.difficulty}): {'passed the nine gates' if gen.opts.validate else 'written'}"
-                f" ({len(kept)}/{gen.opts.count})")
+                f" ({len(kept)} of {gen.opts.count} wanted)")
 
     with ThreadPoolExecutor(gen.workers, thread_name_prefix="swe-task") as pool:
         running: set = set()
