@@ -138,6 +138,7 @@ def test_the_issue_names_the_tests_but_never_the_change():
     assert "assert top() == 3" in text and "_helper" not in text and "pkg/core.py" not in text
     assert not leaks(text, hidden) and "/repo" in text
     assert leaks("see pkg.core for details", ["pkg.core"]) and not leaks("mypkg.core2", ["pkg.core"])
+    assert leaks("File pkg/core.py, line 3", ["core.py"]) and not leaks("tests/test_core.py::t", ["core.py"])
 
 
 def test_patches_apply_with_git_both_ways(tmp_path):
@@ -274,3 +275,19 @@ def test_an_instance_becomes_a_task_and_back(tmp_path):
         import_instances_missing = {**inst, "repo": "acme/other"}
         (tmp_path / "j.jsonl").write_text(json.dumps(import_instances_missing) + "\n")
         import_instances(tmp_path / "j.jsonl", tmp_path / "repos", tmp_path / "out2", log=lambda m: None)
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    from albatross.cli import main
+
+    assert main(["tasks", "swe", "--package", "toolz>=1", "--sdist", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert main(["tasks", "swe", "--package", "toolz", "--sdist", str(tmp_path / "nope"), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert main(["tasks", "swe", "--package", "toolz", "--count", "0", "--out", str(tmp_path / "o")]) == 2
+    (tmp_path / "i.jsonl").write_text('{"instance_id": "x"}\n')
+    assert main(["tasks", "import", "swebench", str(tmp_path / "i.jsonl"), "--repos", str(tmp_path), "--out",
+                 str(tmp_path / "o")]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 4 and all(e.startswith("albatross: error: ") for e in errors), errors
+    assert "--package 'toolz>=1'" in errors[0] and "no such file" in errors[1] and "--count" in errors[2]
+    assert "i.jsonl:1: the instance has no repo" in errors[3]

@@ -126,6 +126,7 @@ class Generator:
         self.workers = options.workers or os.cpu_count() or 1
         self.report = Yield(sdist.name, sdist.version)
         self.image: ProjectImage | None = None
+        self.pytest_args: list[str] = []  # extra pytest options of every run (baseline(): -o addopts= if needed)
         self._scripts = Path(tempfile.mkdtemp(prefix="albatross-swe-"))
 
     def _timed(self, stage: str, t0: float) -> None:
@@ -159,7 +160,7 @@ class Generator:
             shutil.copyfile(here / "plugin.py", work / PLUGIN)
             (work / project.EMPTY_CONFIG).write_text("[pytest]\n")
             (work / "jobs.json").write_text(json.dumps({"repo": REPO, "config_file": self._config_path(),
-                                                        "jobs": jobs}))
+                                                        "pytest_args": self.pytest_args, "jobs": jobs}))
             limits = Limits(memory_mb=3072, disk_mb=1024, pids=1024, command_timeout_s=timeout_s + 120,
                             max_output_bytes=1 << 16)
             attempt = self.backend.fork(self.image.env_dir, REPO, limits)
@@ -182,10 +183,18 @@ class Generator:
 
     # ---- 2. baseline --------------------------------------------------------------------------------
     def baseline(self) -> Baseline:
+        """The suite twice (the first run traced); when the project's own options stop pytest (a plugin its
+        ``addopts`` name is not installed: a usage error), again without them (``-o addopts=``, kept for every run
+        of the tasks)."""
         t0 = time.monotonic()
         limit = 1800.0
-        runs = self.run_jobs([{"id": "traced", "files": {}, "tests": [], "timeout": limit, "trace": REPO},
-                              {"id": "plain", "files": {}, "tests": [], "timeout": limit}], 2 * limit)
+        jobs = [{"id": "traced", "files": {}, "tests": [], "timeout": limit, "trace": REPO},
+                {"id": "plain", "files": {}, "tests": [], "timeout": limit}]
+        runs = self.run_jobs(jobs, 2 * limit)
+        if runs and runs[0].get("returncode") == 4 and not runs[0].get("tests"):
+            self.log("[swe] pytest refuses the project's addopts here; running without them (-o addopts=)")
+            self.pytest_args = ["-o", "addopts="]
+            runs = self.run_jobs(jobs, 2 * limit)
         if len(runs) != 2 or any(r["status"] != "ok" for r in runs):
             detail = runs[0].get("output", "")[-500:] if runs else "no results"
             raise UserError(f"{self.sdist.name} {self.sdist.version}: its test suite does not run in the image "
@@ -401,7 +410,7 @@ class Generator:
         return RepoTask(task_id, instruction, dockerfile, {f"files/{f}": t for f, t in files.items()}, patch,
                         bug.fail_to_pass, bug.pass_to_pass, test_files, pristine,
                         project.conftests(self.pristine_list), self.config_file,
-                        max(120.0, 60.0 + 10.0 * self._seconds(test_files)), metadata)
+                        max(120.0, 60.0 + 10.0 * self._seconds(test_files)), metadata, pytest_args=self.pytest_args)
 
     def _hidden(self, bug: Bug, patch: str) -> list[str]:
         files = sorted({e.file for e in bug.edits})

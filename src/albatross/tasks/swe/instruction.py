@@ -62,8 +62,11 @@ def leaks(text: str, hidden: list[str]) -> bool:
         item = item.strip()
         if not item:
             continue
-        if re.fullmatch(r"[A-Za-z_][\w.]*", item):
+        if re.fullmatch(r"[A-Za-z_][\w.]*", item):  # a name: a whole word
             if re.search(rf"(?<![\w.]){re.escape(item)}(?![\w])", text):
+                return True
+        elif re.fullmatch(r"[\w./-]+\.py", item):  # a file: not inside a longer name (test_core.py is no core.py)
+            if re.search(rf"(?<![\w.-]){re.escape(item)}", text):
                 return True
         elif item in text:
             return True

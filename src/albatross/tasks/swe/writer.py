@@ -67,6 +67,7 @@ class RepoTask:
     agent_timeout_s: float = 1800.0
     memory_mb: int = 2048
     extra_tests: dict[str, str | bytes] = field(default_factory=dict)  # more files of tests/
+    pytest_args: list[str] = field(default_factory=list)  # more pytest options of the verifier's run
 
 
 def git_commit_script(message: str) -> str:
@@ -97,6 +98,7 @@ def write_repo_task(out: Path, task: RepoTask) -> Path:
     config = {"repo": REPO, "tests": task.test_files, "fail_to_pass": task.fail_to_pass,
               "pass_to_pass": task.pass_to_pass, "pristine": "pristine.tar", "conftests": task.conftests,
               "config_file": f"{REPO}/{task.config_file}" if task.config_file else EMPTY_CONFIG,
+              "pytest_args": task.pytest_args,
               "timeout": round(max(30.0, task.verifier_timeout_s - 15.0), 1)}
     tests = {"config.json": json.dumps(config, indent=1) + "\n", "pristine.tar": task.pristine,
              RUNNER: (_HERE / "runner.py").read_text(), PLUGIN: (_HERE / "plugin.py").read_text(),
