@@ -441,7 +441,8 @@ def tool_call_text(name: str, **arguments: Any) -> str:
 
 
 _DIFF_LIMIT = 200 * 1024
-_DIFF = """git rev-parse --is-inside-work-tree >/dev/null 2>&1 || exit 0
+_DIFF = """cd -- "${SANDBOX_ROOT:-}"WORKDIR 2>/dev/null || exit 0
+git rev-parse --is-inside-work-tree >/dev/null 2>&1 || exit 0
 g() { git -c core.quotepath=off -c core.fsmonitor= -c diff.external= -c color.ui=false "$@"; }
 { if git rev-parse -q --verify HEAD >/dev/null 2>&1; then g diff --no-ext-diff HEAD --; else g diff --no-ext-diff; fi
   g ls-files --others --exclude-standard -z | while IFS= read -r -d '' f; do g diff --no-ext-diff --no-index -- /dev/null "$f"; done
@@ -453,8 +454,9 @@ def repo_diff(attempt: Attempt, workdir: str, limit: int = _DIFF_LIMIT) -> str:
     """``git diff`` of ``workdir`` against its last commit, plus the files added since (as diffs from nothing),
     when it is a git work tree; "" otherwise or when git fails. Run in a clean shell (nothing the agent exported),
     cut at ``limit`` bytes."""
-    try:
-        result = attempt.exec_clean(_DIFF.replace("LIMIT", str(limit)), workdir, timeout_s=30.0)
+    script = _DIFF.replace("LIMIT", str(limit)).replace("WORKDIR", shlex.quote(workdir))
+    try:  # from "/": a working directory the agent removed is no error, just no diff
+        result = attempt.exec_clean(script, "/", timeout_s=30.0)
     except SandboxError:
         return ""
     return result.output if result.exit_code == 0 and not result.timed_out else ""

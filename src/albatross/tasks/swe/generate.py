@@ -6,10 +6,10 @@ Stages (each timed; ``Yield`` counts what each kept):
 2. **baseline**: the whole test suite, twice, in an attempt of the image; the tests that pass both times are the
    stable ones. The first run records which library functions each test calls.
 3. **mutants**: for each library function that stable tests call (and whose tests run within
-   ``max_run_seconds``), up to ``per_function`` edits of different kinds (``mutate.py``); each is run against
-   the test files of the tests that call it. A mutant is kept when some stable tests fail with it
-   (FAIL_TO_PASS, at most ``max_fail_to_pass``), others of those files still pass (PASS_TO_PASS), and it ends in
-   time.
+   ``max_run_seconds``), up to ``per_function`` edits of different kinds (``mutate.py``), in a random order;
+   each is run against the test files of the tests that call it, until 1.6 x ``count`` (+4) are kept. A mutant
+   is kept when some stable tests fail with it (FAIL_TO_PASS, at most ``max_fail_to_pass``), others of those
+   files still pass (PASS_TO_PASS), and it ends in time.
 4. **combinations**: two edits of one function (``medium``) and edits of two or three functions (``hard``), made
    of kept mutants and run again; kept when every part still fails a test of its own.
 5. **tasks**: easy (one single-line edit), medium (a multi-line edit, or two in one function) and hard tasks in
@@ -23,6 +23,7 @@ All project code runs in the sandbox; the host only reads the repository's files
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -30,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -253,10 +254,15 @@ class Generator:
         """Up to ``per_function`` edits of different kinds per covered function, shuffled, at most
         ``max_mutants``: (edit, test files to run)."""
         out = []
+        parsed: dict[str, tuple[str, Any]] = {}
         for (file, fn), tests in self.covered_functions().items():
-            source = (self.repo / file).read_text(encoding="utf-8", errors="replace")
-            edits = [m for m in mutate.mutations(source, file, fn) if mutate.valid(mutate.apply(source, [m]))]
-            for m in self._spread(edits, self.opts.per_function):
+            if file not in parsed:
+                source = (self.repo / file).read_text(encoding="utf-8", errors="replace")
+                parsed[file] = (source, mutate.parse(source))
+            source, tree = parsed[file]
+            edits = self._spread(mutate.mutations(source, file, fn, tree), 10 ** 6)  # all, kinds interleaved
+            valid = (m for m in edits if mutate.valid(mutate.apply(source, [m])))
+            for m in [m for _, m in zip(range(self.opts.per_function), valid, strict=False)]:
                 out.append((m, self._files_of(tests)))
         self.rng.shuffle(out)
         return out[: self.opts.max_mutants or 10 * self.opts.count]
@@ -275,34 +281,42 @@ class Generator:
                     picked.append(by_kind[kind].pop(self.rng.randrange(len(by_kind[kind]))))
         return picked
 
-    def evaluate(self, candidates: list[tuple[list[mutate.Mutation], list[str]]]) -> list[Bug]:
-        """Run every candidate (its edits, its test files) in batches on ``workers`` attempts; the kept bugs."""
+    def evaluate(self, candidates: list[tuple[list[mutate.Mutation], list[str]]],
+                 enough: int | None = None) -> tuple[list[Bug], int]:
+        """Run candidates (edits, test files) in order, in batches on ``workers`` attempts, until ``enough`` are
+        kept (None: all of them); returns the kept bugs in candidate order and how many candidates ran."""
         batches = [candidates[i:i + self.opts.batch] for i in range(0, len(candidates), self.opts.batch)]
         kept: list[Bug] = []
         lock = threading.Lock()
-        done = [0]
-        every = max(1, len(batches) // 10)
+        ran = [0, 0]  # batches, candidates
 
         def one(batch: list[tuple[list[mutate.Mutation], list[str]]]) -> None:
             jobs = [{"id": str(i), "files": self._files(edits), "tests": files, "timeout": self._timeout(files)}
                     for i, (edits, files) in enumerate(batch)]
             results = self.run_jobs(jobs, sum(j["timeout"] for j in jobs))
-            for result in results:
-                edits, files = batch[int(result["id"])]
-                bug = self._judge(edits, files, result)
-                if bug is not None:
-                    with lock:
-                        kept.append(bug)
+            bugs = [self._judge(*batch[int(r["id"])], r) for r in results]
             with lock:
-                done[0] += 1
-                if done[0] % every == 0 or done[0] == len(batches):
-                    self.log(f"[swe] ran {min(len(candidates), done[0] * self.opts.batch)} of {len(candidates)}, "
-                             f"kept {len(kept)}")
+                kept.extend(b for b in bugs if b is not None)
+                ran[0], ran[1] = ran[0] + 1, ran[1] + len(batch)
+                if ran[0] % 10 == 0:
+                    self.log(f"[swe] ran {ran[1]} of {len(candidates)}, kept {len(kept)}")
 
+        todo = iter(batches)
         with ThreadPoolExecutor(self.workers, thread_name_prefix="swe") as pool:
-            list(pool.map(one, batches))
+            running: set = set()
+            while True:
+                while len(running) < self.workers and (enough is None or len(kept) < enough):
+                    batch = next(todo, None)
+                    if batch is None:
+                        break
+                    running.add(pool.submit(one, batch))
+                if not running:
+                    break
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    f.result()
         order = {id(edits[0]): i for i, (edits, _) in enumerate(candidates)}
-        return sorted(kept, key=lambda b: order.get(id(b.edits[0]), 0))
+        return sorted(kept, key=lambda b: order.get(id(b.edits[0]), 0)), ran[1]
 
     def _files(self, edits: list[mutate.Mutation]) -> dict[str, str]:
         out = {}
@@ -372,9 +386,9 @@ class Generator:
         """Every kept bug, in the order tasks are made: difficulties interleaved in the ``shares`` proportions."""
         t0 = time.monotonic()
         singles_in = self.single_candidates()
-        self.report.mutations_tried = len(singles_in)
-        self.log(f"[swe] {self.report.functions_covered} functions covered; trying {len(singles_in)} mutations")
-        singles = self.evaluate([([m], files) for m, files in singles_in])
+        self.log(f"[swe] {self.report.functions_covered} functions covered; {len(singles_in)} mutations to try")
+        singles, self.report.mutations_tried = self.evaluate([([m], files) for m, files in singles_in],
+                                                             enough=math.ceil(1.6 * self.opts.count) + 4)
         for bug in singles:
             bug.difficulty = "medium" if bug.edits[0].multiline else "easy"
         self.report.mutants_kept = len(singles)
@@ -383,11 +397,11 @@ class Generator:
         self._parts: dict[int, list[Bug]] = {}
         want = {d: int(round(s * self.opts.count * 1.3)) + 1 for d, s in zip(DIFFICULTIES, self.opts.shares, strict=True)}
         combos_in = self.combinations(singles, want["medium"], want["hard"])
-        self.report.combinations_tried = len(combos_in)
-        combos = [b for b in (self.judge_combination(b) for b in self.evaluate(combos_in)) if b is not None]
+        ran, self.report.combinations_tried = self.evaluate(combos_in)
+        combos = [b for b in (self.judge_combination(b) for b in ran) if b is not None]
         self.report.combinations_kept = len(combos)
         self._timed("combinations", t0)
-        self.log(f"[swe] kept {len(singles)} of {len(singles_in)} mutations and {len(combos)} of "
+        self.log(f"[swe] kept {len(singles)} of {self.report.mutations_tried} mutations tried and {len(combos)} of "
                  f"{len(combos_in)} combinations")
         return _interleave(singles + combos, self.opts.shares)
 

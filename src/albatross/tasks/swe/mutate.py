@@ -133,13 +133,22 @@ def _own_nodes(fn_node: ast.AST) -> list[ast.AST]:
     return out
 
 
-def mutations(source: str, file: str, fn: Function) -> list[Mutation]:
-    """Every candidate edit inside ``fn`` (see ``KINDS``), in source order."""
+def parse(source: str) -> ast.AST | None:
+    """The module's tree with parent links (what ``mutations`` reads), or None when it does not parse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return []
+        return None
     annotate_parents(tree)
+    return tree
+
+
+def mutations(source: str, file: str, fn: Function, tree: ast.AST | None = None) -> list[Mutation]:
+    """Every candidate edit inside ``fn`` (see ``KINDS``), in source order. ``tree``: ``parse(source)``, when
+    the caller has it (a module's functions share one)."""
+    tree = tree if tree is not None else parse(source)
+    if tree is None:
+        return []
     node = _find_function(tree, fn)
     if node is None:
         return []
