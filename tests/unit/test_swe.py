@@ -17,7 +17,7 @@ from albatross.tasks.swe import mutate, project, runner
 from albatross.tasks.swe.generate import Bug, _interleave
 from albatross.tasks.swe.instruction import issue_text, leaks
 from albatross.tasks.swe.sdist import Sdist, _pick, parse_requirement, unpack
-from albatross.tasks.swe.writer import unified_patch
+from albatross.tasks.swe.writer import pristine_dirs, unified_patch
 
 SOURCE = '''\
 import os
@@ -126,6 +126,7 @@ def test_pristine_set_and_its_tar_is_deterministic(tmp_path):
     assert one == project.pristine_tar(tmp_path, files, {"pkg/tests/new.py": b"x"})
     with tarfile.open(fileobj=io.BytesIO(one)) as tar:
         assert sorted(tar.getnames()) == sorted([*files, "pkg/tests/new.py"])
+    assert pristine_dirs(one) == ["pkg/tests"]  # what the verifier keeps exactly as the tar has it
 
 
 def test_the_issue_names_the_tests_but_never_the_change():
@@ -170,8 +171,13 @@ def test_the_verifier_puts_tests_back_safely_and_cleans(tmp_path):
     assert written == ["tests/test_x.py", "link/evil.py"]
     assert (repo / "tests" / "test_x.py").read_text() == "original"
     assert not (tmp_path / "escape.py").exists() and not (tmp_path / "outside" / "evil.py").exists()
-    runner.clean(str(repo), {"tests/conftest.py"})
+    (repo / "tests" / "__init__.py").write_text("planted: imported before the tests")
+    (repo / "sitecustomize.py").write_text("planted: imported at start-up")
+    (repo / "pkg" / "core.py").write_text("the agent's fix")
+    runner.clean(str(repo), {*written, "tests/conftest.py"}, ["tests"])
     assert not (repo / "pkg" / "conftest.py").exists() and (repo / "tests" / "conftest.py").exists()
+    assert not (repo / "tests" / "__init__.py").exists() and not (repo / "sitecustomize.py").exists()
+    assert (repo / "tests" / "test_x.py").exists() and (repo / "pkg" / "core.py").exists()
     assert not (repo / "pkg" / "__pycache__").exists()
 
 

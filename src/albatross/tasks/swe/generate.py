@@ -46,6 +46,7 @@ from albatross.tasks.swe.writer import (
     RUNNER,
     RepoTask,
     git_commit_script,
+    link_or_copy,
     unified_patch,
     write_repo_task,
 )
@@ -423,7 +424,7 @@ class Generator:
                     "generator": "albatross tasks swe"}
         return RepoTask(task_id, instruction, dockerfile, {f"files/{f}": t for f, t in files.items()}, patch,
                         bug.fail_to_pass, bug.pass_to_pass, test_files, pristine,
-                        project.conftests(self.pristine_list), self.config_file,
+                        self.config_file,
                         max(120.0, 60.0 + 10.0 * self._seconds(test_files)), metadata, pytest_args=self.pytest_args)
 
     def _hidden(self, bug: Bug, patch: str) -> list[str]:
@@ -494,6 +495,8 @@ def _write_tasks(gen: Generator, bugs: list[Bug], out: Path, backend: Any) -> li
     from albatross.tasks.gates import GateOptions, gate_task
 
     pristine = project.pristine_tar(gen.repo, gen.pristine_list)
+    shared = gen.cache / "images" / gen.image.key / "pristine.tar"  # every task's tests/pristine.tar links to it
+    shared.write_bytes(pristine)
     kept: list[tuple[Path, str, int]] = []
     lock = threading.Lock()
     todo = iter(enumerate(bugs))
@@ -504,6 +507,7 @@ def _write_tasks(gen: Generator, bugs: list[Bug], out: Path, backend: Any) -> li
         if (out / task.task_id).exists():
             return
         path = write_repo_task(out, task)
+        link_or_copy(shared, path / "tests" / "pristine.tar")
         with lock:
             report.tasks_written += 1
         if gen.opts.validate:

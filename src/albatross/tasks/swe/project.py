@@ -97,10 +97,6 @@ def pristine_files(repo: Path) -> list[str]:
     return out
 
 
-def conftests(files: list[str]) -> list[str]:
-    return [f for f in files if PurePosixPath(f).name == "conftest.py"]
-
-
 def pristine_tar(repo: Path, files: list[str], overrides: dict[str, bytes] | None = None) -> bytes:
     """A deterministic tar of ``files`` (their contents in ``repo``, or ``overrides``): same input, same bytes."""
     buf = io.BytesIO()

@@ -5,8 +5,9 @@
 pytest on its test files with a time limit, put the original files back, and record every test's outcome.
 
 ``verify CONFIG.json`` (a task's verifier, ``tests/test.sh``): put the pristine test files back (the task's
-``pristine.tar``: the repository's tests and pytest configuration as the task was made), remove any other
-``conftest.py`` and every ``__pycache__``, run the task's test files once, and write
+``pristine.tar``: the repository's tests and pytest configuration as the task was made), remove any other file
+of a test directory, any other ``conftest.py``, any ``sitecustomize.py`` and every ``__pycache__``, run the task's
+test files once, and write
 ``/logs/verifier/reward.json``: ``fail_to_pass::<test>`` 1 or 0 for every FAIL_TO_PASS test and
 ``pass_to_pass::<test>`` 0 for every PASS_TO_PASS test that did not pass (the ones that pass are left out: they
 pass untouched, so they weigh nothing in partial credit, and a broken one costs credit and success).
@@ -147,19 +148,25 @@ def restore(repo: str, archive: str) -> list[str]:
     return written
 
 
-def clean(repo: str, conftests: set[str]) -> None:
-    """Remove every conftest.py the task did not ship, and every __pycache__ and .pytest_cache."""
+_STARTUP = ("sitecustomize.py", "usercustomize.py")  # imported at start-up from any directory on sys.path
+
+
+def clean(repo: str, keep: set[str], test_dirs: list[str]) -> None:
+    """Leave the tests as the task made them: remove every file of a test directory (``test_dirs``) and every
+    ``conftest.py`` that is not in ``keep`` (the pristine files), every ``sitecustomize.py`` /
+    ``usercustomize.py``, and every ``__pycache__`` and ``.pytest_cache``. Links are removed, never followed."""
+    inside = tuple(d.rstrip("/") + "/" for d in test_dirs)
     for top, dirs, files in os.walk(repo):
         for d in list(dirs):
-            if d in ("__pycache__", ".pytest_cache"):
-                full = os.path.join(top, d)
+            full = os.path.join(top, d)
+            if d in ("__pycache__", ".pytest_cache") or os.path.islink(full):
                 os.unlink(full) if os.path.islink(full) else shutil.rmtree(full, ignore_errors=True)
                 dirs.remove(d)
         for name in files:
-            if name == "conftest.py":
-                rel = os.path.relpath(os.path.join(top, name), repo)
-                if rel not in conftests:
-                    os.unlink(os.path.join(top, name))
+            rel = os.path.relpath(os.path.join(top, name), repo)
+            foreign = rel not in keep and (name == "conftest.py" or rel.startswith(inside))
+            if foreign or name in _STARTUP:
+                os.unlink(os.path.join(top, name))
 
 
 def reward(config: dict, outcomes: dict) -> dict:
@@ -175,8 +182,8 @@ def verify(config_path: str) -> None:
     os.makedirs(REWARD_DIR, exist_ok=True)
     outcomes: dict = {}
     try:
-        restore(repo, os.path.join(os.path.dirname(config_path), config["pristine"]))
-        clean(repo, set(config.get("conftests", [])))
+        kept = restore(repo, os.path.join(os.path.dirname(config_path), config["pristine"]))
+        clean(repo, set(kept), config.get("test_dirs", []))
         config_file = config["config_file"]
         if not os.path.isabs(config_file):
             config_file = os.path.join(os.path.dirname(config_path), config_file)

@@ -115,7 +115,6 @@ def instance_task(inst: dict[str, Any], clone: Path, python: str) -> RepoTask:
                        | {t.split("::", 1)[0] for t in f2p + p2p if "::" in t})
         overrides = {f: (after / f).read_bytes() for f in touched if (after / f).is_file()}
         pristine = project.pristine_tar(base, [f for f in base_files if f not in overrides], overrides)
-        conftests = sorted(set(project.conftests(base_files)) | set(project.conftests(list(overrides))))
         env_files = _tree_files(base)
     name = str(inst["repo"]).split("/")[-1]
     metadata = {"category": "swe", "family": f"swebench-{name}", "source": f"swebench/{inst['repo']}",
@@ -125,7 +124,7 @@ def instance_task(inst: dict[str, Any], clone: Path, python: str) -> RepoTask:
                    "(a git repository, with the project installed for development). Fix the issue in the "
                    "library; tests that check it are run afterwards.\n")
     return RepoTask(project.safe_id(iid), instruction, _dockerfile(inst, python, iid), env_files, str(inst["patch"]),
-                    f2p, p2p, tests, pristine, conftests, config_file, float(inst.get("timeout") or 900.0),
+                    f2p, p2p, tests, pristine, config_file, float(inst.get("timeout") or 900.0),
                     metadata, extra_tests={INSTANCE_FILE: json.dumps(inst, indent=1) + "\n"})
 
 

@@ -60,7 +60,6 @@ class RepoTask:
     pass_to_pass: list[str]
     test_files: list[str]  # what the verifier runs (test modules of the repository)
     pristine: bytes  # tar of the files put back before the run
-    conftests: list[str]
     config_file: str | None  # the repository's pytest configuration file, or None (an empty one is shipped)
     verifier_timeout_s: float
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -96,7 +95,7 @@ def unified_patch(changes: dict[str, tuple[str, str]]) -> str:
 def write_repo_task(out: Path, task: RepoTask) -> Path:
     """Write ``task`` as ``out/task.task_id`` (see the module docstring)."""
     config = {"repo": REPO, "tests": task.test_files, "fail_to_pass": task.fail_to_pass,
-              "pass_to_pass": task.pass_to_pass, "pristine": "pristine.tar", "conftests": task.conftests,
+              "pass_to_pass": task.pass_to_pass, "pristine": "pristine.tar", "test_dirs": pristine_dirs(task.pristine),
               "config_file": f"{REPO}/{task.config_file}" if task.config_file else EMPTY_CONFIG,
               "pytest_args": task.pytest_args,
               "timeout": round(max(30.0, task.verifier_timeout_s - 15.0), 1)}
@@ -117,6 +116,26 @@ def write_repo_task(out: Path, task: RepoTask) -> Path:
                       demo_steps=demo)
     (path / "solution" / "fix.patch").write_text(task.fix_patch)
     return path
+
+
+def pristine_dirs(pristine: bytes) -> list[str]:
+    """The test directories of a pristine tar (``tests/``, ``pkg/tests/``, ...: the first directory on each file's
+    path named as a test directory), which the verifier keeps exactly as the tar has them."""
+    import io
+    import tarfile
+    from pathlib import PurePosixPath
+
+    from albatross.tasks.swe.project import TEST_DIRS
+
+    found = set()
+    with tarfile.open(fileobj=io.BytesIO(pristine)) as tar:
+        for name in tar.getnames():
+            parts = PurePosixPath(name).parts[:-1]
+            for i, part in enumerate(parts):
+                if part in TEST_DIRS:
+                    found.add("/".join(parts[: i + 1]))
+                    break
+    return sorted(found)
 
 
 def link_or_copy(src: Path, dest: Path) -> None:
