@@ -302,20 +302,7 @@ class Generator:
                 if ran[0] % 10 == 0:
                     self.log(f"[swe] ran {ran[1]} of {len(candidates)}, kept {len(kept)}")
 
-        todo = iter(batches)
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="swe") as pool:
-            running: set = set()
-            while True:
-                while len(running) < self.workers and (enough is None or len(kept) < enough):
-                    batch = next(todo, None)
-                    if batch is None:
-                        break
-                    running.add(pool.submit(one, batch))
-                if not running:
-                    break
-                finished, running = wait(running, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    f.result()
+        run_until(self.workers, batches, one, lambda: enough is not None and len(kept) >= enough)
         order = {id(edits[0]): i for i, (edits, _) in enumerate(candidates)}
         return sorted(kept, key=lambda b: order.get(id(b.edits[0]), 0)), ran[1]
 
@@ -499,7 +486,6 @@ def _write_tasks(gen: Generator, bugs: list[Bug], out: Path, backend: Any) -> li
     shared.write_bytes(pristine)
     kept: list[tuple[Path, str, int]] = []
     lock = threading.Lock()
-    todo = iter(enumerate(bugs))
     report = gen.report
 
     def one(index: int, bug: Bug) -> None:
@@ -524,29 +510,30 @@ def _write_tasks(gen: Generator, bugs: list[Bug], out: Path, backend: Any) -> li
         gen.log(f"[swe] {task.task_id} ({bug.difficulty}): {'passed the nine gates' if gen.opts.validate else 'written'}"
                 f" ({len(kept)} of {gen.opts.count} wanted)")
 
-    with ThreadPoolExecutor(gen.workers, thread_name_prefix="swe-task") as pool:
-        running: set = set()
-        while True:
-            with lock:
-                enough = len(kept) >= gen.opts.count
-            while not enough and len(running) < gen.workers:
-                nxt = next(todo, None)
-                if nxt is None:
-                    break
-                running.add(pool.submit(one, *nxt))
-            if not running:
-                break
-            done = next(iter(f for f in running if f.done()), None)
-            if done is None:
-                time.sleep(0.05)
-                continue
-            running.discard(done)
-            done.result()
+    run_until(gen.workers, list(enumerate(bugs)), lambda item: one(*item), lambda: len(kept) >= gen.opts.count)
     kept.sort(key=lambda k: k[2])
     for path, _difficulty, _index in kept[gen.opts.count:]:  # passed while the last ones were in flight
         shutil.rmtree(path, ignore_errors=True)
     report.tasks_validated = min(report.tasks_validated, gen.opts.count)
     return [(p, d) for p, d, _ in kept[: gen.opts.count]]
+
+
+def run_until(workers: int, items: list, fn: Callable[[Any], None], enough: Callable[[], bool]) -> None:
+    """``fn(item)`` for the items in order, ``workers`` at a time, starting no new one once ``enough()``."""
+    todo = iter(items)
+    with ThreadPoolExecutor(workers, thread_name_prefix="swe") as pool:
+        running: set = set()
+        while True:
+            while len(running) < workers and not enough():
+                item = next(todo, None)
+                if item is None:
+                    break
+                running.add(pool.submit(fn, item))
+            if not running:
+                break
+            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            for f in finished:
+                f.result()
 
 
 def _split(made: list[tuple[Path, str]], out: Path, heldout: int, rng: random.Random) -> None:
