@@ -56,7 +56,7 @@ def test_functions_know_their_lines_and_methods():
     assert set(fns) == {"clamp", "Box.area"}
     area = fns["Box.area"]
     assert (area.first, area.lineno) == (area.lineno - 1, 16)  # the decorator's line comes first
-    assert mutate.functions("def broken(:\n") == []
+    assert mutate.functions("def broken(:\n") == [] and mutate.functions("(" * 100000) == []
 
 
 @pytest.mark.parametrize("kind, old, new", [
@@ -119,6 +119,8 @@ def test_pristine_set_and_its_tar_is_deterministic(tmp_path):
                 "docs/conf.py", "pkg/__pycache__/x.pyc"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(rel)
+    (tmp_path / "pkg" / "tests" / "loop").symlink_to(tmp_path)  # never followed (nor listed)
+    (tmp_path / "pkg" / "tests" / "test_link.py").symlink_to(tmp_path / "tox.ini")
     files = project.pristine_files(tmp_path)
     assert files == ["conftest.py", "pkg/tests/data.json", "pkg/tests/test_core.py", "tox.ini"]
     assert project.library_files(tmp_path) == ["pkg/core.py"]

@@ -70,7 +70,7 @@ def functions(source: str) -> list[Function]:
     """Every function and method of ``source`` (nested ones too), in order; [] when it does not parse."""
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
     out: list[Function] = []
 
@@ -137,7 +137,7 @@ def parse(source: str) -> ast.AST | None:
     """The module's tree with parent links (what ``mutations`` reads), or None when it does not parse."""
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     annotate_parents(tree)
     return tree
@@ -311,6 +311,6 @@ def valid(source: str) -> bool:
     """Whether ``source`` still parses (a mutant that does not is no bug worth a task)."""
     try:
         ast.parse(source)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 import io
+import os
 import re
 import sys
 import tarfile
@@ -21,6 +22,14 @@ CONFIG_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup
 SKIP_DIRS = {"docs", "doc", "examples", "example", "benchmarks", "benchmark", "bench", "build", "dist", "scripts",
              ".git", "__pycache__", ".tox", ".nox", ".eggs", "tools", "ci"}
 EMPTY_CONFIG = "pytest.ini"  # shipped in a task's tests/ when the project has no pytest configuration
+
+
+def walk_files(root: Path) -> list[Path]:
+    """Every regular file under ``root`` (no symbolic link followed or listed), sorted."""
+    out = []
+    for top, _dirs, files in os.walk(root):
+        out += [Path(top) / f for f in files if (Path(top) / f).is_file() and not (Path(top) / f).is_symlink()]
+    return sorted(out)
 
 
 def is_test_path(rel: str) -> bool:
@@ -41,8 +50,10 @@ def test_file_of(nodeid: str) -> str | None:
 def library_files(repo: Path) -> list[str]:
     """Python files that are library code: not tests, not set-up, docs, examples or tools."""
     out = []
-    for path in sorted(repo.rglob("*.py")):
+    for path in walk_files(repo):
         rel = path.relative_to(repo).as_posix()
+        if not rel.endswith(".py"):
+            continue
         parts = PurePosixPath(rel).parts
         if any(p in SKIP_DIRS or p.startswith(".") for p in parts[:-1]) or is_test_path(rel):
             continue
@@ -85,9 +96,7 @@ def pristine_files(repo: Path) -> list[str]:
     """What a verifier puts back before it runs the tests: every file of a test directory, every test module,
     every ``conftest.py``, and the pytest configuration files at the root."""
     out = []
-    for path in sorted(repo.rglob("*")):
-        if not path.is_file() or path.is_symlink():
-            continue
+    for path in walk_files(repo):
         rel = path.relative_to(repo).as_posix()
         parts = PurePosixPath(rel).parts
         if any(p in (".git", "__pycache__", ".pytest_cache") for p in parts):

@@ -149,7 +149,9 @@ def _sha256(path: Path) -> str:
 
 def _tree_sha256(root: Path) -> str:
     h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and not _skipped(p.relative_to(root))):
+    from albatross.tasks.swe.project import walk_files
+
+    for path in (p for p in walk_files(root) if not _skipped(p.relative_to(root))):
         h.update(str(path.relative_to(root)).encode() + b"\0" + _sha256(path).encode())
     return h.hexdigest()
 

@@ -161,8 +161,7 @@ def _apply(tree: Path, patch: str, what: str) -> list[str]:
 
 
 def _tree_files(root: Path) -> dict[str, bytes]:
-    return {f"repo/{p.relative_to(root).as_posix()}": p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.is_symlink()}
+    return {f"repo/{p.relative_to(root).as_posix()}": p.read_bytes() for p in project.walk_files(root)}
 
 
 def _commands(value: Any) -> list[str]:
