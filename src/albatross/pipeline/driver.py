@@ -245,8 +245,6 @@ class Pipeline:
         tc = self.cfg.tasks
         generated = self.out / "tasks"
         self.validation: list = []
-        self.sources: dict[str, str] = {}  # task id -> source name, with tasks.mix
-        self.weights: dict[str, float] = {}
         if tc.mix:
             return self._mix_tasks(generated)
         if tc.train:
