@@ -128,6 +128,26 @@ class SandboxConfig(_Section):
     images: str = Field("", description="`local`: a directory of OCI image layouts / `docker save` archives; "
                         "a FROM naming one of their tags builds on it (imported on first use).")
     warm: int = Field(3, ge=0, description="`local`: ready pre-forked attempts kept per recent environment.")
+    network: Literal["none", "registries", "open"] = Field(
+        "none", description="Network policy of attempts (agent, oracle, verifier): `none`: loopback only; "
+        "`registries`: the package registries of `registries`, through albatross's egress proxy; `open`: any "
+        "host through the proxy, never the host's own services. A task may narrow it (`[environment] network` "
+        "or `allow_internet = false` in task.toml), never widen it. Builds always reach the registries (`open` "
+        "builds: any host). `local` only; `docker` runs attempts with `none`.")
+    registries: list[str] = Field(
+        default_factory=lambda: ["pypi.org", "files.pythonhosted.org", "deb.debian.org", "security.debian.org",
+                                 "registry.npmjs.org"],
+        description="Hosts the `registries` policy (and every build) may reach through the egress proxy: exact "
+        "names, or `*.example.org` for subdomains. The host's own Debian mirror and pip/npm index hosts are "
+        "added.")
+
+    @field_validator("network")
+    @classmethod
+    def _network_needs_local(cls, value: str, info: Any) -> str:
+        if value != "none" and info.data.get("type") == "docker":
+            raise ValueError(f"network {value!r} needs type = \"local\" (the docker sandbox runs attempts with no "
+                             "network)")
+        return value
 
 
 class HarnessConfig(_Section):

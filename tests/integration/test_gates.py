@@ -135,7 +135,7 @@ def test_each_broken_task_fails_exactly_the_gate_it_breaks(broken: dict[str, Tas
         ("slow-oracle", "resources", "the oracle needs more than [agent] timeout_sec 1 s"),
         ("needs-network", "offline", "the oracle needs the network: albatross-offline: needs the network: "
          "curl https://example.com/answer.txt"),
-        ("build-needs-github", "offline", "Dockerfile:4: RUN needs github.com, which this machine cannot reach"),
+        ("build-needs-github", "offline", "Dockerfile:4: RUN needs github.com, which the build cannot reach"),
         ("nan-reward", "reward", "reward.txt: nan is not a finite number in [0, 1]"),
     ],
 )

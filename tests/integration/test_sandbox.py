@@ -345,18 +345,24 @@ def test_build_failure_names_the_line(backend: LocalBackend, tmp_path: Path) -> 
         backend.fork(env)
 
 
-def test_builds_have_the_host_network_attempts_none(backend: LocalBackend, tmp_path: Path) -> None:
-    """On an image base RUN steps reach the package registries (the host's network namespace); with
-    ``allow_internet=False`` a build has loopback only; attempts never have more."""
-    script = "RUN cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' ' | sort > /net.txt\n"
+def test_builds_reach_the_registries_through_the_proxy_attempts_nothing(backend: LocalBackend,
+                                                                       tmp_path: Path) -> None:
+    """A RUN step has a network namespace of its own (loopback only) and reaches PyPI through the egress
+    proxy; with ``allow_internet=False`` a build has no proxy either; an attempt of policy none has neither."""
+    script = ("RUN tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' > /net.txt; echo \"$https_proxy\" > /proxy.txt; "
+              "python3 -c \"import urllib.request; print(urllib.request.urlopen('https://pypi.org/simple/six/', "
+              "timeout=30).status)\" > /pypi.txt 2>&1 || true\n")
     env = make_env(tmp_path, "FROM python:3.11-slim\n" + script)
     with backend.fork(env) as attempt:
-        assert attempt.read_file("/net.txt") != b"lo\n"
+        assert attempt.read_file("/net.txt") == b"lo\n"
+        assert attempt.read_file("/proxy.txt") == b"http://127.0.0.1:3128\n"
+        assert attempt.read_file("/pypi.txt") == b"200\n"
         assert attempt.exec("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").output == "lo\n"
+        assert attempt.exec('echo "[$https_proxy]"').output == "[]\n"
     offline = LocalBackend(allow_internet=False, warm=0)
     try:
         with offline.fork(env) as attempt:
-            assert attempt.read_file("/net.txt") == b"lo\n"
+            assert attempt.read_file("/proxy.txt") == b"\n" and attempt.read_file("/pypi.txt") != b"200\n"
     finally:
         offline.close()
 

@@ -27,14 +27,27 @@ if [ "$(cat /app/answer.txt 2>/dev/null)" = "{ANSWER}" ]; then echo 1; else echo
 PYTHON = "/usr/bin/python3"
 
 
-def make_task(root: Path, name: str = "probe", test_sh: str = TEST_SH, test_files: dict[str, str] | None = None
-              ) -> Task:
-    toml = {"agent": {"timeout_sec": 30}, "verifier": {"timeout_sec": 30},
-            "environment": {"memory_mb": 512, "storage_mb": 256, "allow_internet": False}}
-    task_dir = write_task(root / name, instruction=f"Write {ANSWER} to /app/answer.txt.\n", task_toml=toml,
-                          env_files={"app/readme.txt": "hello\n"}, dockerfile=DOCKERFILE,
-                          solve_sh=f"#!/bin/bash\necho {ANSWER} > /app/answer.txt\n", test_sh=test_sh,
-                          test_files=test_files)
+# The same check made by the image's python3 (toolchain probes replace or hook the interpreter).
+PY_TEST_SH = f"""#!/bin/bash
+mkdir -p /logs/verifier
+if python3 -c "import sys; sys.exit(0 if open('/app/answer.txt').read().strip() == '{ANSWER}' else 1)"; then
+  echo 1; else echo 0; fi > /logs/verifier/reward.txt
+"""
+
+
+def make_task(root: Path, name: str = "probe", test_sh: str = TEST_SH, test_files: dict[str, str] | None = None,
+              toml: dict[str, dict[str, object]] | None = None, solve_sh: str | None = None,
+              env_files: dict[str, str | bytes] | None = None, dockerfile: str = DOCKERFILE) -> Task:
+    """The probe task; ``toml`` tables are merged into its task.toml ({"verifier": {...}} adds keys)."""
+    tables: dict[str, dict[str, object]] = {
+        "agent": {"timeout_sec": 30}, "verifier": {"timeout_sec": 30},
+        "environment": {"memory_mb": 512, "storage_mb": 256, "allow_internet": False}}
+    for section, values in (toml or {}).items():
+        tables.setdefault(section, {}).update(values)
+    task_dir = write_task(root / name, instruction=f"Write {ANSWER} to /app/answer.txt.\n", task_toml=tables,
+                          env_files=env_files or {"app/readme.txt": "hello\n"}, dockerfile=dockerfile,
+                          solve_sh=solve_sh or f"#!/bin/bash\necho {ANSWER} > /app/answer.txt\n",
+                          test_sh=test_sh, test_files=test_files)
     return load_task(task_dir)
 
 

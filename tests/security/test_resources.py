@@ -21,7 +21,7 @@ def test_storage_below_one_mib_in_task_toml_is_an_error(tmp_path: Path) -> None:
     task = make_task(tmp_path)
     toml = (task.path / "task.toml").read_text().replace("storage_mb = 256", "storage_mb = 0.4")
     (task.path / "task.toml").write_text(toml)
-    with pytest.raises(TaskFormatError, match=r"task.toml: \[environment\] storage_mb must be at least 1"):
+    with pytest.raises(TaskFormatError, match=r"task.toml: \[environment\] storage_mb must be between 16 and"):
         load_task(task.path)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from albatross.sandbox.base import ExecResult
+from albatross.sandbox.base import ExecResult, VerifierExec, VerifierSpec, verify_in_place
 from albatross.tasks import Task, VerifierError, load_task, load_tasks, run_oracle, verify, write_task
 from albatross.tasks.builtin import (
     DEMO_FAMILIES,
@@ -75,6 +75,9 @@ class DirAttempt:
     def read_file(self, sandbox_path: str) -> bytes | None:
         path = Path(self.map(sandbox_path))
         return path.read_bytes() if path.is_file() else None
+
+    def verify(self, spec: VerifierSpec) -> VerifierExec:
+        return verify_in_place(self, spec)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

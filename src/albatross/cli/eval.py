@@ -21,6 +21,7 @@ from typing import IO, Any
 from albatross.errors import UserError
 
 AGENTS = ("model", "oracle", "noop")
+NETWORK_POLICIES = ("none", "registries", "open")  # sandbox.base.NETWORK_POLICIES (not imported: it is heavy)
 NOOP_ACTION = "```bash\nsubmit\n```"
 ATTEMPTS_FILE, CONFIG_FILE, SUMMARY_FILE = "attempts.jsonl", "eval.json", "summary.json"
 _IDENTITY = ("agent", "model", "label")
@@ -55,6 +56,9 @@ def register(sub: Any, tasks_sub: Any) -> None:
     p.add_argument("--config", help="run config TOML for the harness, sandbox limits and sampling")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. "
                    "--set harness.max_turns=8")
+    p.add_argument("--network", choices=NETWORK_POLICIES, help="network policy of the attempts (default: the "
+                   "config's sandbox.network): none, registries (the package registries through albatross's "
+                   "egress proxy) or open; a task may narrow it; recorded with every attempt")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="one self-contained HTML page: Pass@1 vs cost with the Pareto "
                        "frontier, training curves, per-category breakdown, configurations")
@@ -87,6 +91,11 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"--out {args.out}: exists and is not a directory")
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     cfg.sampling.temperature = cfg.eval.temperature
+    if args.network:
+        cfg.sandbox.network = args.network
+    if args.sandbox == "docker" and cfg.sandbox.network != "none":
+        raise UserError(f"--network {cfg.sandbox.network}: the docker sandbox runs attempts with no network "
+                        "(the local sandbox enforces the registries and open policies)")
     tasks = _usable_tasks(args.tasks, args.agent == "oracle")
     model = _resolve_model(args)
     try:
@@ -265,7 +274,8 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     todo = sum((t.id, i) not in skip for t in tasks for i in range(args.trials))
     print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
           + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
-    backend = _backend(args.sandbox, [out, *args.tasks, *([model.directory] if model.directory else [])])
+    backend = _backend(args.sandbox, [out, *args.tasks, *([model.directory] if model.directory else [])],
+                       cfg.sandbox.registries)
     engine = None
     start = time.monotonic()
     try:
@@ -284,7 +294,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     return _finish(out, tasks, args.trials, config, time.monotonic() - start)
 
 
-def _backend(kind: str, hide: list):
+def _backend(kind: str, hide: list, registries: list[str]):
     from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
 
@@ -292,7 +302,7 @@ def _backend(kind: str, hide: list):
         kind = "local" if local_available() else "process"
     if kind in ("process", "docker"):  # docker: a container sees nothing of the host to hide
         return make_backend(kind)
-    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]])
+    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=registries)
 
 
 def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):

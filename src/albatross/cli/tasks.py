@@ -15,6 +15,10 @@ from typing import Any
 
 EXIT_FAILED, EXIT_USER_ERROR = 1, 2
 SANDBOXES = ("auto", "local", "process", "docker")
+NETWORK_POLICIES = ("none", "registries", "open")  # sandbox.base.NETWORK_POLICIES (not imported: it is heavy)
+NETWORK_HELP = ("network policy of builds' and attempts' egress: none (attempts have no network; builds reach the "
+                "package registries), registries (attempts too reach the registries, through albatross's egress "
+                "proxy), open (any host but the host's own services); a task may narrow it (default: %s)")
 
 
 def register(sub: Any, tasks_sub: Any) -> None:
@@ -34,6 +38,7 @@ def _add_validate(tasks_sub: Any) -> None:
                    help="tasks gated at once (default: the number of cores)")
     p.add_argument("--reruns", type=int, default=3, metavar="N",
                    help="runs of the oracle and of the no-op for the determinism gate (default: 3)")
+    p.add_argument("--network", choices=NETWORK_POLICIES, help=NETWORK_HELP % "the config default, none")
     p.set_defaults(fn=cmd_validate)
 
 
@@ -51,6 +56,7 @@ def _add_probe(tasks_sub: Any) -> None:
                    "weights give partial credit as in training")
     p.add_argument("--json", metavar="PATH", help="write the pass-rate table as JSON")
     p.add_argument("--sandbox", choices=SANDBOXES, help="sandbox backend (default: the config's sandbox.type)")
+    p.add_argument("--network", choices=NETWORK_POLICIES, help=NETWORK_HELP % "the config's sandbox.network")
     p.set_defaults(fn=cmd_probe)
 
 
@@ -156,9 +162,13 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
     if not local_available():  # leakage and offline cannot be judged without isolation
         return _user_error("the gates need the isolated local sandbox (root, cgroup v1 memory and pids, "
                            "namespaces, overlayfs), which this machine lacks")
-    backend = _backend("local", [])
+    from albatross.config import default
+
+    network = args.network or default("sandbox", "network")
+    backend = _backend("local", [], default("sandbox", "registries"))
     try:
-        reports = validate(dirs, backend, GateOptions(reruns=args.reruns, parallelism=args.parallel),
+        options = GateOptions(reruns=args.reruns, parallelism=args.parallel, network=network)
+        reports = validate(dirs, backend, options,
                            progress=lambda r: print(f"[gates] {r.task}: {'passed' if r.passed else 'FAILED'} "
                                                     f"({r.seconds:.1f} s)", flush=True))
     finally:
@@ -175,6 +185,11 @@ def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.tasks.probe import MIN_ATTEMPTS, format_table, write_json
 
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
+    if args.network:
+        cfg.sandbox.network = args.network
+    if (args.sandbox or cfg.sandbox.type) == "docker" and cfg.sandbox.network != "none":
+        return _user_error(f"--network {cfg.sandbox.network}: the docker sandbox runs attempts with no network "
+                           "(the local sandbox enforces the registries and open policies)")
     attempts = args.attempts or cfg.orchestrator.group_size
     if attempts < MIN_ATTEMPTS:
         return _user_error(f"--attempts must be at least {MIN_ATTEMPTS}, got {attempts}")
@@ -185,7 +200,7 @@ def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
         weights = _weights(args.gates)
     except ValueError as e:
         return _user_error(f"{args.gates}: not a `tasks validate --json` report ({e})")
-    backend = _backend(args.sandbox or cfg.sandbox.type, [*args.dirs, args.model])
+    backend = _backend(args.sandbox or cfg.sandbox.type, [*args.dirs, args.model], cfg.sandbox.registries)
     engine = None
     try:
         agent, engine = _model_agent(cfg, backend, Path(args.model), Path(args.tokenizer or args.model))
@@ -260,7 +275,7 @@ def _model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path) -
     return build_agent(cfg, engine, backend, tokenizer), engine
 
 
-def _backend(kind: str, hide: list[str]) -> Any:
+def _backend(kind: str, hide: list[str], registries: list[str]) -> Any:
     from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
 
@@ -268,7 +283,7 @@ def _backend(kind: str, hide: list[str]) -> Any:
         kind = "local" if local_available() else "process"
     if kind in ("process", "docker"):  # docker: a container sees nothing of the host to hide
         return make_backend(kind)
-    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]])
+    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=registries)
 
 
 def _weights(path: str | None) -> dict[str, dict[str, float]]:

@@ -1,19 +1,23 @@
 """`--agent oracle`: each task's reference solution through the same sandbox and verifier.
 
 A check of the tasks, not of a model: on a sound task set every attempt succeeds (Pass@1 = 1.0). The
-oracle runs with the task's own memory and storage limits, and its time limit is the task's agent
-timeout. Failures to fork, build or verify are infrastructure errors, as in the harness.
+oracle runs with the task's own memory, storage and network policy under the run's limits (a ceiling
+the task cannot raise), and its time limit is the task's agent timeout. It is verified as a model's
+attempt is (``verify_attempt``): an oracle that breaks its own attempt (a full disk, ...) is a scored
+failure; failures to fork, build, or a verifier that fails on an untouched fork too, are infrastructure
+errors, as in the harness.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from albatross.harness.agent import AttemptSpec
 from albatross.records import STATUS_INFRA_ERROR, Reward, Trajectory, Turn
 from albatross.sandbox.base import Attempt, Backend, Limits, SandboxError
-from albatross.tasks.format import Task, TaskFormatError
-from albatross.tasks.verify import SOLUTION_PATH, VerifierError, run_oracle, verify
+from albatross.tasks.format import Task, TaskFormatError, attempt_limits
+from albatross.tasks.verify import SOLUTION_PATH, VerifierError, run_oracle, verify_attempt
 
 ORACLE_COMMAND = f"bash {SOLUTION_PATH}/solve.sh"
 _TAIL = 2000
@@ -34,8 +38,10 @@ class OracleAgent:
         start = time.monotonic()
         attempt: Attempt | None = None
         try:
-            attempt = self.backend.fork(task.env_dir, task.workdir, self._limits(task))
-            self._solve(attempt, task, traj)
+            limits = self._limits(task)
+            traj.network = limits.network
+            attempt = self.backend.fork(task.env_dir, task.workdir, limits)
+            self._solve(attempt, task, traj, limits)
         except (SandboxError, VerifierError, TaskFormatError, OSError) as e:
             traj.status, traj.error = STATUS_INFRA_ERROR, f"{type(e).__name__}: {e}"
         finally:
@@ -48,17 +54,15 @@ class OracleAgent:
         return traj
 
     def _limits(self, task: Task) -> Limits:
-        return Limits(memory_mb=max(self.limits.memory_mb, task.memory_mb), pids=self.limits.pids,
-                      disk_mb=max(self.limits.disk_mb, task.storage_mb),
-                      command_timeout_s=task.agent_timeout_s, cpus=self.limits.cpus,
-                      max_output_bytes=self.limits.max_output_bytes)
+        return replace(attempt_limits(task, self.limits), command_timeout_s=task.agent_timeout_s)
 
-    def _solve(self, attempt: Attempt, task: Task, traj: Trajectory) -> None:
+    def _solve(self, attempt: Attempt, task: Task, traj: Trajectory, limits: Limits) -> None:
         run = run_oracle(attempt, task)
         traj.turns.append(Turn(action=ORACLE_COMMAND, command=ORACLE_COMMAND, observation=run.output[-_TAIL:],
                                completion_tokens=0, observation_tokens=0, exit_code=run.exit_code,
                                timed_out=run.timed_out, seconds=run.seconds))
-        result = verify(attempt, task)
+        result = verify_attempt(attempt, task, self.backend, limits)
+        traj.system_changes = result.system_changes
         traj.reward = Reward(metrics=dict(result.metrics), success=result.success,
                              partial_credit=result.reward, score=1.0 if result.success else 0.0)
         if not result.success:

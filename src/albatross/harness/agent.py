@@ -40,7 +40,7 @@ from albatross.records import (
     Turn,
 )
 from albatross.sandbox.base import Attempt, Backend, Limits, SandboxError
-from albatross.tasks.format import Task
+from albatross.tasks.format import Task, attempt_limits
 from albatross.tasks.verify import VerifierError, verify_attempt
 
 # Knobs read with their defaults, so the harness also runs with a HarnessConfig that predates them.
@@ -94,11 +94,13 @@ class Agent:
         try:
             # an engine pool keeps the attempt on one replica (the one holding its KV cache)
             session = engine.session()
-            attempt = self.backend.fork(spec.task.env_dir, spec.task.workdir, self.limits)
+            limits = attempt_limits(spec.task, self.limits)  # the task's own, under the run's ceiling
+            traj.network = limits.network
+            attempt = self.backend.fork(spec.task.env_dir, spec.task.workdir, limits)
             episode = Episode(self, spec.task, attempt, traj, session, start)
             traj.status = episode.run()
             traj.diff = repo_diff(attempt, spec.task.workdir)  # what the attempt changed, when the workdir is a repo
-            self._verify(spec.task, attempt, traj)
+            self._verify(spec.task, attempt, traj, limits)
         except (SandboxError, VerifierError, EngineError, OSError) as e:
             traj.status, traj.error = STATUS_INFRA_ERROR, f"{type(e).__name__}: {e}"
         finally:
@@ -118,9 +120,10 @@ class Agent:
         except Exception as e:  # a failed close is an infra error, never a crash
             traj.status, traj.error = STATUS_INFRA_ERROR, f"close failed: {e}"
 
-    def _verify(self, task: Task, attempt: Attempt, traj: Trajectory) -> None:
-        result = verify_attempt(attempt, task, self.backend, self.limits)
+    def _verify(self, task: Task, attempt: Attempt, traj: Trajectory, limits: Limits) -> None:
+        result = verify_attempt(attempt, task, self.backend, limits)
         traj.reward = Reward(metrics=dict(result.metrics), success=result.success)
+        traj.system_changes = result.system_changes
 
 
 class Episode:

@@ -52,7 +52,7 @@ def backend_from_config(sc: Any, hide_paths: list[str] | None = None) -> Backend
     """The backend a run's ``[sandbox]`` config section describes."""
     if sc.type == "local":
         return make_backend("local", hide_paths=hide_paths or [], base=sc.base, warm=sc.warm,
-                            images_dir=sc.images or None)
+                            images_dir=sc.images or None, registries=sc.registries)
     if sc.type == "docker":
         return make_backend("docker", engine=sc.engine, images_dir=sc.images or None)
     return make_backend(sc.type, hide_paths=hide_paths or [])

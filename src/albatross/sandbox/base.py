@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import atexit
 import math
+import shlex
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ LIMIT_TIMEOUT = "timeout"  # the command ran past its timeout and was killed
 LIMIT_DISK = "disk"  # the attempt's writable layer is full
 LIMIT_OUTPUT = "output"  # output beyond max_output_bytes was dropped
 LIMITS = (LIMIT_OOM, LIMIT_PIDS, LIMIT_ATTEMPT_TIMEOUT, LIMIT_TIMEOUT, LIMIT_DISK, LIMIT_OUTPUT)
+NETWORK_POLICIES = ("none", "registries", "open")  # narrowest first (``egress``: what each allows)
 
 
 class SandboxError(RuntimeError):
@@ -37,6 +39,12 @@ class ForkError(SandboxError):
 
 class SandboxDied(SandboxError):
     """An attempt's sandbox went away while in use."""
+
+
+class AttemptBroken(SandboxDied):
+    """The attempt's sandbox died of the attempt's own doing (its memory limit killed the sandbox's
+    process): the attempt failed. ``verify_attempt`` scores that 0 (once the untouched-fork check passes),
+    never an infrastructure error."""
 
 
 @dataclass
@@ -61,24 +69,29 @@ class Limits:
     max_output_bytes: int = 1 << 20
     attempt_timeout_s: float | None = None  # wall time from fork; None: no limit
     cpus: float = 0.0  # CPU time per wall second (1.5 = one and a half CPUs); 0: no limit
+    network: str = "none"  # the attempt's network policy: none, registries or open (``egress``)
+    build_timeout_s: float | None = None  # wall time of the whole build, if this fork has to build its environment
 
     def __post_init__(self) -> None:
         for name in ("memory_mb", "disk_mb", "pids", "max_output_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"sandbox limit {name} must be a whole number >= 1, got {value!r}")
-        for name in ("command_timeout_s", "attempt_timeout_s"):
+        for name in ("command_timeout_s", "attempt_timeout_s", "build_timeout_s"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"sandbox limit {name} must be a finite number > 0, got {value!r}")
         if not (math.isfinite(self.cpus) and self.cpus >= 0):
             raise ValueError(f"sandbox limit cpus must be a finite number >= 0, got {self.cpus!r}")
+        if self.network not in NETWORK_POLICIES:
+            raise ValueError(f"sandbox limit network must be one of {', '.join(NETWORK_POLICIES)}, got "
+                             f"{self.network!r}")
 
     @classmethod
     def from_config(cls, sc: Any) -> Limits:
         """The limits of a ``[sandbox]`` config section (``SandboxConfig``)."""
         return cls(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb, command_timeout_s=sc.command_timeout_s,
-                   attempt_timeout_s=sc.attempt_timeout_s or None, cpus=sc.cpus)
+                   attempt_timeout_s=sc.attempt_timeout_s or None, cpus=sc.cpus, network=sc.network)
 
 
 def pick_limit(hit: dict[str, bool]) -> str:
@@ -101,6 +114,46 @@ class Output:
 
     def text(self) -> str:
         return b"".join(self.chunks).decode("utf-8", errors="replace")
+
+
+TOOLCHAINS = ("image", "attempt")  # where the verifier's interpreter and tools come from
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    """How to run a task's verifier in a finished attempt (``Attempt.verify``).
+
+    ``command`` (a shell command line, run by ``bash --noprofile --norc -c`` in ``cwd`` with the image's
+    environment plus ``env``) runs test.sh from ``tests_path``, where the task's ``tests_dir`` is copied;
+    ``toolkit`` (host directory, path in the sandbox) is put there read-only; ``reads`` are the files read
+    back afterwards (the reward files, in ``reward_dir``, which starts empty). ``toolchain``: "image": the
+    interpreter and tools (/usr, /etc, /bin, /lib...) are the task's pristine image's, not the attempt's;
+    "attempt": its own (the task's tests must run in the attempt's environment). ``keep_agent_processes``:
+    the agent's processes still run (they never reach the verifier's files or processes)."""
+
+    tests_dir: Path
+    command: str
+    cwd: str
+    timeout_s: float
+    env: dict[str, str] = field(default_factory=dict)
+    toolkit: tuple[Path, str] | None = None
+    reads: tuple[str, ...] = ()
+    tests_path: str = "/tests"
+    reward_dir: str = "/logs/verifier"
+    toolchain: str = "image"
+    keep_agent_processes: bool = False
+
+
+@dataclass
+class VerifierExec:
+    """What a verifier run gave: test.sh's run, the files it read back (None: missing or not a regular
+    file), the attempt's changes to system paths (``toolchain = "attempt"``), and ``error``: why the
+    verifier could not even start (the attempt's own doing: a full disk, ...), "" when it ran."""
+
+    run: ExecResult
+    files: dict[str, bytes | None]
+    system_changes: list[str] = field(default_factory=list)
+    error: str = ""
 
 
 class Attempt(Protocol):
@@ -126,7 +179,40 @@ class Attempt(Protocol):
         environment (Dockerfile ENV, a fixed PATH) and nothing of the persistent shell's state."""
         ...
 
+    def verify(self, spec: VerifierSpec) -> VerifierExec:
+        """Run a verifier (``VerifierSpec``) in this finished attempt. ``SandboxError`` only for faults the
+        attempt could not cause."""
+        ...
+
     def close(self) -> None: ...
+
+
+_RESET = ("for p in {dirs}; do if [ -L $p ] || {{ [ -e $p ] && [ ! -d $p ]; }}; then rm -f $p; fi; done; "
+          "rm -rf {clear} && mkdir -p {reward}")
+
+
+def verify_in_place(attempt: Attempt, spec: VerifierSpec) -> VerifierExec:
+    """``Attempt.verify`` for backends that cannot give the verifier a view of its own (``process``,
+    ``docker``): whatever the agent left at the tests path and the reward directory is removed, the tests
+    and the toolkit are copied in, the command runs with ``exec_clean``; the tools are the attempt's own.
+    A put that fails for want of space is the attempt's doing (``VerifierExec.error``)."""
+    dirs = ["logs", spec.reward_dir.lstrip("/"), spec.tests_path.lstrip("/")]  # relative to "/" (process: mapped)
+    reset = attempt.exec_clean(_RESET.format(dirs=" ".join(dirs), clear=" ".join(dirs[1:]), reward=dirs[1]), "/",
+                               timeout_s=60)
+    if reset.exit_code != 0:
+        return VerifierExec(reset, {}, error=f"cannot clear {spec.reward_dir} and {spec.tests_path}: "
+                                               f"{reset.output[-200:]}")
+    try:
+        attempt.put_dir(spec.tests_dir, spec.tests_path)
+        if spec.toolkit is not None:
+            attempt.put_dir(*spec.toolkit)
+    except SandboxError as err:
+        if "No space left" in str(err) or "Disk quota" in str(err):
+            return VerifierExec(ExecResult(str(err), 1), {}, error=f"no space to put the tests: {err}")
+        raise
+    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in spec.env.items())
+    run = attempt.exec_clean(exports + spec.command, spec.cwd, timeout_s=spec.timeout_s)
+    return VerifierExec(run, {path: attempt.read_file(path) for path in spec.reads})
 
 
 class Backend(Protocol):
@@ -136,8 +222,9 @@ class Backend(Protocol):
     isolated: bool  # False: no isolation at all (``process``), and the harness says so loudly
     restarts: int  # sandbox helpers (zygotes) started again after dying
 
-    def prepare(self, env_dir: Path | None) -> Any:
-        """Build (once, cached) the parent environment that attempts of ``env_dir`` fork from."""
+    def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> Any:
+        """Build (once, cached) the parent environment that attempts of ``env_dir`` fork from, for attempts
+        of network policy ``network``, the whole build within ``build_timeout_s`` (None: the backend's)."""
         ...
 
     def pids(self) -> dict[str, int]:

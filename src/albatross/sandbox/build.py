@@ -16,12 +16,12 @@ import os
 import posixpath
 import re
 import shlex
-import sys
 import tarfile
-import urllib.request
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 from urllib.parse import urlparse
 
 from albatross.sandbox.base import ExecResult, SandboxError
@@ -39,12 +39,10 @@ from albatross.sandbox.dockerfile import (
     Workdir,
 )
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 __all__ = ["DEFAULT_PATH", "EnvBuildError", "Parent", "UserIds", "apply_dockerfile", "copy_tar", "resolve_user"]
+
+
+Fetch = Callable[[str, "IO[bytes]", str], None]  # (url, out, where): ADD <url> under the build's network policy
 
 
 class EnvBuildError(SandboxError):
@@ -86,6 +84,10 @@ class Builder(Protocol):
     def mkdirs(self, sandbox_path: str) -> None: ...
 
     def put_tar(self, data: bytes) -> None: ...
+
+    def put_stream(self, write: Callable[[IO[bytes]], None]) -> None:
+        """Extract the tar that ``write(out)`` writes to ``out`` (a stream: never held whole)."""
+        ...
 
     def run_argv(
         self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
@@ -139,18 +141,6 @@ def task_dir_of(env_dir: Path) -> Path:
     return Path(named) if named else env_dir.parent
 
 
-def task_allows_internet(env_dir: Path | None) -> bool:
-    """``[environment] allow_internet`` of the task.toml next to ``env_dir`` (False if absent)."""
-    if env_dir is None:
-        return False
-    try:
-        with open(Path(env_dir).parent / "task.toml", "rb") as f:
-            value = tomllib.load(f).get("environment", {}).get("allow_internet", False)
-    except (OSError, tomllib.TOMLDecodeError, AttributeError):
-        return False
-    return value is True
-
-
 def state_script(env: dict[str, str], workdir: str) -> str:
     """The shell state an attempt starts from: exported variables and the working directory."""
     lines = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
@@ -168,20 +158,22 @@ def apply_dockerfile(
     env_dir: Path,
     timeout_s: float,
     stages: dict[str, Path] | None = None,
-    network: bool = False,
+    fetch: Fetch | None = None,
+    copy_budget: int | None = None,
 ) -> None:
     """Apply one stage's instructions (or a whole single-stage Dockerfile) to the parent layer through
     the builder attempt, as Docker would.
 
     ``stages``: for ``COPY --from=<ref>``, the host directory holding the root of each earlier stage
     or image, keyed by stage name, stage index ("0", "1", ...) or image reference (build them first:
-    ``dockerfile.split_stages`` and ``required_stages``). ``network``: the builder has a network, so
-    ``ADD <url>`` may download (without it, ADD of a URL is an ``EnvBuildError`` "needs <host>")."""
+    ``dockerfile.split_stages`` and ``required_stages``). ``fetch(url, out, where)``: downloads ``ADD
+    <url>`` under the build's network policy (None: the build has no network, and ADD of a URL is an
+    ``EnvBuildError`` "needs <host>"). ``copy_budget``: bytes one COPY or ADD may put (a bomb is refused)."""
     froms = [i for i in instructions if isinstance(i, From)]
     if len(froms) > 1:
         raise EnvBuildError(f"{env_dir / 'Dockerfile'}:{froms[1].line}: a multi-stage build: apply each stage "
                             "of dockerfile.split_stages() on its own, passing the earlier ones as `stages`")
-    _Applier(parent, builder, env_dir, timeout_s, stages or {}, network).apply(instructions)
+    _Applier(parent, builder, env_dir, timeout_s, stages or {}, fetch, copy_budget).apply(instructions)
 
 
 def _table(text: str) -> list[list[str]]:
@@ -243,9 +235,9 @@ class _Applier:
     """The state of one stage's build: ARGs in scope, the image's users, whether CMD was set."""
 
     def __init__(self, parent: Parent, builder: Builder | None, env_dir: Path, timeout_s: float,
-                 stages: dict[str, Path], network: bool) -> None:
+                 stages: dict[str, Path], fetch: Fetch | None, copy_budget: int | None) -> None:
         self.parent, self.builder, self.env_dir = parent, builder, Path(env_dir)
-        self.timeout_s, self.stages, self.network = timeout_s, stages, network
+        self.timeout_s, self.stages, self.fetch, self.copy_budget = timeout_s, stages, fetch, copy_budget
         self.args: dict[str, str] = {}
         self.cmd_set = False
         self.accounts: tuple[str, str] | None = None  # the image's /etc/passwd and /etc/group (until a RUN)
@@ -340,29 +332,33 @@ class _Applier:
                 raise EnvBuildError(f"{self.where(ins.line)}: {ins.keyword} --from={ins.from_}: no stage or "
                                     "image of that name was built for this step")
         multi = len(ins.sources) + len(ins.inline) > 1
-        self.builder.put_tar(copy_tar(local, self.env_dir, cwd, dest_kind=kind, source_root=root, owner=owner,
-                                      into_dir=multi or None))
+        self.builder.put_stream(lambda out: write_copy_tar(out, local, self.env_dir, cwd, dest_kind=kind,
+                                                           source_root=root, owner=owner, into_dir=multi or None,
+                                                           budget=self.copy_budget))
 
     def add_url(self, ins: Copy, url: str, dest: str, kind: str | None, owner: tuple[int, int] | None) -> None:
         """ADD of a URL: downloaded (as Docker's daemon does, not by a tool of the image) into ``dest``
         or, when that is a directory, under the URL's file name; mode 600 unless --chmod."""
         host = urlparse(url).hostname or url.partition("@")[2].partition(":")[0] or url
-        if not self.network:
+        if self.fetch is None:
             raise EnvBuildError(f"{self.where(ins.line)}: ADD {url}: needs {host} (the build has no network)")
-        try:
-            with urllib.request.urlopen(url, timeout=60) as response:  # per socket operation
-                data = response.read()
-        except (OSError, ValueError) as err:  # URLError and timeouts are OSErrors
-            raise EnvBuildError(f"{self.where(ins.line)}: ADD {url}: needs {host}: {err}") from None
-        into = ins.dest.endswith("/") or kind == "dir" or len(ins.sources) + len(ins.inline) > 1
-        target = posixpath.join(dest, posixpath.basename(urlparse(url).path) or "index.html") if into else dest
-        info = tarfile.TarInfo(target.lstrip("/"))
-        info.size, info.mode = len(data), ins.chmod if ins.chmod is not None else 0o600
-        info.uid, info.gid = owner or (0, 0)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.addfile(info, io.BytesIO(data))
-        self.builder.put_tar(buf.getvalue())
+        with tempfile.TemporaryFile() as body:  # on disk, not in memory
+            self.fetch(url, body, self.where(ins.line))
+            size = body.tell()
+            if self.copy_budget is not None and size > self.copy_budget:
+                raise EnvBuildError(f"{self.where(ins.line)}: ADD {url}: expands past the build's disk limit")
+            body.seek(0)
+            into = ins.dest.endswith("/") or kind == "dir" or len(ins.sources) + len(ins.inline) > 1
+            target = posixpath.join(dest, posixpath.basename(urlparse(url).path) or "index.html") if into else dest
+            info = tarfile.TarInfo(target.lstrip("/"))
+            info.size, info.mode = size, ins.chmod if ins.chmod is not None else 0o600
+            info.uid, info.gid = owner or (0, 0)
+
+            def write(out: IO[bytes]) -> None:
+                with tarfile.open(fileobj=out, mode="w|") as tar:
+                    tar.addfile(info, body)
+
+            self.builder.put_stream(write)
 
     def run(self, ins: Run) -> None:
         ids = self.user_ids(ins.line)
@@ -389,11 +385,17 @@ def tar_add(tar: tarfile.TarFile, source: Path, dest: str) -> None:
     _TarWriter(tar, None, None, keep_owner=True).add(source, dest, top=True)
 
 
+def write_dir_tar(out: IO[bytes], host_dir: Path, sandbox_path: str) -> None:
+    """Write an uncompressed tar putting the contents of ``host_dir`` at ``sandbox_path`` to ``out``
+    (a stream: nothing is held in memory)."""
+    with tarfile.open(fileobj=out, mode="w|") as tar:
+        tar_add(tar, host_dir, sandbox_path)
+
+
 def dir_tar(host_dir: Path, sandbox_path: str) -> bytes:
     """An uncompressed tar putting the contents of ``host_dir`` at ``sandbox_path``."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar_add(tar, host_dir, sandbox_path)
+    write_dir_tar(buf, host_dir, sandbox_path)
     return buf.getvalue()
 
 
@@ -402,9 +404,18 @@ class _TarWriter:
     source's mode unless ``--chmod``."""
 
     def __init__(self, tar: tarfile.TarFile, owner: tuple[int, int] | None, chmod: int | None,
-                 keep_owner: bool = False, ignored: DockerIgnore | None = None) -> None:
+                 keep_owner: bool = False, ignored: DockerIgnore | None = None, budget: int | None = None,
+                 where: str = "") -> None:
         self.tar, self.owner, self.chmod, self.keep_owner = tar, owner, chmod, keep_owner
         self.ignored = ignored  # the context's .dockerignore: matching files are not in the context
+        self.budget, self.where = budget, where  # bytes of files this COPY/ADD may put, at most (None: any)
+
+    def spend(self, size: int) -> None:
+        if self.budget is None:
+            return
+        self.budget -= size
+        if self.budget < 0:
+            raise EnvBuildError(f"{self.where}: expands past the build's disk limit")
 
     def _meta(self, info: tarfile.TarInfo, from_archive: bool = False) -> tarfile.TarInfo:
         if self.owner is not None or not (self.keep_owner or from_archive):
@@ -420,6 +431,7 @@ class _TarWriter:
             return
         self._meta(info)
         if info.isreg():
+            self.spend(info.size)
             with open(host, "rb") as f:
                 self.tar.addfile(info, f)
         else:
@@ -447,20 +459,25 @@ class _TarWriter:
         data = content.encode()
         info = tarfile.TarInfo(dest.strip("/"))
         info.size, info.mode = len(data), 0o644
+        self.spend(info.size)
         self.tar.addfile(self._meta(info), io.BytesIO(data))
 
     def archive(self, source: Path, dest: str) -> None:
-        """ADD of a local tar (plain, gzip, bzip2 or xz): its members under ``dest``, owners kept."""
-        with tarfile.open(source, "r:*") as arch:
-            for member in arch.getmembers():
+        """ADD of a local tar (plain, gzip, bzip2 or xz): its members under ``dest``, owners kept; read
+        as a stream, member by member, within the budget (a bomb is refused, never held in memory);
+        device nodes are left out (the sandbox would not make them anyway)."""
+        with tarfile.open(source, "r|*") as arch:
+            for member in arch:
                 name = posixpath.normpath(member.name.lstrip("/"))
-                if name == "." or name.startswith(".."):
+                if name == "." or name.startswith("..") or member.ischr() or member.isblk():
                     continue
                 info = _copy.copy(member)
                 info.name = posixpath.join(dest, name).lstrip("/")
                 if member.islnk():
                     info.linkname = posixpath.join(dest, posixpath.normpath(member.linkname.lstrip("/"))).lstrip("/")
                 self._meta(info, from_archive=True)
+                if member.isreg():
+                    self.spend(member.size)
                 self.tar.addfile(info, arch.extractfile(member) if member.isreg() else None)
 
 
@@ -474,11 +491,21 @@ def is_archive(path: Path) -> bool:
 
 def copy_tar(ins: Copy, env_dir: Path, cwd: str, dest_kind: str | None = None, source_root: Path | None = None,
              owner: tuple[int, int] | None = None, into_dir: bool | None = None) -> bytes:
-    """A tar (names relative to /) holding what COPY/ADD ``ins`` puts into the image, by Docker's rules:
-    a directory source gives its contents; a file goes inside ``dest`` when ``dest`` ends in "/", is
-    an existing directory (``dest_kind`` "dir") or there are several sources, else it becomes ``dest``;
-    ADD extracts a local tar archive into ``dest``. Sources are read from ``source_root`` (an earlier
-    stage's root, for --from) or ``env_dir``; ``dest_kind`` None: unknown (treated as missing)."""
+    """``write_copy_tar`` into memory (small contexts: the process backend, the leakage gate)."""
+    buf = io.BytesIO()
+    write_copy_tar(buf, ins, env_dir, cwd, dest_kind, source_root, owner, into_dir)
+    return buf.getvalue()
+
+
+def write_copy_tar(out: IO[bytes], ins: Copy, env_dir: Path, cwd: str, dest_kind: str | None = None,
+                   source_root: Path | None = None, owner: tuple[int, int] | None = None,
+                   into_dir: bool | None = None, budget: int | None = None) -> None:
+    """Write to the stream ``out`` a tar (names relative to /) holding what COPY/ADD ``ins`` puts into the
+    image, by Docker's rules: a directory source gives its contents; a file goes inside ``dest`` when
+    ``dest`` ends in "/", is an existing directory (``dest_kind`` "dir") or there are several sources,
+    else it becomes ``dest``; ADD extracts a local tar archive into ``dest``. Sources are read from
+    ``source_root`` (an earlier stage's root, for --from) or ``env_dir``; ``dest_kind`` None: unknown
+    (treated as missing). ``budget``: bytes of files it may hold (``EnvBuildError`` past it)."""
     where = f"{env_dir / 'Dockerfile'}:{ins.line}"
     if ins.from_ is not None and source_root is None:
         raise EnvBuildError(f"{where}: {ins.keyword} --from={ins.from_}: the stage or image is not built here")
@@ -490,9 +517,9 @@ def copy_tar(ins: Copy, env_dir: Path, cwd: str, dest_kind: str | None = None, s
     dest = posixpath.normpath(posixpath.join(cwd, ins.dest))
     many = len(sources) + len(ins.inline) > 1
     into = into_dir or many or ins.dest.endswith(("/", "/.")) or ins.dest == "." or dest_kind == "dir"
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        writer = _TarWriter(tar, owner, ins.chmod, keep_owner=False, ignored=ignored)
+    with tarfile.open(fileobj=out, mode="w|") as tar:
+        writer = _TarWriter(tar, owner, ins.chmod, keep_owner=False, ignored=ignored, budget=budget,
+                            where=f"{where}: {ins.keyword}")
         for name, content in ins.inline:
             writer.inline(content, posixpath.join(dest, name) if into else dest)
         for name, path in sources:
@@ -502,7 +529,6 @@ def copy_tar(ins: Copy, env_dir: Path, cwd: str, dest_kind: str | None = None, s
                 writer.archive(path, dest)
             else:
                 writer.add(path, posixpath.join(dest, name) if into else dest, top=False)
-    return buf.getvalue()
 
 
 def resolve_in_root(root: Path, path: str, where: str = "") -> Path:

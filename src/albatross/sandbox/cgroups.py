@@ -78,6 +78,12 @@ class AttemptCgroups:
             (self.cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
             (self.cpu / "cpu.cfs_quota_us").write_text(str(max(1000, round(limits.cpus * CPU_PERIOD_US))))
 
+    def new_group(self, name: str) -> Path:
+        """A pids sub-cgroup ``name`` of the attempt (made by host root; killed and removed with the others)."""
+        path = self.pids / name
+        path.mkdir(exist_ok=True)
+        return path
+
     def oom_kills(self) -> int:
         """Processes the memory limit has killed so far."""
         return _read_counter(self.memory / "memory.oom_control", "oom_kill")

@@ -70,8 +70,11 @@ from albatross.sandbox.base import (
     Output,
     SandboxDied,
     SandboxError,
+    VerifierExec,
+    VerifierSpec,
     closed_at_exit,
     pick_limit,
+    verify_in_place,
 )
 from albatross.sandbox.build import (
     DEFAULT_PATH,
@@ -397,6 +400,11 @@ class DockerAttempt:
             ["/bin/bash", "--noprofile", "--norc", "-c", command], dict(self.image_env), cwd, timeout_s
         )
 
+    def verify(self, spec: VerifierSpec) -> VerifierExec:
+        """The verifier in the attempt itself (``base.verify_in_place``): this backend cannot give it a view
+        of its own, so its tools are the attempt's."""
+        return verify_in_place(self, spec)
+
     def run_argv(
         self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
     ) -> ExecResult:
@@ -591,6 +599,13 @@ class DockerParent:
 _LIVE = closed_at_exit()  # closed when the interpreter exits
 
 
+def _no_network_policy(policy: str) -> None:
+    """Attempts of this backend have no network; another policy is a user error naming the one that has."""
+    if policy != "none":
+        raise UserError(f"network policy {policy!r}: the docker sandbox runs attempts with no network; the "
+                        "local sandbox (sandbox.type = \"local\") enforces the registries and open policies")
+
+
 class DockerBackend:
     """Attempts as containers of a Docker or Podman engine (see the module docstring)."""
 
@@ -654,8 +669,12 @@ class DockerBackend:
         return self._call(["image", "inspect", "--format", "{{.Id}}", ref], check=False).returncode == 0
 
     # ---- environments -----------------------------------------------------------------------------------
-    def prepare(self, env_dir: Path | None) -> DockerParent:
-        """Build (once) the image of ``env_dir``; safe to call from many threads."""
+    def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None
+                ) -> DockerParent:
+        """Build (once) the image of ``env_dir``; safe to call from many threads. Builds have the engine's
+        network (its own policy, not albatross's); ``build_timeout_s`` is not enforced here (the backend's
+        ``build_timeout_s`` bounds ``<engine> build``)."""
+        _no_network_policy(network)
         key = self._keys.get(env_dir, self.engine)
         with self._lock:
             parent = self._parents.get(key)
@@ -787,7 +806,8 @@ class DockerBackend:
     def fork(
         self, env_dir: Path | None, workdir: str = "/app", limits: Limits | None = None
     ) -> DockerAttempt:
-        """A fresh container of the environment's image."""
+        """A fresh container of the environment's image (no network: ``--network none``)."""
+        _no_network_policy((limits or Limits()).network)
         fault = self.faults.draw()
         if fault == FAULT_FORK:
             raise ForkError("injected fault: fork failed")

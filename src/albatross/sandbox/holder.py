@@ -25,16 +25,17 @@ import shutil
 import signal
 import socket
 import stat
-import tarfile
 import traceback
 from pathlib import Path
 from typing import Any
 
-from albatross.sandbox import linux, seccomp
+from albatross.sandbox import extract, linux, seccomp
 from albatross.sandbox.build import DEFAULT_PATH
+from albatross.sandbox.verifier import TOOLCHAIN
 from albatross.sandbox.wire import recv, send
 
 STATE_FILE = "/run/albatross/state"
+INODES_PER_MB = 256  # files an attempt may make per MiB of its disk limit (one per 4 KiB block)
 MAX_READ_BYTES = 64 << 20
 _DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
 _DEV_LINKS = {
@@ -135,7 +136,9 @@ def _give_to_user(uid: int, gid: int) -> None:
 def _mount_overlay(cfg: dict[str, Any]) -> str:
     scratch = cfg["scratch"]
     size_mb = cfg["disk_mb"] if cfg["upper"] is None else 64
-    linux.mount("tmpfs", scratch, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={size_mb}m,mode=755")
+    inodes = max(4096, size_mb * INODES_PER_MB)  # a file table as big as the disk's blocks: filling it is ENOSPC
+    linux.mount("tmpfs", scratch, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
+                f"size={size_mb}m,nr_inodes={inodes},mode=755")
     upper, work, merged = cfg["upper"] or f"{scratch}/u", cfg["work"] or f"{scratch}/w", f"{scratch}/m"
     for path in (upper, work, merged):
         os.makedirs(path, exist_ok=True)
@@ -145,20 +148,24 @@ def _mount_overlay(cfg: dict[str, Any]) -> str:
         os.chown(upper, cfg["id_base"], cfg["id_base"])  # the root directory belongs to root inside
         os.chown(f"{scratch}/shm", cfg["id_base"], cfg["id_base"])
     data = f"lowerdir={':'.join(cfg['lower'])},upperdir={upper},workdir={work}"
-    linux.mount("overlay", merged, "overlay", 0, data)
+    linux.mount("overlay", merged, "overlay", linux.MS_NODEV, data)  # a device node in the image opens nothing
     return merged
 
 
-def _mount_binds(root: str, binds: list[list[str]], userns_fd: int | None) -> None:
-    """Bind host directories into the root (a builder's download caches), idmapped in user-namespace
-    mode so that root inside owns what it writes there as host root does."""
-    for host_dir, inside in binds:
+def _mount_binds(root: str, binds: list[list[Any]], userns_fd: int | None) -> None:
+    """Bind host directories into the root (a builder's download caches; read-only where the third
+    item says so), idmapped in user-namespace mode so that root inside owns what it writes there as host
+    root does."""
+    for host_dir, inside, *flags in binds:
+        readonly = bool(flags and flags[0])
         target = f"{root}{inside}"
         os.makedirs(target, exist_ok=True)
         if userns_fd is not None:
-            linux.idmapped_mount(host_dir, target, userns_fd)
-        else:
-            linux.mount(host_dir, target, None, linux.MS_BIND)
+            linux.idmapped_mount(host_dir, target, userns_fd, readonly=readonly)
+            continue
+        linux.mount(host_dir, target, None, linux.MS_BIND)
+        extra = linux.MS_RDONLY if readonly else 0
+        linux.mount(host_dir, target, None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV | extra)
 
 
 def _mount_pseudo(root: str, cfg: dict[str, Any]) -> None:
@@ -318,10 +325,11 @@ class Holder:
         return 0
 
     def disk_free(self) -> int:
+        """Bytes the writable layer can still take (0 once its file table is full, too)."""
         if self.scratch_fd is None:
             return -1
         st = os.fstatvfs(self.scratch_fd)
-        return st.f_bavail * st.f_frsize
+        return st.f_bavail * st.f_frsize if st.f_favail > 16 else 0
 
     def handle(self, msg: dict[str, Any], payload: bytes, fds: list[int]) -> None:
         op = msg.get("op")
@@ -331,10 +339,12 @@ class Holder:
             elif op == "pty":
                 self.start_pty(msg)
             elif op == "put":
-                _extract(payload)
+                _put(fds[0] if fds else None, payload)
                 send(self.sock, {"ok": True})
             elif op == "read":
                 send(self.sock, {"ok": True}, _read_regular(msg["path"]))
+            elif op == "changes":
+                send(self.sock, {"ok": True, "changes": _system_changes(self.scratch_fd)})
             elif op == "mkdirs":
                 os.makedirs(msg["path"], exist_ok=True)
                 send(self.sock, {"ok": True})
@@ -342,7 +352,7 @@ class Holder:
                 send(self.sock, {"error": f"unknown request {op!r}"})
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             send(self.sock, {"missing": True})
-        except (OSError, tarfile.TarError, ValueError) as err:
+        except (OSError, ValueError) as err:
             if isinstance(err, OSError) and err.errno == errno.ELOOP and op == "read":
                 send(self.sock, {"missing": True})  # a symbolic link where a file was asked for
             else:
@@ -439,10 +449,40 @@ def _exit_code(status: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _extract(payload: bytes) -> None:
-    with tarfile.open(fileobj=io.BytesIO(payload)) as tar:
-        kw = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
-        tar.extractall("/", numeric_owner=True, **kw)
+def _put(fd: int | None, payload: bytes) -> None:
+    """Unpack a tar into the attempt's root: read from the pipe ``fd`` as it comes (the host writes it),
+    or ``payload``; every path resolved inside the root, no device node made (``extract``)."""
+    if fd is None:
+        extract.unpack(io.BytesIO(payload), "/")
+        return
+    with os.fdopen(os.dup(fd), "rb", buffering=1 << 16) as stream:
+        try:
+            extract.unpack(stream, "/")
+        finally:
+            while stream.read(1 << 16):  # drain what is left, so the writer is never stuck
+                pass
+
+
+def _system_changes(scratch_fd: int | None, shown: int = 20, scanned: int = 5000) -> list[str]:
+    """What the attempt wrote over the image's system paths (/usr, /etc, /bin, /lib ...): entries of its
+    writable layer there (a deletion is a whiteout), the first ``shown`` of them and how many in all."""
+    if scratch_fd is None:
+        return []
+    found: list[str] = []
+    for name in TOOLCHAIN:
+        try:
+            st = os.stat(f"u/{name}", dir_fd=scratch_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            found.append(f"/{name}")
+            continue
+        for top, _dirs, files, _fd in os.fwalk(f"u/{name}", dir_fd=scratch_fd):
+            found += [f"{top[1:]}/{entry}" for entry in files]  # a deletion is a whiteout: a file too
+            if len(found) > scanned:
+                break
+    total = len(found)
+    return sorted(found)[:shown] + ([f"... {total - shown} more"] if total > shown else [])
 
 
 def _read_regular(path: str) -> bytes:

@@ -28,11 +28,8 @@ isolated backend and the container-engine backend both call it).
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
-import io
 import json
-import lzma
 import os
 import posixpath
 import re
@@ -47,7 +44,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from albatross.cache import images_root
-from albatross.sandbox import rootfs
+from albatross.sandbox import extract, rootfs
 from albatross.sandbox.build import EnvBuildError
 
 DEFAULT_REF = "python:3.11-slim-bookworm"  # the base of an environment without a Dockerfile
@@ -82,6 +79,8 @@ PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3"
                    "tzdata", "procps")
 _TBENCH = re.compile(r"^ghcr\.io/laude-institute/t-bench/(python-3-(\d+)|ubuntu-(\d+)-(\d+))(:.*)?$")
 MARKER = rootfs.MARKER
+MAX_IMAGE_BYTES = 64 << 30  # files of an imported image, all layers together
+MAX_JSON_BYTES = 16 << 20  # an index, manifest or config of an image archive
 
 
 @dataclass(frozen=True)
@@ -426,27 +425,53 @@ def _user_and_workdir(config: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 class _Archive:
-    """Read files of an OCI layout or a docker save archive, as a directory or a tar file."""
+    """Read files of an OCI layout or a docker save archive, as a directory or a tar file. A name the
+    manifest gives must be a file inside the archive: no absolute path, no ``..``, no symbolic link."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.tar = None if self.path.is_dir() else tarfile.open(self.path, "r:*")
 
     def read(self, name: str) -> bytes:
-        if self.tar is None:
-            return (self.path / name).read_bytes()
-        member = self.tar.extractfile(name.removeprefix("./"))
-        if member is None:
-            raise EnvBuildError(f"{self.path}: {name} is not a file")
-        return member.read()
+        """A small file of the archive (an index, a manifest, a config), whole."""
+        with self.open(name) as f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise EnvBuildError(f"{self.path}: {name} is larger than {MAX_JSON_BYTES >> 20} MiB")
+        return data
 
     def exists(self, name: str) -> bool:
-        if self.tar is None:
-            return (self.path / name).is_file()
-        return name in self.tar.getnames()
+        try:
+            self.open(name).close()
+        except (EnvBuildError, OSError, KeyError):
+            return False
+        return True
 
     def open(self, name: str) -> IO[bytes]:
-        return io.BytesIO(self.read(name))
+        """A stream of the file ``name`` of the archive (not read into memory)."""
+        parts = [p for p in name.split("/") if p not in ("", ".")]
+        if name.startswith("/") or ".." in parts or not parts:
+            raise EnvBuildError(f"{self.path}: the manifest names {name!r}, outside the archive")
+        if self.tar is not None:
+            member = self.tar.extractfile("/".join(parts))
+            if member is None:
+                raise EnvBuildError(f"{self.path}: {name} is not a file")
+            return member  # type: ignore[return-value]
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in parts[:-1]:
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = child
+            leaf = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as err:  # missing, or a link: not a file of the archive
+            raise OSError(err.errno, f"{name}: not a file inside the archive ({err.strerror})") from None
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(os.fstat(leaf).st_mode):
+            os.close(leaf)
+            raise EnvBuildError(f"{self.path}: {name} is not a regular file inside the archive")
+        return os.fdopen(leaf, "rb")
 
     def close(self) -> None:
         if self.tar is not None:
@@ -497,11 +522,14 @@ def image_tags(path: Path) -> list[str]:
         archive.close()
 
 
-def import_image(path: Path, tag: str, log: Callable[[str], None] | None = None) -> Base:
+def import_image(path: Path, tag: str, log: Callable[[str], None] | None = None,
+                 max_bytes: int = MAX_IMAGE_BYTES) -> Base:
     """Unpack the image at ``path`` (OCI layout directory or tar, or docker save archive) into the cache
-    and tag it ``tag``: layers in order, whiteouts honoured, env from the image config; its ``User`` and
-    ``WorkingDir`` are recorded with the tag (the WorkingDir is made, root's, if no layer has it, as
-    Docker makes it when a container starts). The key is the config's digest, which covers all three."""
+    and tag it ``tag``: layers in order, streamed (never whole in memory), whiteouts honoured, nothing
+    written outside the root (``extract``), no device node made, at most ``max_bytes`` of files in all;
+    env from the image config; its ``User`` and ``WorkingDir`` are recorded with the tag (the WorkingDir
+    is made, root's, if no layer has it, as Docker makes it when a container starts). The key is the
+    config's digest, which covers all three."""
     archive = _Archive(Path(path))
     try:
         config, layers, _tags, image_id = _read_image(archive)
@@ -511,10 +539,12 @@ def import_image(path: Path, tag: str, log: Callable[[str], None] | None = None)
 
         def unpack(tmp: Path) -> dict[str, Any]:
             tmp.mkdir(parents=True, exist_ok=True)
+            left = max_bytes
             for name in layers:
-                apply_layer(tmp, archive.open(name))
+                with archive.open(name) as stream:
+                    left -= apply_layer(tmp, stream, extract.Bounds(max_bytes=left)).bytes
             if workdir is not None:
-                _inside(tmp, workdir).mkdir(mode=0o755, parents=True, exist_ok=True)
+                extract.make_dirs(tmp, workdir)
             return {"source": str(path), "env": env, "image": image_id, "user": user, "workdir": workdir}
 
         root = rootfs.build_once(images_dir() / key, unpack)
@@ -531,87 +561,14 @@ def import_image(path: Path, tag: str, log: Callable[[str], None] | None = None)
                 workdir)
 
 
-def _decompress(stream: IO[bytes]) -> IO[bytes]:
-    head = stream.read(6)
-    stream.seek(0)
-    if head[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=stream)  # type: ignore[return-value]
-    if head == b"\xfd7zXZ\x00":
-        return lzma.LZMAFile(stream)  # type: ignore[return-value]
-    if head[:4] == b"\x28\xb5\x2f\xfd":
-        raise EnvBuildError("zstd-compressed layers are not supported (re-export the image with gzip)")
-    return stream
-
-
-def apply_layer(root: Path, stream: IO[bytes]) -> None:
-    """Apply one layer tar to ``root``: whiteouts first (``.wh.NAME`` deletes NAME, ``.wh..wh..opq``
-    empties the directory of what lower layers put there), then the entries, never outside ``root``."""
-    data = io.BytesIO(_decompress(stream).read())
-    with tarfile.open(fileobj=data, mode="r:") as tar:
-        members = tar.getmembers()
-        for member in members:
-            base = os.path.basename(member.name.rstrip("/"))
-            if not base.startswith(".wh."):
-                continue
-            parent = _inside(root, os.path.dirname(member.name.rstrip("/")))
-            if base == ".wh..wh..opq":
-                if parent.is_dir() and not parent.is_symlink():
-                    for child in parent.iterdir():
-                        _remove(child)
-            else:
-                _remove(parent / base[len(".wh."):])
-        for member in members:
-            if not os.path.basename(member.name.rstrip("/")).startswith(".wh."):
-                _extract(root, member, tar)
-
-
-def _inside(root: Path, name: str) -> Path:
-    """``root/name``, refusing names that climb out or pass through a link leading out of ``root``."""
-    parts = [p for p in Path(name.lstrip("/")).parts if p not in (".", "")]
-    if ".." in parts:
-        raise EnvBuildError(f"layer entry {name!r} climbs out of the image")
-    path = root.joinpath(*parts) if parts else root
-    real_parent = os.path.realpath(path.parent) if parts else str(root)
-    if not (real_parent + "/").startswith(str(root.resolve()) + "/") and real_parent != str(root.resolve()):
-        raise EnvBuildError(f"layer entry {name!r} passes through a link out of the image")
-    return path
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.is_symlink() or path.exists():
-        path.unlink()
-
-
-def _extract(root: Path, member: tarfile.TarInfo, tar: tarfile.TarFile) -> None:
-    path = _inside(root, member.name)
-    if path == root:
-        return
-    if os.path.lexists(path) and not (member.isdir() and path.is_dir() and not path.is_symlink()):
-        _remove(path)
-    uid, gid, mode = member.uid, member.gid, stat.S_IMODE(member.mode)
-    if member.isdir():
-        path.mkdir(parents=True, exist_ok=True)
-    elif member.issym():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(member.linkname, path)
-    elif member.islnk():
-        os.link(_inside(root, member.linkname), path)
-    elif member.isfile():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        source = tar.extractfile(member)
-        with open(path, "wb") as out:
-            shutil.copyfileobj(source, out)  # type: ignore[misc]
-    elif member.ischr() or member.isblk() or member.isfifo():
-        kind = stat.S_IFCHR if member.ischr() else stat.S_IFBLK if member.isblk() else stat.S_IFIFO
-        os.mknod(path, mode | kind, os.makedev(member.devmajor, member.devminor))
-    else:
-        return
-    if os.geteuid() == 0:
-        os.lchown(path, uid, gid)
-    if not member.issym():
-        os.chmod(path, mode)
+def apply_layer(root: Path, stream: IO[bytes], bounds: extract.Bounds | None = None) -> extract.Unpacked:
+    """Apply one layer tar (plain, gzip or xz; streamed) to ``root``: ``.wh.NAME`` deletes NAME,
+    ``.wh..wh..opq`` empties the directory of what lower layers put there, every path resolved inside
+    ``root`` without following a link out of it, no device node made (``extract.unpack``)."""
+    try:
+        return extract.unpack(stream, str(root), whiteouts=True, bounds=bounds or extract.Bounds())
+    except extract.UnsafeArchive as err:
+        raise EnvBuildError(f"image layer: {err}") from None
 
 
 # ---- the cache -----------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ _KEYCTL_JOIN_SESSION_KEYRING = 1
 # New mount API; the numbers are the same on every architecture (unified syscall table).
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
 _OPEN_TREE_CLONE, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = 1, 0x1000, 4
+_AT_RECURSIVE, _AT_SYMLINK_NOFOLLOW = 0x8000, 0x100
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
 _MOUNT_ATTR_IDMAP = 0x00100000
 _AT_FDCWD = -100
 
@@ -114,9 +116,10 @@ def pivot_root_here() -> None:
     os.chdir("/")
 
 
-def idmapped_mount(source: str, target: str, userns_fd: int) -> None:
+def idmapped_mount(source: str, target: str, userns_fd: int, readonly: bool = False) -> None:
     """Mount a clone of ``source`` (one file system, not its sub-mounts) at ``target`` with its owners
-    shifted by the user namespace's mapping: host uid 0 appears as the namespace's uid 0."""
+    shifted by the user namespace's mapping: host uid 0 appears as the namespace's uid 0 (``readonly``:
+    and read-only, nosuid, nodev)."""
     fd = _check(
         _libc.syscall(
             ctypes.c_long(_SYS_OPEN_TREE),
@@ -127,7 +130,8 @@ def idmapped_mount(source: str, target: str, userns_fd: int) -> None:
         f"open_tree {source}",
     )
     try:
-        attr = ctypes.create_string_buffer(struct.pack("QQQQ", _MOUNT_ATTR_IDMAP, 0, 0, userns_fd), 32)
+        flags = _MOUNT_ATTR_IDMAP | (_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV if readonly else 0)
+        attr = ctypes.create_string_buffer(struct.pack("QQQQ", flags, 0, 0, userns_fd), 32)
         _check(
             _libc.syscall(
                 ctypes.c_long(_SYS_MOUNT_SETATTR),
@@ -152,6 +156,34 @@ def idmapped_mount(source: str, target: str, userns_fd: int) -> None:
         )
     finally:
         os.close(fd)
+
+
+def clone_tree(path: str, recursive: bool = True, readonly: bool = False, userns_fd: int | None = None) -> int:
+    """A detached copy of the mount tree at ``path`` (``open_tree`` clone; with its sub-mounts when
+    ``recursive``; ``readonly``: read-only, nosuid, nodev; ``userns_fd``: owners shifted by that user
+    namespace, as ``idmapped_mount``), as a descriptor to ``attach_tree`` elsewhere, even in another mount
+    namespace. A file works as well as a directory."""
+    flags = _OPEN_TREE_CLONE | os.O_CLOEXEC | (_AT_RECURSIVE if recursive else 0) | _AT_SYMLINK_NOFOLLOW
+    fd = _check(_libc.syscall(ctypes.c_long(_SYS_OPEN_TREE), ctypes.c_int(_AT_FDCWD), path.encode(),
+                              ctypes.c_uint(flags)), f"open_tree {path}")
+    attrs = (_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV if readonly else 0)
+    attrs |= _MOUNT_ATTR_IDMAP if userns_fd is not None else 0
+    if attrs:
+        attr = ctypes.create_string_buffer(struct.pack("QQQQ", attrs, 0, 0, userns_fd or 0), 32)
+        try:
+            _check(_libc.syscall(ctypes.c_long(_SYS_MOUNT_SETATTR), ctypes.c_int(fd), b"",
+                                 ctypes.c_uint(_AT_EMPTY_PATH | (_AT_RECURSIVE if recursive else 0)), attr,
+                                 ctypes.c_size_t(32)), f"read-only {path}")
+        except OSError:
+            os.close(fd)
+            raise
+    return fd
+
+
+def attach_tree(fd: int, target: str) -> None:
+    """Mount the detached tree ``fd`` (``clone_tree``) at ``target`` of the current mount namespace."""
+    _check(_libc.syscall(ctypes.c_long(_SYS_MOVE_MOUNT), ctypes.c_int(fd), b"", ctypes.c_int(_AT_FDCWD),
+                         target.encode(), ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount to {target}")
 
 
 def loopback_up() -> None:

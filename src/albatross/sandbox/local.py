@@ -2,8 +2,9 @@
 
 Layout of one attempt::
 
-    /            overlay: lowerdir=<parent layer>:<base root> (read-only), upper+work on a tmpfs of
-                 ``limits.disk_mb`` (the disk-write limit, shared with /tmp, /run and /dev/shm)
+    /            overlay (nodev): lowerdir=<parent layer>:<base root> (read-only), upper+work on a tmpfs of
+                 ``limits.disk_mb`` (the disk-write limit, shared with /tmp, /run and /dev/shm; its file
+                 table is 256 files per MiB)
     /proc /sys   the attempt's own procfs (pid namespace) and read-only sysfs (net namespace: only lo)
     /dev         null zero full random urandom tty, /dev/pts (new instance), /dev/shm
     hidden       on the host's root (``base="host"``): /work /root /home /tmp /var/tmp /run /mnt /media
@@ -18,8 +19,9 @@ owns none of the attempt's other namespaces and is charged to a host uid of its 
 counts such as inotify instances are per attempt): root inside can own files and kill its own
 processes, but cannot mount, reconfigure the network, or touch anything on the host as root. Every
 command runs under the seccomp filter of ``seccomp.py`` and in a session keyring of its attempt.
-Before verification ``kill_all`` ends every process of the attempt and ``exec_clean`` runs the
-verifier as a fresh process with the image's environment only. When the image has a ``USER`` (the last
+Before verification ``kill_all`` ends every process of the attempt and ``verify`` runs the verifier
+as a fresh process with the image's environment only, in a mount namespace of its own with the pristine
+image's tools (``verifier.py``). When the image has a ``USER`` (the last
 stage's, resolved once per environment in the built image's /etc/passwd and /etc/group), every command
 of an attempt (agent, oracle, verifier) runs as that user, with its groups and HOME, as ``docker exec``
 does; builds, tars and reads stay root. Without user namespaces, commands run
@@ -30,9 +32,10 @@ Parents: a parent is built once per distinct environment (files, base, hidden pa
 whose overlay upper directory is the parent's layer applies the Dockerfile (COPY through a tar, WORKDIR,
 RUN with ``bash -c``); the layer is then frozen and becomes the top lower layer of every attempt forked
 from it. The base under it is the image the Dockerfile's ``FROM`` names (``images.resolve_base``; a
-multi-stage Dockerfile builds each earlier stage first, for ``COPY --from``). Builds on an image base
-have the host's network (package managers: apt, pip, npm) with shared download caches bind-mounted
-(``build_caches``); attempts never have a network.
+multi-stage Dockerfile builds each earlier stage first, for ``COPY --from``). Builds run in a network
+namespace of their own and reach the package registries through the egress proxy (``egress.py``,
+``buildnet.py``: per-environment download caches, the host's CA bundle read-only); an attempt reaches
+what its network policy (``Limits.network``) allows, through the same proxy.
 
 Speed: the zygote keeps network namespaces ready; the backend keeps ``warm`` attempts of each recently
 forked (parent, workdir, limits) ready in the background, so a fork usually takes an attempt that is
@@ -54,12 +57,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import json
 import logging
 import os
-import re
 import select
 import shutil
 import signal
@@ -75,8 +76,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from albatross.cache import cache_root, images_root
-from albatross.sandbox import cgroups, dockerfile, images, rootfs, wire
+from albatross.cache import cache_root
+from albatross.sandbox import buildnet, cgroups, dockerfile, egress, images, rootfs, wire
 from albatross.sandbox.base import (
     LIMIT_ATTEMPT_TIMEOUT,
     LIMIT_DISK,
@@ -84,12 +85,15 @@ from albatross.sandbox.base import (
     LIMIT_OUTPUT,
     LIMIT_PIDS,
     LIMIT_TIMEOUT,
+    AttemptBroken,
     ExecResult,
     ForkError,
     Limits,
     Output,
     SandboxDied,
     SandboxError,
+    VerifierExec,
+    VerifierSpec,
     closed_at_exit,
     pick_limit,
 )
@@ -100,19 +104,19 @@ from albatross.sandbox.build import (
     Parent,
     UserIds,
     apply_dockerfile,
-    dir_tar,
     needs_builder,
     resolve_user,
     state_script,
-    task_allows_internet,
     task_dir_of,
+    write_dir_tar,
 )
-from albatross.sandbox.dockerfile import Instruction, Run, parse_dockerfile
+from albatross.sandbox.buildnet import needed_host
+from albatross.sandbox.dockerfile import Instruction, parse_dockerfile
 from albatross.sandbox.faults import FAULT_DIE, FAULT_FORK, FaultInjector
 from albatross.sandbox.holder import STATE_FILE
 from albatross.sandbox.zygote import Zygote, ZygoteDied
 
-__all__ = ["EnvBuildError", "LocalAttempt", "LocalBackend", "local_available", "userns_available"]
+__all__ = ["EnvBuildError", "LocalAttempt", "LocalBackend", "local_available", "needed_host", "userns_available"]
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +173,9 @@ class LocalAttempt:
         self.first_output_at: float | None = None  # perf_counter() when the last command first wrote
         self.image_env: dict[str, str] = {"PATH": DEFAULT_PATH, "HOME": "/root"}  # for exec_clean
         self.user: UserIds | None = None  # the image's USER every command runs as (None: root)
+        self.network = egress.NONE  # its network policy (the egress proxy serves it unless none)
+        self.lowers: list[str] = []  # the pristine image under its writable layer (paths in its zygote)
+        self.broken = ""  # why the attempt's own doing killed its sandbox (out of memory); "" while it lives
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def activate(self) -> None:
@@ -201,6 +208,99 @@ class LocalAttempt:
         """Run ``command`` as a fresh ``bash --noprofile --norc -c`` with the image's environment only."""
         return self.run_argv(["/bin/bash", "--noprofile", "--norc", "-c", command], dict(self.image_env), cwd,
                              timeout_s)
+
+    def verify(self, spec: VerifierSpec) -> VerifierExec:
+        """Run the verifier in a mount namespace of its own (``verifier.py``): the pristine image's tools
+        (``spec.toolchain``), the attempt's working state, its own /tests, reward directory and toolkit;
+        test.sh is a command of the attempt (its namespaces, cgroups, limits, seccomp filter, user)."""
+        if self.broken:
+            raise AttemptBroken(self.broken)
+        try:
+            return self._verify(spec)
+        except SandboxDied as err:
+            if isinstance(err, AttemptBroken) or not self._killed_by_itself():
+                raise
+            self.broken = self.broken or f"the attempt's sandbox was killed when it ran out of memory ({err})"
+            raise AttemptBroken(self.broken) from err
+
+    def _verify(self, spec: VerifierSpec) -> VerifierExec:
+        with self._lock:
+            self._check_open()
+            self._skip_ready()  # the holder's root must be complete before the verifier looks at it
+            changes = self._system_changes() if spec.toolchain == "attempt" else []
+            group = self._cgroups.new_group("cv")
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            read_fd, write_fd = os.pipe()
+            user = None if self.user is None else [self.user.uid, self.user.gid, list(self.user.groups)]
+            puts = [[str(spec.toolkit[0]), spec.toolkit[1], False]] if spec.toolkit is not None else []
+            msg = {"op": "verify", "holder": self.pid, "lowers": self.lowers, "toolchain": spec.toolchain,
+                   "cgroups": [str(self._cgroups.memory), str(group), str(self._cgroups.cpu or "")],
+                   "user": user, "isolate": spec.keep_agent_processes, "env": {**self.image_env, **spec.env},
+                   "argv": ["/bin/bash", "--noprofile", "--norc", "-c", spec.command], "cwd": spec.cwd,
+                   "tests_dir": str(spec.tests_dir), "tests_path": spec.tests_path, "reward_dir": spec.reward_dir,
+                   "puts": puts, "reads": list(spec.reads), "disk_mb": self.limits.disk_mb}
+            start = time.monotonic()
+            try:
+                try:
+                    pid = self.zygote.request(msg, fds=[theirs.fileno(), write_fd])["pid"]
+                finally:
+                    theirs.close()
+                    os.close(write_fd)
+                reply, payload, out, timed_out = self._verifier_report(ours, read_fd, pid, start + spec.timeout_s)
+            finally:
+                ours.close()
+                os.close(read_fd)
+                self._cgroups.kill(group.name)  # what test.sh left running
+        if "error" in reply:
+            raise self._died(RuntimeError(f"the verifier could not start: {reply['error']}"))
+        files, offset = {}, 0
+        for path, size in reply.get("files", {}).items():
+            files[path] = None if size is None else payload[offset:offset + size]
+            offset += size or 0
+        code = -1 if timed_out else int(reply.get("exit", -1))
+        run = ExecResult(out.text(), code, timed_out, time.monotonic() - start, out.dropped,
+                         LIMIT_TIMEOUT if timed_out else "")
+        return VerifierExec(run, files, changes)
+
+    def _verifier_report(self, sock: socket.socket, read_fd: int, pid: int, deadline: float
+                         ) -> tuple[dict[str, Any], bytes, Output, bool]:
+        """The verifier's output and report; past ``deadline`` its processes are killed (timed out)."""
+        out = Output(self.limits.max_output_bytes)
+        poller = select.poll()
+        poller.register(read_fd, select.POLLIN)
+        poller.register(sock, select.POLLIN)
+        timed_out, give_up = False, 0.0
+        while True:
+            for fd, _event in poller.poll(max(0.0, min(deadline - time.monotonic(), 1.0)) * 1000):
+                if fd == read_fd:
+                    data = os.read(read_fd, 1 << 16)
+                    out.add(data) if data else poller.unregister(read_fd)
+                else:
+                    try:
+                        reply, payload, _fds = wire.recv(sock)
+                    except (EOFError, OSError) as err:
+                        raise self._died(err) from err
+                    os.set_blocking(read_fd, False)
+                    with contextlib.suppress(BlockingIOError):
+                        while data := os.read(read_fd, 1 << 16):
+                            out.add(data)
+                    return reply, payload, out, timed_out
+            now = time.monotonic()
+            if now >= deadline:
+                if not timed_out:
+                    timed_out, give_up = True, now + 10.0
+                elif now > give_up:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    raise SandboxDied(f"attempt {self.id}: the verifier did not end after its timeout")
+                self._cgroups.kill("cv")
+                deadline = now + 0.2
+
+    def _system_changes(self) -> list[str]:
+        """The attempt's changes under /usr, /etc, /bin, /lib ... (what it wrote over the image)."""
+        self._send({"op": "changes"})
+        reply = self._reply()[0]
+        return list(reply.get("changes", []))
 
     def kill(self) -> None:
         """Kill the sandbox now, as if it had crashed (fault injection; ``close`` still cleans up)."""
@@ -270,9 +370,29 @@ class LocalAttempt:
 
     def run_argv(self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
                  ) -> ExecResult:
-        """Run ``argv`` with exactly ``env`` in ``cwd`` (no shell state); used for builds."""
+        """Run ``argv`` with exactly ``env`` in ``cwd`` (no shell state); used for builds. A sandbox that its
+        own commands killed (they ran it out of memory) answers every command so, as a command that was
+        killed by the memory limit, instead of failing as an infrastructure error would."""
+        try:
+            return self._run_argv(argv, env, cwd, timeout_s)
+        except SandboxDied as err:
+            if not self._killed_by_itself():
+                raise
+            if not self.broken:
+                self.broken = f"the attempt's sandbox was killed when it ran out of memory ({err})"
+            return ExecResult(f"albatross: {self.broken}\n", 137, False, 0.0, 0, LIMIT_OOM)
+
+    def _killed_by_itself(self) -> bool:
+        """The holder is gone, its zygote lives, and the attempt's memory limit has killed a process."""
+        gone = self._pidfd is None or _wait_readable(self._pidfd, 0.5)
+        return gone and (self.zygote is None or self.zygote.alive()) and self._cgroups.oom_kills() > 0
+
+    def _run_argv(self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
+                  ) -> ExecResult:
         with self._lock:
             self._check_open()
+            if self.broken:
+                raise SandboxDied(self.broken)
             start = time.monotonic()
             crowded = self._at_pids_limit()
             if crowded:  # background processes filled the process table: contain them first
@@ -372,11 +492,36 @@ class LocalAttempt:
         return reply, data, fds
 
     def put_dir(self, host_dir: Path, sandbox_path: str) -> None:
-        """Copy the contents of ``host_dir`` into the attempt at ``sandbox_path``."""
+        """Copy the contents of ``host_dir`` into the attempt at ``sandbox_path`` (streamed)."""
         host_dir = Path(host_dir)
         if not host_dir.is_dir():
             raise FileNotFoundError(f"put_dir: {host_dir} is not a directory")
-        self._call({"op": "put"}, dir_tar(host_dir, sandbox_path))
+        self.put_stream(lambda out: write_dir_tar(out, host_dir, sandbox_path))
+
+    def put_stream(self, write: Callable[[Any], None]) -> None:
+        """Extract into the attempt the tar that ``write(out)`` writes to ``out``: a pipe the holder reads
+        as it unpacks, so the tar is never held whole on either side. An exception of ``write`` (a COPY
+        past its budget) is raised once the holder has let go."""
+        with self._lock:
+            self._check_open()
+            read_fd, write_fd = os.pipe()
+            try:
+                self._send({"op": "put", "stream": True}, fds=[read_fd])
+            finally:
+                os.close(read_fd)
+            failed: BaseException | None = None
+            with os.fdopen(write_fd, "wb", buffering=1 << 16) as out:
+                try:
+                    write(out)
+                except BrokenPipeError:
+                    pass  # the holder stopped reading: its reply says why
+                except BaseException as err:  # noqa: BLE001 - re-raised below, after the reply
+                    failed = err
+            reply = self._reply()[0]
+        if failed is not None:
+            raise failed
+        if "error" in reply:
+            raise SandboxError(f"attempt {self.id}: {reply['error']}")
 
     def put_tar(self, data: bytes) -> None:
         """Extract an uncompressed tar (member names relative to /) into the attempt."""
@@ -574,11 +719,14 @@ class LocalBackend:
         fail_rate: float = 0.0,
         fault_seed: int | None = None,
         images_dir: str | Path | None = None,
+        registries: Iterable[str] | None = None,
     ) -> None:
         """``hide_paths``: extra host paths made empty in every sandbox (e.g. the run directory).
-        ``allow_internet``: network for Dockerfile RUN steps: None follows the task's task.toml
-        ``[environment] allow_internet``, except on an image base, where builds always have the host's
-        network (package managers); attempts never have it. ``base``: "image" (the Dockerfile's FROM,
+        ``allow_internet``: False builds with no network at all; otherwise RUN steps reach the package
+        registries (``registries``; any host when the attempt's policy is ``open``) through the egress
+        proxy, in a network namespace of their own. An attempt's network is its ``Limits.network``.
+        ``registries``: the hosts of the ``registries`` policy (default: ``[sandbox] registries``; the
+        host's Debian mirror and index hosts are added). ``base``: "image" (the Dockerfile's FROM,
         built by ``images.resolve_base``), "debian" (one cached bookworm) or "host" (the host's own root:
         NOT isolated from the host's files; warns). ``images_dir``: OCI layouts / docker save archives
         a FROM may name (``[sandbox] images``).
@@ -589,6 +737,12 @@ class LocalBackend:
             raise ValueError(f"unknown sandbox base {base!r}; choose one of {list(rootfs.BASES)}")
         self.hide_paths = [*HIDDEN_PATHS, *(str(Path(p).resolve()) for p in hide_paths)]
         self.allow_internet, self.base = allow_internet, base
+        if registries is None:
+            from albatross.config import default
+
+            registries = default("sandbox", "registries")
+        self.registries = buildnet.registry_hosts(registries)
+        self._egress: egress.EgressProxy | None = None  # started when a sandbox first needs it
         if base == "host":
             log.warning("sandbox base \"host\": every attempt reads the host's own root file system (/etc, "
                         "installed software, /etc/shadow): NOT isolated from the host's files; use base "
@@ -671,7 +825,7 @@ class LocalBackend:
         return attempt
 
     def _fork_once(self, env_dir: Path | None, workdir: str, limits: Limits) -> tuple[LocalAttempt, _Spec]:
-        parent = self._prepare(env_dir)
+        parent = self._prepare(env_dir, limits.network, limits.build_timeout_s)
         spec = _Spec(parent.key, parent.workdir or workdir, limits)
         return self._pool.take(spec) or self._make_attempt(spec), spec
 
@@ -680,13 +834,20 @@ class LocalBackend:
         parent = zygote.parents.get(spec.parent_key)
         if parent is None:  # built by a zygote that has died since: the next fork rebuilds it
             raise ZygoteDied(f"environment {spec.parent_key[:12]} is not built on the fresh sandbox zygote")
-        env, ids = parent.attempt_env(), parent.ids
+        policy = spec.limits.network
+        env = {**parent.attempt_env(), **egress.proxy_env(policy)}
+        binds: list[list[Any]] = []
+        if policy != egress.NONE:  # the host's CA bundle, read-only: TLS may pass a proxy only the host trusts
+            trust = buildnet.host_trust()
+            env.update({buildnet.NETWORK_VAR: "1", **trust.env})
+            binds = [list(b) for b in trust.binds]
+        ids = parent.ids
         lower = [parent.layer, *zygote.lowers[spec.parent_key]]
         user = None if ids is None else [ids.uid, ids.gid, list(ids.groups)]
         attempt = self._spawn(zygote, spec.limits, {"lower": lower, "upper": None, "work": None, "new_net": True,
-                                                    "workdir": spec.workdir, "user": user,
-                                                    "state": state_script(env, spec.workdir)})
-        attempt.image_env, attempt.user = env, ids
+                                                    "workdir": spec.workdir, "user": user, "proxy": policy,
+                                                    "binds": binds, "state": state_script(env, spec.workdir)})
+        attempt.image_env, attempt.user, attempt.lowers = env, ids, lower
         return attempt
 
     def _spawn(self, zygote: Zygote, limits: Limits, cfg: dict[str, Any]) -> LocalAttempt:
@@ -697,22 +858,37 @@ class LocalBackend:
                "cpu_cgroup": str(groups.cpu or "")}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            pid = zygote.request({"op": "spawn", "cfg": cfg}, fds=[theirs.fileno()])["pid"]
+            reply, fds = zygote.request_fds({"op": "spawn", "cfg": cfg}, fds=[theirs.fileno()])
         except BaseException:
             ours.close()
             groups.remove()
             raise
         finally:
             theirs.close()
+        pid = reply["pid"]
         groups.holder = pid
         attempt = LocalAttempt(self, attempt_id, ours, pid, groups, limits, zygote)
+        policy = cfg.get("proxy") or egress.NONE
+        if fds:  # the proxy's listening socket, made in the attempt's network namespace
+            self._proxy().serve(socket.socket(fileno=fds[0]), policy, attempt_id)
+            attempt.network = policy
         with self._lock:
             self._attempts.add(attempt)
         return attempt
 
+    def _proxy(self) -> egress.EgressProxy:
+        """The egress proxy of this backend's sandboxes (started on first use)."""
+        with self._lock:
+            if self._egress is None:
+                self._egress = egress.EgressProxy(self.registries)
+            return self._egress
+
     def _forget(self, attempt: LocalAttempt) -> None:
         with self._lock:
             self._attempts.discard(attempt)
+            proxy = self._egress if attempt.network != egress.NONE else None
+        if proxy is not None:
+            proxy.forget(attempt.id)
 
     def live_attempts(self) -> int:
         with self._lock:
@@ -760,18 +936,23 @@ class LocalBackend:
         return instructions
 
     # ---- parents ----------------------------------------------------------------------------------------
-    def prepare(self, env_dir: Path | None) -> Parent:
-        """Build (once) and return the parent for ``env_dir``; safe to call from many threads."""
-        return self._retrying(lambda: self._prepare(env_dir))
+    def prepare(self, env_dir: Path | None, network: str = egress.NONE, build_timeout_s: float | None = None
+                ) -> Parent:
+        """Build (once) and return the parent for ``env_dir``, for attempts of network policy ``network``
+        (its builds reach the registries; any host for ``open``), the whole build within
+        ``build_timeout_s`` (default: the backend's); safe to call from many threads."""
+        egress.check_policy(network)
+        return self._retrying(lambda: self._prepare(env_dir, network, build_timeout_s))
 
-    def _prepare(self, env_dir: Path | None) -> Parent:
+    def _prepare(self, env_dir: Path | None, network: str = egress.NONE, build_timeout_s: float | None = None
+                 ) -> Parent:
         """The parent for ``env_dir`` in the current zygote (built there once: a fresh zygote after a
         restart builds it again). Raises ``ZygoteDied`` if the zygote died meanwhile."""
         hide = self._hidden(env_dir)
         instructions = self._instructions(env_dir)
         stages = _stages(instructions)
         bases = [self.base_for(stage.base) for stage in stages if stage.base_stage is None]
-        internet = self._build_network(env_dir)
+        internet = self._build_network(network)
         key = self._keys.get(env_dir, json.dumps([self.base, [b.key for b in bases], hide, internet]))
         parent = self._zyg().parents.get(key)
         if parent is not None:
@@ -782,7 +963,8 @@ class LocalBackend:
             zygote = self._zyg()
             parent = zygote.parents.get(key)
             if parent is None:
-                parent = self._build(zygote, Path(env_dir or "."), stages, key, hide, internet)
+                deadline = buildnet.Deadline(build_timeout_s or self.build_timeout_s)
+                parent = self._build(zygote, Path(env_dir or "."), stages, key, hide, internet, deadline)
                 with self._lock:
                     zygote.parents[key] = parent
             return parent
@@ -798,15 +980,13 @@ class LocalBackend:
             hide += sorted({str(Path(env_dir).resolve().parent), str(task_dir_of(env_dir))})
         return hide
 
-    def _build_network(self, env_dir: Path | None) -> bool:
-        """Whether RUN steps get the host's network: on an image base always (package managers), unless
-        ``allow_internet=False`` was given; on host/debian as the task says."""
-        if self.allow_internet is not None:
-            return self.allow_internet
-        return self.base == "image" or task_allows_internet(env_dir)
+    def _build_network(self, attempt_policy: str) -> str:
+        """The network policy of a build for attempts of ``attempt_policy``: the registries (any host for
+        ``open``), or none when the backend was made with ``allow_internet=False``."""
+        return egress.NONE if self.allow_internet is False else egress.build_policy(attempt_policy)
 
     def _build(self, zygote: Zygote, env_dir: Path, stages: list[Any], key: str, hide: list[str],
-               internet: bool) -> Parent:
+               internet: str, deadline: buildnet.Deadline) -> Parent:
         """Build every stage in order (each earlier one only for ``COPY --from``); the last is the parent."""
         roots: dict[str, str] = {}  # --from reference -> host path of that stage's (or image's) root
         built: dict[int, tuple[Parent, list[str]]] = {}
@@ -828,7 +1008,7 @@ class LocalBackend:
                     lowers = [self._base_lower(zygote, self.base_for(stage.base))]
                 stage_key = key if last else f"{key}-stage{stage.index}"
                 parent = self._build_stage(zygote, env_dir, stage, stage_key, hide if last else [], lowers,
-                                           internet, roots, made, below)
+                                           _BuildNet(internet, deadline, key), roots, made, below)
                 built[index] = (parent, lowers)
                 if not last and any(k.lower() in wanted for k in stage.ref_keys()):
                     merged = self._export_stage(zygote, stages, index, stage_key, built, exported)
@@ -889,7 +1069,7 @@ class LocalBackend:
         return str(dest)
 
     def _build_stage(self, zygote: Zygote, env_dir: Path, stage: Any, key: str, hide: list[str],
-                     lowers: list[str], internet: bool, roots: dict[str, str], made: list[str],
+                     lowers: list[str], net: _BuildNet, roots: dict[str, str], made: list[str],
                      below: Parent | None) -> Parent:
         """Build one stage into a new layer over ``lowers``: on its image's base (its env first), or on
         the earlier stage ``below`` (whose env and workdir it inherits, as in Docker)."""
@@ -904,25 +1084,34 @@ class LocalBackend:
         elif base is not None:  # an imported image's config User and WorkingDir, as Docker starts a stage
             parent.workdir, parent.user = base.workdir, base.user
         builder: LocalAttempt | None = None
-        caches = build_caches() if internet and self.base == "image" and needs_builder(stage.instructions) else None
+        online = net.policy != egress.NONE
+        caches = buildnet.BuildCaches(net.env_key) if online and needs_builder(stage.instructions) else None
         try:
+            runner = None
             if needs_builder(stage.instructions):
-                binds = caches.binds if caches is not None else []
+                binds = [list(b) for b in caches.binds] if caches is not None else []
                 builder = self._spawn(zygote, self.build_limits, {
-                    "lower": lowers, "upper": dirs["layer"], "work": dirs["work"], "new_net": not internet,
-                    "workdir": None, "state": "", "binds": binds})
-                if internet and self.base != "host":
-                    builder.put_tar(_resolv_conf_tar())
-            runner = _BuildRunner(builder, stage.instructions, env_dir, caches) if builder is not None else None
+                    "lower": lowers, "upper": dirs["layer"], "work": dirs["work"], "new_net": True,
+                    "proxy": net.policy, "workdir": None, "state": "", "binds": binds})
+                env = {**egress.proxy_env(net.policy), **(caches.env if caches is not None else {})}
+                proxy = self._proxy() if online else None
+                runner = buildnet.BuildRunner(builder, stage.instructions, env_dir, env, net.deadline,
+                                              (lambda: proxy.refused(builder.id)) if proxy else (lambda: []),
+                                              net.policy)
+            fetch = None
+            if online:
+                def fetch(url: str, out: Any, where: str) -> None:
+                    buildnet.download(url, net.policy, self.registries, out, where)
             apply_dockerfile(stage.instructions, parent, runner, env_dir, self.build_timeout_s,
-                             stages={ref: Path(root) for ref, root in roots.items()}, network=internet)
+                             stages={ref: Path(root) for ref, root in roots.items()}, fetch=fetch,
+                             copy_budget=self.build_limits.disk_mb << 20)
         finally:
             if builder is not None:
                 builder.close()
             if caches is not None:
                 caches.release()
-        for _, inside in (caches.binds if caches is not None and builder is not None else []):
-            zygote.request({"op": "rmtree", "path": f"{dirs['layer']}{inside}", "empty_only": True})
+        for bind in (caches.binds if caches is not None and builder is not None else []):
+            zygote.request({"op": "rmtree", "path": f"{dirs['layer']}{bind[1]}", "empty_only": True})
         zygote.request({"op": "rmtree", "path": dirs["work"]})
         return parent
 
@@ -936,7 +1125,20 @@ class LocalBackend:
             attempt.close()
         if zygote is not None:
             zygote.close()
+        with self._lock:
+            proxy, self._egress = self._egress, None
+        if proxy is not None:
+            proxy.close()
         self._pool = WarmPool(self._make_attempt, self._pool.size)
+
+
+@dataclass(frozen=True)
+class _BuildNet:
+    """What a build may reach (its network policy), until when, and its environment's caches' key."""
+
+    policy: str
+    deadline: buildnet.Deadline
+    env_key: str
 
 
 def _stages(instructions: list[Instruction]) -> list[dockerfile.Stage]:
@@ -945,172 +1147,6 @@ def _stages(instructions: list[Instruction]) -> list[dockerfile.Stage]:
     if not stages:
         return [dockerfile.Stage(0, None, images.DEFAULT_REF, list(instructions))]
     return stages
-
-
-# ---- build-time network: caches, package indexes, named failures -------------------------------------------
-
-APT_SLOTS = 4  # builders at once with an apt download cache of their own (apt locks its archive directory)
-PIP_CACHE = "/var/cache/albatross-pip"
-NPM_CACHE = "/var/cache/albatross-npm"
-CA_DIR = "/var/cache/albatross-ca"  # the host's CA bundle, for builds (a proxy's CA may be in it)
-CA_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-           "GIT_SSL_CAINFO", "npm_config_cafile")
-# What a RUN's output says when it needed a host this machine cannot reach (the host is group 1).
-_UNREACHABLE = [re.compile(p) for p in (
-    r"Could not resolve host:? '?([\w.-]+\.[a-z]{2,})",
-    r"Failed to connect to ([\w.-]+\.[a-z]{2,}) port",
-    r"unable to access '\w+://(?:[^@/']*@)?([\w.-]+)",
-    r"Could not resolve '([\w.-]+)'",
-    r"host='([\w.-]+)', port=\d+\).*(?:NameResolution|NewConnectionError|ConnectTimeout|Max retries)",
-    r"Resolving ([\w.-]+\.[a-z]{2,})[ .(].*failed",
-    r"unable to resolve host address .([\w.-]+)",
-    r"getaddrinfo (?:ENOTFOUND|EAI_AGAIN) ([\w.-]+)",
-    r"dial tcp: lookup ([\w.-]+)",
-)]
-
-
-_RESOLVER_ERRORS = ("Name or service not known", "Temporary failure in name resolution", "No address associated",
-                    "Network is unreachable", "Connection timed out", "nodename nor servname")
-_URL_HOST = re.compile(r"(?:\b[a-z+]+://(?:[^@/\s'\"]*@)?|\bgit@)([\w-]+(?:\.[\w-]+)+)")
-
-
-def needed_host(output: str, command: str = "") -> str | None:
-    """The host a failed RUN tried to reach and could not, or None: named by a resolver or connection
-    error in its output, else (the error names none) the first URL's host in the command."""
-    for line in output.splitlines():
-        for pattern in _UNREACHABLE:
-            match = pattern.search(line)
-            if match:
-                return match.group(1)
-    if any(marker in output for marker in _RESOLVER_ERRORS):
-        match = _URL_HOST.search(command)
-        if match:
-            return match.group(1)
-    return None
-
-
-class _Caches:
-    """Download caches shared by builds (``images_root()/build-cache``): apt's archive directory (one of
-    ``APT_SLOTS``, locked while a builder uses it), pip's and npm's caches; the host's package index
-    settings and its CA bundle (TLS to the registries may go through a proxy only the host trusts).
-    A rebuild finds its packages there. All of it is mounted in the builder only, never in the image."""
-
-    def __init__(self) -> None:
-        root = images_root() / "build-cache"
-        self._lock_file: Any = None
-        apt = None
-        for slot in range(APT_SLOTS):
-            path = root / f"apt-{slot}"
-            (path / "partial").mkdir(parents=True, exist_ok=True)
-            handle = open(root / f"apt-{slot}.lock", "w")  # noqa: SIM115 - released in release()
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                handle.close()
-                continue
-            self._lock_file, apt = handle, path
-            break
-        self.binds: list[tuple[str, str]] = [] if apt is None else [(str(apt), "/var/cache/apt/archives")]
-        for name, inside in (("pip", PIP_CACHE), ("npm", NPM_CACHE)):
-            (root / name).mkdir(parents=True, exist_ok=True)
-            self.binds.append((str(root / name), inside))
-        self.env = {"PIP_CACHE_DIR": PIP_CACHE, "npm_config_cache": NPM_CACHE, "ALBATROSS_BUILD_NETWORK": "1",
-                    **host_package_indexes()}
-        bundle = host_ca_bundle()
-        if bundle is not None:
-            ca = root / "ca"
-            ca.mkdir(parents=True, exist_ok=True)
-            if not (ca / "ca-certificates.crt").is_file() or (ca / "ca-certificates.crt").read_bytes() != bundle:
-                tmp = ca / f".tmp-{os.getpid()}-{threading.get_ident()}"
-                tmp.write_bytes(bundle)
-                tmp.rename(ca / "ca-certificates.crt")
-            self.binds.append((str(ca), CA_DIR))
-            self.env.update({var: f"{CA_DIR}/ca-certificates.crt" for var in CA_VARS})
-
-    def release(self) -> None:
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
-
-
-def build_caches() -> _Caches:
-    return _Caches()
-
-
-def host_ca_bundle() -> bytes | None:
-    """The host's CA bundle (``$SSL_CERT_FILE``, else Debian's), or None."""
-    for path in (os.environ.get("SSL_CERT_FILE", ""), "/etc/ssl/certs/ca-certificates.crt"):
-        with contextlib.suppress(OSError):
-            if path:
-                return Path(path).read_bytes()
-    return None
-
-
-def host_package_indexes() -> dict[str, str]:
-    """The host's pip and npm index settings that a build can use (http(s) URLs only: a ``file://`` index
-    or ``find-links`` directory of the host is not in the image)."""
-    import configparser
-
-    found: dict[str, str] = {}
-    parser = configparser.ConfigParser()
-    parser.read([Path("/etc/pip.conf"), Path.home() / ".config/pip/pip.conf", Path.home() / ".pip/pip.conf"])
-    for option, var in (("index-url", "PIP_INDEX_URL"), ("extra-index-url", "PIP_EXTRA_INDEX_URL"),
-                        ("trusted-host", "PIP_TRUSTED_HOST")):
-        value = os.environ.get(var) or parser.get("global", option, fallback="")
-        if var != "PIP_TRUSTED_HOST":
-            value = " ".join(u for u in value.split() if u.startswith(("http://", "https://")))
-        if value:
-            found[var] = value
-    npmrc = Path.home() / ".npmrc"
-    with contextlib.suppress(OSError):
-        for line in npmrc.read_text().splitlines():
-            key, _, value = line.partition("=")
-            if key.strip() == "registry" and value.strip().startswith(("http://", "https://")):
-                found["npm_config_registry"] = value.strip()
-    return found
-
-
-class _BuildRunner:
-    """The builder as ``apply_dockerfile`` sees it: RUN steps get the build caches' environment, and a
-    RUN that failed for want of a host this machine cannot reach is an ``EnvBuildError`` naming it."""
-
-    def __init__(self, builder: LocalAttempt, instructions: list[Instruction], env_dir: Path,
-                 caches: _Caches | None) -> None:
-        self._builder, self._env_dir, self._caches = builder, env_dir, caches
-        self._lines = {_command_text(i.command): i.line for i in instructions if isinstance(i, Run)}
-
-    def __getattr__(self, name: str) -> Any:  # mkdirs, put_tar, is_dir, ...: the builder's own
-        return getattr(self._builder, name)
-
-    def run_argv(self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
-                 ) -> ExecResult:
-        extra = self._caches.env if self._caches is not None else {}
-        result = self._builder.run_argv(argv, {**extra, **env}, cwd, timeout_s)
-        host = needed_host(result.output, " ".join(argv)) if result.exit_code != 0 else None
-        if host is not None:
-            line = next((n for text, n in self._lines.items() if text and text in " ".join(argv)), 0)
-            where = f"{self._env_dir / 'Dockerfile'}" + (f":{line}" if line else "")
-            lines = result.output.strip().splitlines() or [""]
-            evidence = next((ln for ln in lines if host in ln), lines[-1]).strip()[:200]
-            raise EnvBuildError(f"{where}: RUN needs {host}, which this machine cannot reach ({evidence})")
-        return result
-
-
-def _command_text(command: str | list[str]) -> str:
-    return command if isinstance(command, str) else " ".join(command)
-
-
-def _resolv_conf_tar() -> bytes:
-    import io
-    import tarfile
-
-    data = Path("/etc/resolv.conf").read_bytes() if Path("/etc/resolv.conf").is_file() else b""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        info = tarfile.TarInfo("etc/resolv.conf")
-        info.size, info.mode = len(data), 0o644
-        tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 # ---- availability probes -----------------------------------------------------------------------------------

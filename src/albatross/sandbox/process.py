@@ -42,7 +42,10 @@ from albatross.sandbox.base import (
     Output,
     SandboxDied,
     SandboxError,
+    VerifierExec,
+    VerifierSpec,
     pick_limit,
+    verify_in_place,
 )
 from albatross.sandbox.build import copy_tar, env_key
 from albatross.sandbox.dockerfile import Copy, Env, Run, Workdir, parse_dockerfile
@@ -103,6 +106,11 @@ class ProcessAttempt:
         where = self.host_path(cwd)
         return self._run(["bash", "--noprofile", "--norc", "-c", command], where if where.is_dir() else self.root,
                          timeout_s, _FIXED_PATH)
+
+    def verify(self, spec: VerifierSpec) -> VerifierExec:
+        """The verifier in the attempt itself (``base.verify_in_place``): this backend cannot give it a view
+        of its own, so its tools are the attempt's."""
+        return verify_in_place(self, spec)
 
     def kill_all(self) -> None:
         """Kill the process group of every command this attempt ran (best effort: no isolation)."""
@@ -235,7 +243,9 @@ class ProcessBackend:
         self._attempts: set[ProcessAttempt] = set()
         self._count = 0
 
-    def prepare(self, env_dir: Path | None) -> _Parent:
+    def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> _Parent:
+        """The parent of ``env_dir`` (RUN is skipped, so neither the network policy nor a build time applies;
+        nothing here is isolated: commands have the host's network whatever the policy)."""
         key = env_key(env_dir)
         with self._lock:
             if key not in self._parents:

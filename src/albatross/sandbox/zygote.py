@@ -180,20 +180,36 @@ def _serve(ctrl: socket.socket, state: _State) -> None:
             msg, _payload, fds = recv(ctrl)
         except (EOFError, OSError):
             return
+        out: list[int] = []
         try:
-            reply = _handle(state, msg, fds)
+            reply, out = _handle(state, msg, fds)
         except Exception as err:  # noqa: BLE001 - every failure goes back to the host
             reply = {"error": str(err)}
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        send(ctrl, reply)
+        try:
+            send(ctrl, reply, fds=out)
+        finally:
+            for fd in out:
+                os.close(fd)
 
 
-def _handle(state: _State, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+def _handle(state: _State, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """The reply to one request, and the descriptors that go with it (closed here once sent)."""
     op = msg["op"]
     if op == "spawn":
-        return {"pid": _spawn_holder(state, msg["cfg"], fds[0])}
+        pid, listener = _spawn_holder(state, msg["cfg"], fds[0])
+        return {"pid": pid}, [] if listener is None else [listener]
+    if op == "verify":
+        from albatross.sandbox import verifier
+
+        return {"pid": verifier.start(state, msg, fds)}, []
+    return _handle_plain(state, msg), []
+
+
+def _handle_plain(state: _State, msg: dict[str, Any]) -> dict[str, Any]:
+    op = msg["op"]
     if op == "base":
         return {"lower": _mount_base(state, msg["name"], msg["path"])}
     if op == "parent_new":
@@ -313,9 +329,11 @@ def _hide(layer: str, path: str, base: str, id_base: int) -> None:
     os.setxattr(os.path.join(layer, *parts), "trusted.overlay.opaque", b"y")
 
 
-def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> int:
+def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> tuple[int, int | None]:
     """Unshare the namespaces, fork the holder (pid 1 of the new pid namespace), and step back into
-    our own namespaces (setns), so no intermediate process is needed."""
+    our own namespaces (setns), so no intermediate process is needed. With a network policy other than
+    none (``cfg["proxy"]``), also the egress proxy's listening socket, made in the attempt's network
+    namespace on its 127.0.0.1 (returned as a descriptor for the host)."""
     netns = state.netns.pop(0) if cfg["new_net"] and state.netns else None
     flags = linux.CLONE_NEWNS | linux.CLONE_NEWPID | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
     if cfg["new_net"] and netns is None:
@@ -330,13 +348,22 @@ def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> int:
         pid = os.fork()
         if pid == 0:
             _become_holder(state, cfg, sock_fd, userns_fd)
+        listener = _proxy_listener() if cfg.get("proxy", "none") != "none" else None
     finally:
         for fd in state.own_ns:
             linux.setns(fd)
         for fd in (netns, userns_fd):
             if fd is not None:
                 os.close(fd)
-    return pid
+    return pid, listener
+
+
+def _proxy_listener() -> int:
+    """A listening socket on 127.0.0.1:3128 of the current (the attempt's) network namespace."""
+    from albatross.sandbox.egress import listen_socket
+
+    linux.loopback_up()  # a namespace not prepared ahead has loopback down: 127.0.0.1 is not there yet
+    return listen_socket().detach()
 
 
 def _become_holder(state: _State, cfg: dict[str, Any], sock_fd: int, userns_fd: int | None) -> None:
@@ -414,20 +441,29 @@ class Zygote:
         return not self.alive()
 
     def request(self, msg: dict[str, Any], fds: Iterable[int] = ()) -> dict[str, Any]:
+        reply, got = self.request_fds(msg, fds)
+        for fd in got:
+            os.close(fd)
+        return reply
+
+    def request_fds(self, msg: dict[str, Any], fds: Iterable[int] = ()) -> tuple[dict[str, Any], list[int]]:
+        """``request``, with the descriptors that came back (the caller closes them)."""
         with self.lock:
             try:
                 if self.dead:
                     raise EOFError("it died earlier")
                 send(self.sock, msg, fds=fds)
-                reply, _payload, _fds = recv(self.sock)
+                reply, _payload, got = recv(self.sock)
             except (EOFError, OSError) as err:
                 self.dead = True
                 raise ZygoteDied(f"sandbox zygote {self.proc.pid} died (exit code {self.proc.poll()}): {err}") \
                     from err
         if "error" in reply:
+            for fd in got:
+                os.close(fd)
             kind = ForkError if msg["op"] == "spawn" else SandboxError
             raise kind(f"sandbox zygote: {msg['op']} failed: {reply['error']}")
-        return reply
+        return reply, got
 
     def close(self) -> None:
         """Stop the zygote (or reap it, if it died) and remove its directory. Idempotent."""

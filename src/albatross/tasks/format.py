@@ -21,18 +21,23 @@ task's own ``environment/``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import posixpath
 import re
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from albatross.errors import UserError
+from albatross.sandbox.base import NETWORK_POLICIES, TOOLCHAINS
 
 if TYPE_CHECKING:
+    from albatross.sandbox.base import Limits
     from albatross.tasks.offline import OfflineEnv
 
 if sys.version_info >= (3, 11):
@@ -47,6 +52,26 @@ DEFAULT_STORAGE_MB = 10240
 DEFAULT_WORKDIR = "/app"
 SUBMIT = "submit"
 
+MAX_INSTRUCTION_BYTES = 1 << 20  # a longer instruction.md is refused before it is read
+# (lowest, highest, unit) of what task.toml may ask for; the run's own limits are a ceiling on top
+MEMORY_RANGE = (64.0, float(1 << 20), "MiB")  # below 64 MiB not even the sandbox's holder fits
+STORAGE_RANGE = (16.0, float(1 << 22), "MiB")
+CPUS_RANGE = (0.01, 1024.0, "CPUs")
+TIMEOUT_RANGE = (0.1, 7 * 86400.0, "seconds")
+# task.toml keys albatross reads, or knows from Harbor and ignores; any other is warned about once
+KNOWN_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset({"version", "schema_version", "metadata", "task", "agent", "verifier", "environment", "solution",
+                   "source", "steps"}),
+    "agent": frozenset({"timeout_sec", "setup_timeout_sec", "user"}),
+    "verifier": frozenset({"timeout_sec", "env", "user", "environment", "keep_agent_processes", "toolchain"}),
+    "environment": frozenset({"build_timeout_sec", "docker_image", "cpus", "memory", "memory_mb", "storage",
+                              "storage_mb", "gpus", "gpu_types", "tpu", "allow_internet", "network", "os",
+                              "skip_image_build"}),
+    "solution": frozenset({"env"}),
+}
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+log = logging.getLogger(__name__)
 _UNITS_MB = {"": 1.0, "K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0 * 1024.0}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
@@ -76,6 +101,9 @@ class Task:
     source_env_dir: Path | None = None  # the task's own environment/ (env_dir may be an adapted copy)
     source_path: Path | None = None  # the directory the task was loaded from (differs when converted)
     offline: OfflineEnv | None = None  # set when env_dir is an adapted copy (offline.py)
+    network: str | None = None  # the network policy the task asks for (None: the run's); it may only narrow it
+    keep_agent_processes: bool = False  # [verifier]: the agent's processes live on while test.sh runs
+    toolchain: str = "image"  # [verifier]: test.sh's tools from the pristine "image" or the "attempt" itself
 
     @property
     def dockerfile(self) -> Path:
@@ -94,7 +122,9 @@ def load_task(path: str | Path) -> Task:
     path = _harbor_dir(source)
     toml_path = path / "task.toml"
     cfg = _read_toml(toml_path)
+    _warn_unknown(cfg, toml_path)
     env = _table(cfg, "environment", toml_path)
+    verifier = _table(cfg, "verifier", toml_path)
     task = Task(
         id=source.name,
         path=path,
@@ -105,15 +135,19 @@ def load_task(path: str | Path) -> Task:
         tests_dir=_require_file(path / "tests" / "test.sh").parent,
         solution_dir=path / "solution",
         workdir=dockerfile_workdir(_require_file(path / "environment" / "Dockerfile")),
-        memory_mb=_size_mb(env, "memory", toml_path, DEFAULT_MEMORY_MB),
-        cpus=_positive(env, "cpus", "[environment]", toml_path, 1.0),
-        storage_mb=_size_mb(env, "storage", toml_path, DEFAULT_STORAGE_MB),
+        memory_mb=_size_mb(env, "memory", toml_path, DEFAULT_MEMORY_MB, MEMORY_RANGE),
+        cpus=_ranged(env, "cpus", "[environment]", toml_path, 1.0, CPUS_RANGE),
+        storage_mb=_size_mb(env, "storage", toml_path, DEFAULT_STORAGE_MB, STORAGE_RANGE),
         allow_internet=_bool(env, "allow_internet", toml_path),
         metadata=dict(_table(cfg, "metadata", toml_path)),
         demo_steps=_read_demo(path / "solution" / "demo.json"),
-        build_timeout_s=_positive(env, "build_timeout_sec", "[environment]", toml_path, DEFAULT_BUILD_TIMEOUT_S),
+        build_timeout_s=_ranged(env, "build_timeout_sec", "[environment]", toml_path, DEFAULT_BUILD_TIMEOUT_S,
+                                TIMEOUT_RANGE),
         source_env_dir=path / "environment",
         source_path=source,
+        network=_network(env, toml_path),
+        keep_agent_processes=_bool(verifier, "keep_agent_processes", toml_path, "[verifier]"),
+        toolchain=_choice(verifier, "toolchain", toml_path, "[verifier]", TOOLCHAINS),
     )
     return _with_offline_env(task)
 
@@ -211,9 +245,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _read_instruction(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            data = f.read(MAX_INSTRUCTION_BYTES + 1)
     except FileNotFoundError:
         raise TaskFormatError(f"{path}: missing") from None
+    if len(data) > MAX_INSTRUCTION_BYTES:
+        raise TaskFormatError(f"{path}: larger than {MAX_INSTRUCTION_BYTES >> 10} KiB (an instruction is read whole "
+                              "into the agent's context)")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise TaskFormatError(f"{path}: not UTF-8 text") from None
     if not text.strip():
@@ -247,37 +287,87 @@ def _positive(table: dict[str, Any], key: str, where: str, path: Path, default: 
     return float(value)
 
 
+def _ranged(table: dict[str, Any], key: str, where: str, path: Path, default: float,
+            limits: tuple[float, float, str]) -> float:
+    """A positive number within ``limits`` (lowest, highest, unit); the error names the range."""
+    value = _positive(table, key, where, path, default)
+    lowest, highest, unit = limits
+    if not lowest <= value <= highest:
+        raise TaskFormatError(f"{path}: {where} {key} must be between {lowest:g} and {highest:g} ({unit}), "
+                              f"got {value:g}")
+    return value
+
+
 def _timeout(cfg: dict[str, Any], section: str, path: Path) -> float:
-    return _positive(_table(cfg, section, path), "timeout_sec", f"[{section}]", path, DEFAULT_TIMEOUT_S)
+    return _ranged(_table(cfg, section, path), "timeout_sec", f"[{section}]", path, DEFAULT_TIMEOUT_S, TIMEOUT_RANGE)
 
 
-def _size_mb(env: dict[str, Any], name: str, path: Path, default: int) -> int:
-    """``<name>_mb`` (a number of MiB) or the older ``<name> = "2G"`` / ``"512M"``."""
+def _size_mb(env: dict[str, Any], name: str, path: Path, default: int, limits: tuple[float, float, str]) -> int:
+    """``<name>_mb`` (a number of MiB) or the older ``<name> = "2G"`` / ``"512M"``, within ``limits``."""
     if f"{name}_mb" in env:
-        return _whole_mb(env, f"{name}_mb", path, default)
+        return int(_ranged(env, f"{name}_mb", "[environment]", path, default, limits))
     if name not in env:
         return default
     value = env[name]
     if _is_number(value):
-        return _whole_mb(env, name, path, default)
+        return int(_ranged(env, name, "[environment]", path, default, limits))
     match = _SIZE_RE.match(value) if isinstance(value, str) else None
     if match is None or float(match.group(1)) <= 0:
         raise TaskFormatError(f'{path}: [environment] {name} must be a size like "512M" or "2G"')
-    return max(1, int(float(match.group(1)) * _UNITS_MB[match.group(2).upper()]))
+    mb = float(match.group(1)) * _UNITS_MB[match.group(2).upper()]
+    return int(_ranged({name: mb}, name, "[environment]", path, default, limits))
 
 
-def _whole_mb(env: dict[str, Any], key: str, path: Path, default: int) -> int:
-    """A positive number of MiB, at least 1 (``int()`` of less would be 0: no limit at all)."""
-    if _positive(env, key, "[environment]", path, default) < 1:
-        raise TaskFormatError(f"{path}: [environment] {key} must be at least 1 (MiB)")
-    return int(env[key])
-
-
-def _bool(env: dict[str, Any], key: str, path: Path) -> bool:
-    value = env.get(key, False)
+def _bool(table: dict[str, Any], key: str, path: Path, where: str = "[environment]") -> bool:
+    value = table.get(key, False)
     if not isinstance(value, bool):
-        raise TaskFormatError(f"{path}: [environment] {key} must be true or false")
+        raise TaskFormatError(f"{path}: {where} {key} must be true or false")
     return value
+
+
+def _choice(table: dict[str, Any], key: str, path: Path, where: str, choices: tuple[str, ...]) -> str:
+    value = table.get(key, choices[0])
+    if value not in choices:
+        raise TaskFormatError(f"{path}: {where} {key} must be one of {', '.join(choices)}")
+    return str(value)
+
+
+def _network(env: dict[str, Any], path: Path) -> str | None:
+    """The network policy the task asks for: ``network``, else ``allow_internet`` (true: ``open``, false:
+    ``none``), else None (whatever the run allows)."""
+    if "network" in env:
+        return _choice(env, "network", path, "[environment]", NETWORK_POLICIES)
+    if "allow_internet" in env:
+        return "open" if _bool(env, "allow_internet", path) else "none"
+    return None
+
+
+def _warn_unknown(cfg: dict[str, Any], path: Path) -> None:
+    """Warn (once per key, whatever the task) about task.toml keys albatross neither reads nor knows."""
+    unknown = [k for k in cfg if k not in KNOWN_KEYS[""]]
+    for section in ("agent", "verifier", "environment", "solution"):
+        table = cfg.get(section)
+        if isinstance(table, dict):
+            unknown += [f"{section}.{k}" for k in table if k not in KNOWN_KEYS[section]]
+    for key in unknown:
+        with _warned_lock:
+            if key in _warned:
+                continue
+            _warned.add(key)
+        log.warning("%s: unknown key %s (ignored; warned once for every task)", path, key)
+
+
+def attempt_limits(task: Task, run: Limits) -> Limits:
+    """The limits of an attempt at ``task`` in a run whose limits are ``run``: the task's memory, storage,
+    CPUs, network policy and build time, never beyond the run's (a ceiling the task cannot raise); a run
+    without a CPU limit leaves CPUs unlimited."""
+    from albatross.sandbox.egress import narrowest
+
+    return dataclasses.replace(
+        run, memory_mb=min(run.memory_mb, task.memory_mb), disk_mb=min(run.disk_mb, task.storage_mb),
+        cpus=min(run.cpus, task.cpus) if run.cpus > 0 else run.cpus,
+        network=narrowest(run.network, task.network or run.network),
+        build_timeout_s=min(task.build_timeout_s, run.build_timeout_s or task.build_timeout_s))
 
 
 def _read_demo(path: Path) -> list[str] | None:

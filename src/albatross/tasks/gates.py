@@ -1,8 +1,9 @@
 """The nine validation gates of DESIGN.md: a task enters the training pool only when it passes all nine.
 
 1 schema       files and fields valid (``load_task``) and an oracle ``solution/solve.sh`` present
-2 build        the environment builds, offline, within ``[environment] build_timeout_sec``; every
-               Dockerfile instruction is honoured (or the line is named)
+2 build        the environment builds (its RUN steps reach the package registries, or any host under the
+               ``open`` policy), within ``[environment] build_timeout_sec``; every Dockerfile instruction
+               is honoured (or the line is named)
 3 oracle       the oracle scores 1 (success)
 4 noop         the untouched environment scores below 1; the tests it already passes are recorded
                (``TaskReport.untouched``: weight 0 in partial credit)
@@ -12,7 +13,8 @@
                expected-output or solution file (inputs the instruction hands over are allowed;
                ``tasks.leakage``), and nothing is copied to /tests or /solution
 7 resources    the oracle and the verifier finish within the task's time and memory limits
-8 offline      the environment builds and the oracle passes with no network
+8 offline      the environment builds and the oracle passes under the task's network policy (``none``
+               unless the run's ``network`` and the task allow more)
 9 reward       every verifier run wrote a finite reward in [0, 1] whose per-test breakdown agrees
 
 A gate that cannot be judged because another failed is ``skip`` (with the reason), so a broken task
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from albatross.sandbox.base import Backend, ExecResult, Limits, SandboxError
+from albatross.sandbox.egress import narrowest
 from albatross.tasks.format import Task, TaskFormatError, load_task
 from albatross.tasks.leakage import find_static_leaks, scan_for_leaks
 from albatross.tasks.offline import dockerfile_notes, dockerfile_problem, network_evidence
@@ -60,6 +63,7 @@ class GateOptions:
     slack: float = 3.0  # the resource re-run gets this many times the time and memory
     pids: int = 1024
     max_output_bytes: int = 1 << 20
+    network: str = "none"  # the run's network policy; a task's own may narrow it (``format.attempt_limits``)
 
 
 @dataclass
@@ -191,7 +195,7 @@ class _Gater:
             return False
         start = time.monotonic()
         try:
-            _prepare(self.backend, task)
+            _prepare(self.backend, task, task_limits(task, self.options))
         except (SandboxError, ValueError, OSError) as e:
             message = task.offline.map_message(str(e)) if task.offline else str(e)
             evidence = network_evidence(message)
@@ -244,8 +248,10 @@ class _Gater:
         if resources:
             self.set("resources", PASS, f"within {task.agent_timeout_s:.0f} s / {task.verifier_timeout_s:.0f} s "
                      f"and {task.memory_mb} MB")
-        note = " (it declares allow_internet = true)" if task.allow_internet else ""
-        self.set("offline", PASS, f"built and solved with no network{note}")
+        policy = task_limits(task, self.options).network
+        how = "with no network" if policy == "none" else f"under network policy {policy}"
+        note = f" (the task asks for {task.network})" if task.network not in (None, policy) else ""
+        self.set("offline", PASS, f"built and solved {how}{note}")
 
     def oracle_failed(self, run: Run) -> None:
         evidence = network_evidence(run.text)
@@ -339,15 +345,17 @@ def _attempt(backend: Backend, task: Task, kind: str, limits: Limits, scan: bool
         attempt.close()
 
 
-def _prepare(backend: Backend, task: Task) -> None:
-    backend.prepare(task.env_dir)
+def _prepare(backend: Backend, task: Task, limits: Limits) -> None:
+    backend.prepare(task.env_dir, limits.network, limits.build_timeout_s)
 
 
 def task_limits(task: Task, options: GateOptions, scale: float = 1.0) -> Limits:
-    """The task's own limits (memory, storage, agent timeout), optionally scaled up."""
+    """The task's own limits (memory, storage, agent timeout, build time), optionally scaled up, and its
+    network policy: the run's (``options.network``), narrowed by the task's own."""
+    network = narrowest(options.network, task.network or options.network)
     return Limits(memory_mb=int(task.memory_mb * scale), pids=options.pids,
                   disk_mb=int(task.storage_mb * scale), command_timeout_s=task.agent_timeout_s,
-                  max_output_bytes=options.max_output_bytes)
+                  max_output_bytes=options.max_output_bytes, network=network, build_timeout_s=task.build_timeout_s)
 
 
 def _generous(task: Task, slack: float) -> Task:

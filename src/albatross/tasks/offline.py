@@ -60,6 +60,10 @@ _NETWORK_ERRORS = (
     "Failed to establish a new connection",
     "getaddrinfo failed",
     "unable to resolve host address",
+    "not allowed by the network policy",  # a build step the egress proxy refused (sandbox/buildnet.py)
+    "Blocked by network policy",  # the egress proxy's answer, as pip, wget and python print it
+    "CONNECT tunnel failed, response 403",  # curl's words for it
+    "Received HTTP code 403 from proxy after CONNECT",
 )
 _lock = threading.Lock()
 _toolkits: dict[Path, Path] = {}  # cache root -> built toolkit

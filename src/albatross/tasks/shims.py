@@ -25,8 +25,11 @@ real_tool() {  # the first $1 on PATH that is not one of ours
   return 1
 }
 python_bin() { real_tool python3 || real_tool python; }
-with_build_network() {  # an image build has the network (package registries): the real tool, if any
-  [ -n "${ALBATROSS_BUILD_NETWORK:-}" ] || return 0
+safe_python() {  # the toolkit's own checks: never from the working directory, where a module could stand in
+  ( cd "$TK/lib" && PYTHONSAFEPATH=1 "$@" )
+}
+with_build_network() {  # the sandbox has a network (a build, or a network policy): the real tool, if any
+  [ -n "${ALBATROSS_NETWORK:-}" ] || return 0
   local real; real=$(real_tool "$1") || return 0
   shift; exec "$real" "$@"
 }
@@ -35,7 +38,7 @@ missing_dists() {  # $1: "toolkit" or "system"; prints the requirements that are
   py=$(python_bin) || { printf '%s\n' "$@"; return 0; }
   local pp=${PYTHONPATH:-}
   if [ "$where" = toolkit ]; then pp="$TK/site${pp:+:$pp}"; fi
-  PYTHONPATH="$pp" "$py" - "$@" <<'PY'
+  PYTHONPATH="$pp" safe_python "$py" - "$@" <<'PY'
 import re
 import sys
 from importlib import metadata
@@ -54,7 +57,7 @@ PY
 link_toolkit_site() {  # make the toolkit's packages importable by the environment's python for good
   local py site
   py=$(python_bin) || return 0
-  site=$("$py" -c 'import site, sys, sysconfig
+  site=$(safe_python "$py" -c 'import site, sys, sysconfig
 paths = [sysconfig.get_paths()["purelib"]] if sys.prefix != sys.base_prefix else site.getsitepackages()
 print(paths[0] if paths else "")' 2>/dev/null)
   if [ -n "$site" ] && mkdir -p "$site" 2>/dev/null; then
@@ -64,12 +67,12 @@ print(paths[0] if paths else "")' 2>/dev/null)
 run_pytest() {
   local py
   py=$(python_bin) || { needs_network "pytest (there is no python3 in the environment)"; exit 127; }
-  if ! PYTHONPATH="$TK/site" "$py" -c 'import pytest' 2>/dev/null; then
+  if ! PYTHONPATH="$TK/site" safe_python "$py" -c 'import pytest' 2>/dev/null; then
     needs_network "pytest (the offline toolkit has no pytest: install pytest where albatross runs)"
     exit 127
   fi
   export PATH="$TK/pybin:$PATH" PYTHONPATH="$TK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
-  exec "$py" -m pytest -p albatross_pytest "$@"
+  exec "$py" "$TK/lib/pytest_main.py" -p albatross_pytest "$@"  # as the pytest command: the cwd is not on sys.path
 }
 check_requirements() {  # satisfied from the environment or the toolkit, else needs the network
   [ $# -eq 0 ] && return 0
@@ -285,9 +288,9 @@ exit $rc
 PYTEST = r"""#!/bin/bash
 # albatross offline shim: pytest, from the environment's python (its own pytest if it has one).
 _self=$(readlink -f "$0"); . "${_self%/bin/*}/lib/common.sh"
-py=$(python_bin) && "$py" -c 'import pytest' 2>/dev/null && {
+py=$(python_bin) && safe_python "$py" -c 'import pytest' 2>/dev/null && {
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$TK/site" PATH="$TK/pybin:$PATH"
-  exec "$py" -m pytest -p albatross_pytest "$@"
+  exec "$py" "$TK/lib/pytest_main.py" -p albatross_pytest "$@"
 }
 run_pytest "$@"
 """
@@ -319,5 +322,7 @@ BIN: dict[str, str] = {
     "wget": FETCH,
     "pytest": PYTEST,
 }
-LIB: dict[str, str] = {"common.sh": COMMON, "uv-install.sh": UV_INSTALLER}
+# pytest started as its console script is: a module in the working directory cannot stand in for pytest
+PYTEST_MAIN = "import sys\n\nimport pytest\n\nsys.exit(pytest.main())\n"
+LIB: dict[str, str] = {"common.sh": COMMON, "uv-install.sh": UV_INSTALLER, "pytest_main.py": PYTEST_MAIN}
 PYBIN: dict[str, str] = {"python": PYTHON_ALIAS}

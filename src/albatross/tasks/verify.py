@@ -11,23 +11,25 @@ or ``/logs/verifier/reward.txt`` (one number in [0, 1]). When both exist, reward
   ``{"reward": r}``. Per-test results that contradict r (a pass with a failed test, a fail with none)
   are noted in ``problem`` (the well-formed-reward gate fails on it).
 
-Out of the agent's reach: before anything of the verifier is copied in, every process of the attempt
-is killed (``Attempt.kill_all``); ``/tests`` and the reward directory are removed (whatever the agent
-left there: files, directories, links) and the reward directory is made afresh; test.sh then runs as a
-fresh ``bash --noprofile --norc`` with the image's environment only (``Attempt.exec_clean``), not in
-the agent's persistent shell; reward files are read without following links. A task whose tests check
-processes the agent left running (a server it was asked to start) says so in task.toml with
-``[verifier] keep_agent_processes = true``: its agent's processes live on while test.sh runs, so for
-that task a hostile agent can still reach the reward (everything else above still holds).
+Out of the agent's reach (``Attempt.verify``; on the isolated backend, ``sandbox/verifier.py``): before
+the verifier starts every process of the attempt is killed (``Attempt.kill_all``), unless the task says
+``[verifier] keep_agent_processes = true`` (its tests check a server the agent left running). test.sh
+runs as a fresh ``bash --noprofile --norc`` with the image's environment only, in a mount namespace of
+its own: ``/tests`` (a fresh copy), ``/logs/verifier`` (empty) and the offline toolkit exist only there,
+so no process of the agent can touch them; its interpreter and tools (``/usr``, ``/etc``, ``/bin``,
+``/lib``...) are the task's pristine image's, not the attempt's (``[verifier] toolchain = "attempt"``: its
+own, for tests that must run in the attempt's environment; then the attempt's changes to those paths are
+listed in ``system_changes``); the user site of python is off. Reward files are read without following links.
 
 No usable reward (no reward file, a malformed one, a non-finite value or one outside [0, 1]) is a
-``VerifierError`` for ``verify`` and the gates. For an agent's attempt (``verify_attempt``) it is the
-attempt's own failure, scored 0, when the same verifier writes a usable reward on an untouched fork of
-the task (checked once per task and backend); otherwise it is an infrastructure or task error
-(``VerifierError``), never scored.
+``VerifierError`` for ``verify`` and the gates. For an attempt (``verify_attempt``: model attempts and
+``eval --agent oracle`` alike) it is the attempt's own failure, scored 0, when the same verifier writes a
+usable reward on an untouched fork of the task (checked once per task and backend): a full disk or inode
+table, a killed sandbox after running out of memory, a broken workdir. Otherwise it is an
+infrastructure or task error (``VerifierError``), never scored.
 
-Scripts that call apt-get, pip, uv/uvx, curl, wget or pytest run with a fresh copy of the offline
-toolkit first on ``PATH`` (``offline.py``), so Terminal-Bench verifiers run without the internet.
+Scripts that call apt-get, pip, uv/uvx, curl, wget or pytest run with the offline toolkit first on
+``PATH`` (``offline.py``), so Terminal-Bench verifiers run without the internet.
 """
 
 from __future__ import annotations
@@ -36,21 +38,15 @@ import json
 import math
 import secrets
 import shlex
-import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from albatross.sandbox.base import Attempt, ExecResult, Limits
+from albatross.sandbox.base import Attempt, AttemptBroken, ExecResult, Limits, VerifierSpec
 from albatross.tasks import offline
 from albatross.tasks.format import Task, TaskFormatError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 REWARD_DIR = "/logs/verifier"
 REWARD_JSON = f"{REWARD_DIR}/reward.json"
@@ -59,12 +55,8 @@ CTRF_JSON = f"{REWARD_DIR}/ctrf.json"
 TEST_RESULTS = offline.TEST_RESULTS
 TESTS_PATH = "/tests"
 SOLUTION_PATH = "/solution"
+VERIFIER_TOOLKIT = "/albatross-offline-verifier"  # the toolkit's place in the verifier's view (+ a random tail)
 _OUTPUT_TAIL = 400
-# Whatever the agent left at /tests, /logs/verifier (or /logs itself, if not a plain directory) goes.
-# Paths relative to the root, run from "/" (the process backend maps that to the attempt's directory).
-_DIRS = ("logs", REWARD_DIR.lstrip("/"), TESTS_PATH.lstrip("/"))
-_RESET = (f"for p in {' '.join(_DIRS)}; do if [ -L $p ] || {{ [ -e $p ] && [ ! -d $p ]; }}; then rm -f $p; fi; "
-          f"done; rm -rf {' '.join(_DIRS[1:])} && mkdir -p {_DIRS[1]}")
 
 
 class VerifierError(RuntimeError):
@@ -80,6 +72,7 @@ class VerifyResult:
     output: str = field(default="", repr=False)  # what test.sh printed
     source: str = "reward.json"  # reward.json, reward.txt, or reward.txt+tests (per-test metrics)
     problem: str = ""  # per-test results that contradict the reward; empty when consistent
+    system_changes: list[str] = field(default_factory=list)  # toolchain "attempt": its changes to system paths
 
 
 @dataclass
@@ -92,9 +85,14 @@ class VerifierRun:
 
 
 def verify_attempt(attempt: Attempt, task: Task, backend: Any, limits: Limits | None = None) -> VerifyResult:
-    """Verify an agent's attempt. No usable reward is the attempt's failure (reward 0, ``error`` says
-    why) if the verifier writes one on an untouched fork of the task; else ``VerifierError``."""
-    outcome = run_verifier(attempt, task)
+    """Verify an attempt (a model's or the oracle's). No usable reward is the attempt's failure (reward
+    0, ``error`` says why) if the verifier writes one on an untouched fork of the task; else
+    ``VerifierError``. A sandbox the attempt broke (``AttemptBroken``: killed after it ran out of memory)
+    is its failure on the same terms."""
+    try:
+        outcome = run_verifier(attempt, task)
+    except AttemptBroken as err:
+        outcome = VerifierRun(ExecResult(str(err), -1), None, str(err))
     if outcome.result is not None:
         return outcome.result
     if not _untouched.works(backend, task, limits):
@@ -124,7 +122,7 @@ class _UntouchedCheck:
 
     @staticmethod
     def _check(backend: Any, task: Task, limits: Limits | None) -> bool:
-        attempt = backend.fork(task.env_dir, task.workdir, limits)
+        attempt = backend.fork(task.env_dir, task.workdir, *([limits] if limits is not None else []))
         try:
             return run_verifier(attempt, task).result is not None
         finally:
@@ -144,34 +142,37 @@ def verify(attempt: Attempt, task: Task) -> VerifyResult:
 
 def run_verifier(attempt: Attempt, task: Task) -> VerifierRun:
     """Like ``verify`` but returns the run and the error instead of raising (for the gates)."""
-    if not keeps_agent_processes(task):
+    if not task.keep_agent_processes:
         attempt.kill_all()  # the agent's background jobs die before anything of the verifier appears
-    reset = attempt.exec_clean(_RESET, "/", timeout_s=60)
-    if reset.exit_code != 0:
-        return VerifierRun(reset, None, f"cannot clear {REWARD_DIR} and {TESTS_PATH}: {reset.output[-200:]}")
-    attempt.put_dir(task.tests_dir, TESTS_PATH)
-    prefix = _toolkit_prefix(attempt, task.tests_dir)
-    command = (f"{prefix}export ALBATROSS_TEST_RESULTS={TEST_RESULTS} && "
-               f'bash --noprofile --norc "${{SANDBOX_ROOT:-}}{TESTS_PATH}/test.sh"')
-    run = attempt.exec_clean(command, task.workdir, timeout_s=task.verifier_timeout_s)
-    tests = attempt.read_file(TEST_RESULTS) or attempt.read_file(CTRF_JSON)
+    toolkit = None
+    prefix = ""
+    if _uses_toolkit(task.tests_dir):  # a fresh toolkit at an unpredictable path, read-only
+        toolkit = (offline.toolkit_dir(), f"{VERIFIER_TOOLKIT}-{secrets.token_hex(6)}")
+        prefix = f'export PATH="${{SANDBOX_ROOT:-}}{toolkit[1]}/bin:$PATH" && '
+    spec = VerifierSpec(
+        tests_dir=task.tests_dir, command=f'{prefix}bash --noprofile --norc "${{SANDBOX_ROOT:-}}{TESTS_PATH}/test.sh"',
+        cwd=task.workdir, timeout_s=task.verifier_timeout_s,
+        env={"ALBATROSS_TEST_RESULTS": TEST_RESULTS, "PYTHONNOUSERSITE": "1"}, toolkit=toolkit,
+        reads=(REWARD_JSON, REWARD_TXT, TEST_RESULTS, CTRF_JSON), tests_path=TESTS_PATH, reward_dir=REWARD_DIR,
+        toolchain=task.toolchain, keep_agent_processes=task.keep_agent_processes)
+    done = attempt.verify(spec)
+    if done.error:
+        return VerifierRun(done.run, None, done.error)
+    run = done.run
+    tests = done.files.get(TEST_RESULTS) or done.files.get(CTRF_JSON)
     try:
-        result = parse_reward(attempt.read_file(REWARD_JSON), attempt.read_file(REWARD_TXT), tests)
+        result = parse_reward(done.files.get(REWARD_JSON), done.files.get(REWARD_TXT), tests)
     except VerifierError as e:
         return VerifierRun(run, None, f"{e}{_describe(run)}")
     result.error = _describe(run).removeprefix("; ")
     result.output = run.output
+    result.system_changes = done.system_changes
     return VerifierRun(run, result)
 
 
 def keeps_agent_processes(task: Task) -> bool:
     """True when the task's task.toml says ``[verifier] keep_agent_processes = true``."""
-    try:
-        with open(task.path / "task.toml", "rb") as f:
-            verifier = tomllib.load(f).get("verifier", {})
-    except (OSError, tomllib.TOMLDecodeError):
-        return False
-    return isinstance(verifier, dict) and verifier.get("keep_agent_processes") is True
+    return task.keep_agent_processes
 
 
 def run_oracle(attempt: Attempt, task: Task) -> ExecResult:
@@ -184,11 +185,16 @@ def run_oracle(attempt: Attempt, task: Task) -> ExecResult:
     return attempt.exec(f"( {command} )", timeout_s=task.agent_timeout_s)
 
 
+def _uses_toolkit(scripts_dir: Path) -> bool:
+    """Whether a script in ``scripts_dir`` calls a tool the offline toolkit stands in for."""
+    scripts = [p for p in sorted(scripts_dir.rglob("*.sh")) if p.is_file()]
+    return any(offline.uses_toolkit(p.read_text(encoding="utf-8", errors="replace")) for p in scripts)
+
+
 def _toolkit_prefix(attempt: Attempt, scripts_dir: Path) -> str:
     """Put a fresh toolkit (at a path the agent cannot predict) into the attempt when the scripts in
     ``scripts_dir`` call a tool it stands in for; returns the shell prefix that puts it on PATH."""
-    scripts = [p for p in sorted(scripts_dir.rglob("*.sh")) if p.is_file()]
-    if not any(offline.uses_toolkit(p.read_text(encoding="utf-8", errors="replace")) for p in scripts):
+    if not _uses_toolkit(scripts_dir):
         return ""
     path = f"{offline.TOOLKIT_PATH}-{secrets.token_hex(6)}"
     attempt.put_dir(offline.toolkit_dir(), path)

@@ -1,0 +1,99 @@
+"""Network policies of attempts, for real: ``registries`` reaches PyPI through the egress proxy and nothing
+else, ``none`` reaches nothing; a task narrows the run's policy, which is recorded with every attempt; the
+offline gate judges a task under its policy. Needs the local sandbox and PyPI (reachable where CI runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from albatross.sandbox import LocalBackend, local_available
+from albatross.sandbox.base import Limits
+from albatross.tasks import load_task, write_task
+from albatross.tasks.gates import FAIL, PASS, GateOptions, gate_task
+from sandbox_util import ok_output, task_env
+
+pytestmark = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroups, namespaces")
+FETCH = ("python3 -c \"import sys, urllib.request\ntry:\n    print(urllib.request.urlopen(sys.argv[1], "
+         "timeout=30).status)\nexcept Exception as e:\n    print(e)\" ")
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBackend]:
+    backend = LocalBackend(warm=0, hide_paths=[tmp_path_factory.getbasetemp()])
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return task_env(tmp_path_factory.mktemp("net"), "FROM python:3.11-slim-bookworm\nWORKDIR /app\n")
+
+
+def test_registries_attempt_reaches_pypi_and_nothing_else(backend: LocalBackend, env: Path) -> None:
+    with backend.fork(env, limits=Limits(network="registries", command_timeout_s=120)) as attempt:
+        assert attempt.network == "registries"
+        assert ok_output(attempt, FETCH + "https://pypi.org/simple/six/") == "200"
+        assert "Blocked by network policy" in ok_output(attempt, FETCH + "https://github.com/")
+        assert "Blocked by network policy" in ok_output(attempt, FETCH + "http://example.com/")
+        assert ok_output(attempt, "pip download -q --no-deps six -d /tmp/dl && ls /tmp/dl").startswith("six-")
+        resolve = ok_output(attempt, "python3 -c 'import socket; socket.getaddrinfo(\"pypi.org\", 443)' 2>&1 || true")
+        assert "Temporary failure" in resolve or "not known" in resolve  # no resolver: only the proxy
+        assert backend._proxy().refused(attempt.id) == ["github.com", "example.com"]
+
+
+def test_none_attempt_has_no_proxy(backend: LocalBackend, env: Path) -> None:
+    with backend.fork(env, limits=Limits(network="none")) as attempt:
+        assert attempt.network == "none"
+        assert ok_output(attempt, 'echo "[$https_proxy]"') == "[]"
+        refused = ok_output(attempt, FETCH + "http://127.0.0.1:3128/")
+        assert "Connection refused" in refused
+
+
+def _task(root: Path, name: str, environment: dict[str, object], solve: str = "echo forty-two > answer.txt") -> Path:
+    return write_task(root / name, instruction="Write forty-two to answer.txt.\n",
+                      task_toml={"agent": {"timeout_sec": 120}, "verifier": {"timeout_sec": 60},
+                                 "environment": {"memory_mb": 512, "storage_mb": 256, **environment}},
+                      env_files={}, dockerfile="FROM python:3.11-slim-bookworm\nWORKDIR /app\n",
+                      solve_sh=f"#!/bin/bash\n{solve}\n",
+                      test_sh="#!/bin/bash\nmkdir -p /logs/verifier\n[ \"$(cat /app/answer.txt)\" = forty-two ] && "
+                              "echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+
+
+@pytest.mark.parametrize(("asks", "recorded"), [({}, "registries"), ({"network": "none"}, "none"),
+                                               ({"allow_internet": False}, "none"),
+                                               ({"network": "open"}, "registries")])
+def test_policy_is_the_runs_narrowed_by_the_task_and_recorded(backend: LocalBackend, tmp_path: Path,
+                                                              asks: dict[str, object], recorded: str) -> None:
+    from albatross.eval.oracle import OracleAgent
+    from albatross.harness.agent import AttemptSpec
+
+    task = load_task(_task(tmp_path, "t", asks))
+    traj = OracleAgent(backend, Limits(network="registries")).run(AttemptSpec(task, "g", 0))
+    assert traj.network == recorded and traj.reward.success, traj.error
+    assert traj.to_dict()["network"] == recorded
+
+
+def test_offline_gate_judges_the_task_under_its_policy(backend: LocalBackend, tmp_path: Path) -> None:
+    """An oracle that installs a package from PyPI: solvable under ``registries``, not under ``none``."""
+    path = _task(tmp_path, "needs-pypi", {}, "pip download -q --no-deps six -d /tmp/six && echo forty-two > answer.txt")
+    online = gate_task(path, backend, GateOptions(reruns=2, parallelism=1, network="registries"))
+    assert online.gates["offline"].status == PASS and "registries" in online.gates["offline"].reason, online.gates
+    offline = gate_task(path, backend, GateOptions(reruns=2, parallelism=1, network="none"))
+    assert offline.gates["offline"].status == FAIL, offline.gates["offline"]
+
+
+def test_add_of_a_registry_url_downloads_under_the_builds_policy(backend: LocalBackend, tmp_path: Path) -> None:
+    """``ADD https://pypi.org/...`` is fetched by albatross (as Docker's daemon does), over TLS, because the
+    build's policy allows the registries; a host outside them is a named build failure."""
+    from albatross.sandbox import EnvBuildError
+
+    good = task_env(tmp_path / "a", "FROM python:3.11-slim-bookworm\nADD https://pypi.org/simple/six/ /six.html\n")
+    with backend.fork(good) as attempt:
+        assert b"six-" in (attempt.read_file("/six.html") or b"")
+    bad = task_env(tmp_path / "b", "FROM python:3.11-slim-bookworm\nADD https://github.com/robots.txt /r.txt\n")
+    with pytest.raises(EnvBuildError, match=r"Dockerfile:2: ADD https://github.com/robots.txt: needs github.com, "
+                                            r"which the network policy registries does not allow"):
+        backend.fork(bad)
