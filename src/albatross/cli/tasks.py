@@ -110,6 +110,7 @@ def _add_import(tasks_sub: Any) -> None:
 
 def cmd_swe(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.cache import cache_root
+    from albatross.config import default
     from albatross.sandbox import local_available
     from albatross.tasks.swe.generate import SweOptions, format_yield, make_swe_tasks
     from albatross.tasks.swe.sdist import fetch_sdist, local_sdist
@@ -123,7 +124,8 @@ def cmd_swe(args: argparse.Namespace, extra: list[str]) -> int:
     sdist = local_sdist(Path(args.sdist), args.package) if args.sdist else fetch_sdist(args.package, cache / "sdists")
     options = SweOptions(count=args.count, seed=args.seed, python=args.python, heldout=args.heldout,
                          max_mutants=args.max_mutants, workers=args.workers, validate=not args.no_validate)
-    report = make_swe_tasks(sdist, options, Path(args.out), cache, lambda: _backend("local", [args.out]),
+    registries = default("sandbox", "registries")  # the image build installs the project from them
+    report = make_swe_tasks(sdist, options, Path(args.out), cache, lambda: _backend("local", [args.out], registries),
                             log=lambda m: print(m, flush=True))
     print(format_yield(report), flush=True)
     return 0 if (report.tasks_validated if options.validate else report.tasks_written) >= args.count else EXIT_FAILED
@@ -137,9 +139,10 @@ def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"imported {len(paths)} instances into {args.out}", flush=True)
     if not args.validate:
         return 0
+    from albatross.config import default
     from albatross.tasks.gates import GateOptions, format_table, validate
 
-    backend = _backend("local", [args.out])
+    backend = _backend("local", [args.out], default("sandbox", "registries"))
     try:
         reports = validate(paths, backend, GateOptions())
     finally:
