@@ -117,8 +117,8 @@ def test_train_with_a_task_mix_reports_pass_at_1_per_source(tmp_path, swe_dir):
                        warm_steps=40, check_every=40, groups_per_step=1, max_steps=2)
     text = cfg.read_text().replace(f'train = ["{tmp_path / "train"}"]\nheldout = ["{tmp_path / "heldout"}"]\n',
                                    f'mix = {{ "{swe_dir}" = 1, "count_lines" = 1 }}\nn_train = 8\nn_heldout = 2\n')
-    cfg.write_text(text)
-    r = albatross("train", str(cfg), env={"ALBATROSS_CACHE": str(tmp_path / "cache")})
+    cfg.write_text(text.replace("check_tasks = 8", "check_tasks = 4"))
+    r = albatross("train", str(cfg), env={"ALBATROSS_CACHE": str(tmp_path / "cache")}, timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "[tasks] mix of 2 sources: swe (1 train, 1 held-out, weight 1)" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
