@@ -46,6 +46,17 @@ def test_tasks_swe_keeps_bugs_that_pass_the_nine_gates(swe_dir):
         assert config["fail_to_pass"] and set(config["fail_to_pass"]).isdisjoint(config["pass_to_pass"])
 
 
+def test_eval_reports_the_share_of_fail_to_pass_tests_fixed_per_source(swe_dir, tmp_path):
+    """The oracle fixes every FAIL_TO_PASS test, the untouched repository none; `albatross eval` says so per source."""
+    for agent, fixed in (("oracle", 1.0), ("noop", 0.0)):
+        r = albatross("eval", "--agent", agent, "--tasks", str(swe_dir), "--trials", "1", "--out", str(tmp_path / agent))
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        summary = json.loads((tmp_path / agent / "summary.json").read_text())
+        assert summary["per_source"] == [{**summary["per_source"][0], "source": "swe/tinycalc", "tasks": 2,
+                                          "pass_at_1": fixed, "fail_to_pass_fixed": fixed}], summary["per_source"]
+        assert "FAIL_TO_PASS fixed" in r.stdout
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("swebench")

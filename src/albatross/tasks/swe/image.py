@@ -126,25 +126,32 @@ def _build_layout(image: ProjectImage, make_backend: Callable[[], Any], log: Cal
 
     t0 = time.monotonic()
     log(f"[swe] building {image.tag} (the repository and its test dependencies; once)")
+    tmp = image.layout.with_name(image.layout.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "blobs" / "sha256").mkdir(parents=True)
     backend = make_backend()
     try:
         backend.prepare(image.context)
         attempt = backend.fork(image.context, REPO, Limits(memory_mb=6144, disk_mb=4096, pids=256,
                                                             command_timeout_s=1200.0))
         try:
-            layer, env = _read_root(attempt)
+            env = _read_root(attempt, tmp / "layer.tar.gz")
         finally:
             attempt.close()
     except (SandboxError, OSError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"{image.context / 'Dockerfile'}: the project image does not build: "
                         f"{str(e).strip()[-600:]}") from None
     finally:
         backend.close()
-    _write_layout(image.layout, layer, env, image.tag)
-    log(f"[swe] {image.tag}: {len(layer) >> 20} MiB compressed, {time.monotonic() - t0:.0f} s")
+    size = _write_layout(tmp, env, image.tag)
+    shutil.rmtree(image.layout, ignore_errors=True)
+    tmp.rename(image.layout)
+    log(f"[swe] {image.tag}: {size >> 20} MiB compressed, {time.monotonic() - t0:.0f} s")
 
 
-def _read_root(attempt: Any) -> tuple[bytes, dict[str, str]]:
+def _read_root(attempt: Any, dest: Path) -> dict[str, str]:
+    """Write the attempt's root as a gzip tar to ``dest`` (read back in pieces); returns the image's env."""
     script = (f"rm -rf {_EXPORT_DIR} && mkdir -p {_EXPORT_DIR} && cd / && "
               f"tar --numeric-owner --one-file-system -cpf - --exclude=.{_EXPORT_DIR} --exclude=./proc "
               f"--exclude=./sys --exclude=./dev . | gzip -1 | split -b {_PART_BYTES} -d -a 4 - {_EXPORT_DIR}/part-"
@@ -153,28 +160,40 @@ def _read_root(attempt: Any) -> tuple[bytes, dict[str, str]]:
     if result.exit_code != 0:
         raise OSError(f"cannot write the image's root out: {result.output[-400:]}")
     parts = sorted(line.strip() for line in result.output.splitlines() if line.strip().startswith("part-"))
-    chunks = []
-    for name in parts:
-        data = attempt.read_file(f"{_EXPORT_DIR}/{name}")
-        if data is None:
-            raise OSError(f"cannot read {_EXPORT_DIR}/{name} back")
-        chunks.append(data)
+    with dest.open("wb") as out:
+        for name in parts:
+            data = attempt.read_file(f"{_EXPORT_DIR}/{name}")
+            if data is None:
+                raise OSError(f"cannot read {_EXPORT_DIR}/{name} back")
+            out.write(data)
+            attempt.exec(f"rm -f {_EXPORT_DIR}/{name}", 30.0)  # the attempt's disk holds one piece less
     env = attempt.exec_clean("env -0", "/", 30.0)
     pairs = [item.split("=", 1) for item in env.output.split("\0") if "=" in item]
-    return b"".join(chunks), {k: v for k, v in pairs if k not in _ENV_SKIP and k.isidentifier()}
+    return {k: v for k, v in pairs if k not in _ENV_SKIP and k.isidentifier()}
 
 
 def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _write_layout(layout: Path, layer: bytes, env: dict[str, str], tag: str) -> None:
-    """An OCI image layout of one gzip layer, its config (Env, WorkingDir) and a manifest tagged ``tag``."""
-    tmp = layout.with_name(layout.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    blobs = tmp / "blobs" / "sha256"
-    blobs.mkdir(parents=True)
-    diff_id = _digest(gzip.decompress(layer))
+def _file_digests(path: Path) -> tuple[str, str, int]:
+    """(sha256 of the file, sha256 of its gunzipped content, size), read in chunks."""
+    outer, inner = hashlib.sha256(), hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            outer.update(chunk)
+    with gzip.open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            inner.update(chunk)
+    return "sha256:" + outer.hexdigest(), "sha256:" + inner.hexdigest(), path.stat().st_size
+
+
+def _write_layout(layout: Path, env: dict[str, str], tag: str) -> int:
+    """Make ``layout`` (holding ``layer.tar.gz``) an OCI image layout: the layer as a blob, its config (Env,
+    WorkingDir) and a manifest tagged ``tag``; returns the layer's size."""
+    blobs = layout / "blobs" / "sha256"
+    layer_digest, diff_id, size = _file_digests(layout / "layer.tar.gz")
+    (layout / "layer.tar.gz").rename(blobs / layer_digest.split(":")[1])
     config = {"architecture": "amd64", "os": "linux",
               "config": {"Env": [f"{k}={v}" for k, v in sorted(env.items())], "WorkingDir": REPO},
               "rootfs": {"type": "layers", "diff_ids": [diff_id]}}
@@ -182,15 +201,14 @@ def _write_layout(layout: Path, layer: bytes, env: dict[str, str], tag: str) -> 
     manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
                 "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
                            "digest": _digest(config_bytes), "size": len(config_bytes)},
-                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": _digest(layer),
-                            "size": len(layer)}]}
+                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": layer_digest,
+                            "size": size}]}
     manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
-    for data in (layer, config_bytes, manifest_bytes):
+    for data in (config_bytes, manifest_bytes):
         (blobs / _digest(data).split(":")[1]).write_bytes(data)
     index = {"schemaVersion": 2, "manifests": [{"mediaType": manifest["mediaType"], "digest": _digest(manifest_bytes),
                                                  "size": len(manifest_bytes),
                                                  "annotations": {"org.opencontainers.image.ref.name": tag}}]}
-    (tmp / "index.json").write_text(json.dumps(index))
-    (tmp / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
-    shutil.rmtree(layout, ignore_errors=True)
-    tmp.rename(layout)
+    (layout / "index.json").write_text(json.dumps(index))
+    (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+    return size
