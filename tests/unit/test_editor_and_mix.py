@@ -147,3 +147,15 @@ def test_fail_to_pass_share_and_pass_at_1_per_source():
     named = [dict(r, attempt=i) for i, r in enumerate([_record("s1", True, {}, "swe"), _record("t1", False, {}, "tb")])]
     assert [r["source"] for r in summarize(named)["per_source"]] == ["swe", "tb"]
     assert "per_source" not in summarize([_record("x", True, {})])
+
+
+def test_tasks_mix_in_config_and_on_the_command_line():
+    from albatross.config import ConfigError, load_config
+
+    assert load_config(None, ["tasks.mix=tasks/swe=2,count_lines=1"]).tasks.mix == {"tasks/swe": 2.0,
+                                                                                     "count_lines": 1.0}
+    assert load_config(None, ['tasks.mix={"a": 1}']).tasks.mix == {"a": 1.0}
+    with pytest.raises(ConfigError, match="weight of 'a' must be a positive finite number"):
+        load_config(None, ["tasks.mix=a=0"])
+    with pytest.raises(ConfigError, match="tasks.mix replaces tasks.train"):
+        load_config(None, ["tasks.mix=a=1", "tasks.train=x"])
