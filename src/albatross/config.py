@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from albatross.errors import UserError
 
@@ -81,6 +81,28 @@ class TasksConfig(_Section):
                                         "the held-out split (never trained on): a test of transfer to a new "
                                         "kind of task, reported per family.")
     seed: int = Field(0, description="Seed of the task generator.")
+    mix: dict[str, float] = Field(default_factory=dict, description="Training tasks from several sources in set "
+                                  "proportions: `{\"<source>\" = weight, ...}`, a source being a directory of task "
+                                  "directories (its `train/` and `heldout/` when it has them, as `tasks new` and "
+                                  "`tasks swe --heldout` write them) or a built-in family (generated: `n_train` and "
+                                  "`n_heldout` between the families). Each group's task comes from a source picked "
+                                  "by weight (any run of groups holds each source within one group of its share); "
+                                  "metrics, evaluations and the report give figures per source. Replaces `train` and "
+                                  "`families`; `heldout` adds held-out tasks.")
+
+    @field_validator("mix")
+    @classmethod
+    def _mix_weights(cls, value: dict[str, float]) -> dict[str, float]:
+        for source, weight in value.items():
+            if not (weight > 0 and weight != float("inf")):
+                raise ValueError(f"the weight of {source!r} must be a positive finite number, got {weight}")
+        return value
+
+    @model_validator(mode="after")
+    def _mix_alone(self) -> TasksConfig:
+        if self.mix and (self.train or self.families):
+            raise ValueError("tasks.mix replaces tasks.train and tasks.families: set one or the other")
+        return self
 
 
 class SandboxConfig(_Section):
@@ -408,14 +430,25 @@ def default(section: str, name: str) -> Any:
 
 def _parse_value(raw: str, field: Any = None) -> Any:
     """An override's value: JSON where it parses (numbers, booleans, lists), else the text itself. A list
-    field also takes a comma-separated list or a single item (``tasks.train=/data/a,/data/b``)."""
+    field also takes a comma-separated list or a single item (``tasks.train=/data/a,/data/b``), a table field
+    comma-separated ``key=value`` pairs (``tasks.mix=tasks/swe=2,count_lines=1``)."""
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
     if _is_list(field) and not isinstance(value, list):
         return [part.strip() for part in raw.split(",") if part.strip()]
+    if field is not None and get_origin(field.annotation) is dict and not isinstance(value, dict):
+        pairs = [part.rsplit("=", 1) for part in raw.split(",") if part.strip()]  # tasks.mix=a=2,b=1
+        return {k.strip(): _number(v.strip()) for k, v in (p if len(p) == 2 else (p[0], "") for p in pairs)}
     return value
+
+
+def _number(text: str) -> Any:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _is_list(field: Any) -> bool:

@@ -132,6 +132,9 @@ class Trajectory:
     network: str = ""  # the attempt's network policy (none, registries, open; "" in records from before it)
     # Changes the attempt made to /usr, /etc, /bin, /lib ... when its task's tests run in its own toolchain.
     system_changes: list[str] = field(default_factory=list)
+    # ``git diff`` of the task's working directory when the agent finished (files it added included), before
+    # the verifier ran; "" when the working directory is no git repository.
+    diff: str = ""
 
     @property
     def success(self) -> bool:

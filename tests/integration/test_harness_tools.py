@@ -306,3 +306,12 @@ def test_jobs_die_with_an_unisolated_attempt_too(tasks):
         box.kill_jobs()
         attempt.close()
         backend.close()
+
+
+def test_repo_diff_is_empty_without_a_repository_or_a_working_directory(box):
+    from albatross.harness.tools import repo_diff
+
+    call(box, "bash", command="echo x > f.txt")
+    assert repo_diff(box.attempt, "/app") == ""  # no git repository here (the repository case: test_swe.py)
+    assert repo_diff(box.attempt, "/gone") == ""  # a working directory the agent removed
+    assert call(box, "bash", command="cat f.txt") == "x\n"  # the session goes on

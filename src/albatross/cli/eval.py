@@ -355,12 +355,13 @@ def _writer(path: Path, tasks: list, label: str, price: Any, progress: Progress)
     from albatross.records import append_jsonl
 
     categories = task_categories(tasks)
+    sources = {t.id: str(t.metadata.get("source") or categories[t.id]) for t in tasks}  # per-source figures
 
     def write(traj: Any) -> None:
         record = traj.to_dict()
         usage = record_usage(record)
-        record.update(category=categories[traj.task_id], model=label, usage=asdict(usage),
-                      cost=price.cost(usage))
+        record.update(category=categories[traj.task_id], source=sources[traj.task_id], model=label,
+                      usage=asdict(usage), cost=price.cost(usage))
         append_jsonl(path, record)
         progress.on_try(traj)
 
@@ -439,11 +440,22 @@ def format_summary(s: dict[str, Any]) -> str:
              "", _table(["category", "tasks", "attempts", "pass@1", "cost/task"],
                         [[r["category"], r["tasks"], r["attempts"], f"{r['pass_at_1']:.3f}",
                           f"${r['cost_per_task']:.6f}"] for r in s["per_category"]]),
+             *_source_lines(s),
              "", _table(["task", "category", "n", "pass@1", "turns", "out tok", "wall s", "cost"],
                         [[r["task"], r["category"], r["n"], f"{r['pass_at_1']:.3f}", f"{r['turns']:.1f}",
                           f"{r['output_tokens']:.0f}", f"{r['wall_seconds']:.1f}", f"${r['cost']:.6f}"]
                          for r in s["per_task"]])]
     return "\n".join(lines)
+
+
+def _source_lines(s: dict[str, Any]) -> list[str]:
+    """Per source, when some are repository tasks: Pass@1 and the share of FAIL_TO_PASS tests fixed."""
+    rows = s.get("per_source", [])
+    if not any(r["fail_to_pass_fixed"] is not None for r in rows):
+        return []
+    return ["", _table(["source", "tasks", "attempts", "pass@1", "FAIL_TO_PASS fixed"],
+                       [[r["source"], r["tasks"], r["attempts"], f"{r['pass_at_1']:.3f}",
+                         "-" if r["fail_to_pass_fixed"] is None else f"{r['fail_to_pass_fixed']:.3f}"] for r in rows])]
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

@@ -1,4 +1,5 @@
-"""`albatross tasks validate | probe | filter`: the gates, the probe and the difficulty filter.
+"""`albatross tasks validate | probe | filter | swe | import`: the gates, the probe, the difficulty filter, repository
+tasks made from a project's sdist and SWE-bench instances imported.
 
 Registered by ``albatross.cli`` (``register(sub, tasks_sub)``); nothing heavy is imported at module level.
 Exit codes: 0 success, 1 some task failed a gate, 2 a user error (one line naming the file and field).
@@ -26,6 +27,8 @@ def register(sub: Any, tasks_sub: Any) -> None:
     _add_validate(tasks_sub)
     _add_probe(tasks_sub)
     _add_filter(tasks_sub)
+    _add_swe(tasks_sub)
+    _add_import(tasks_sub)
 
 
 def _add_validate(tasks_sub: Any) -> None:
@@ -71,7 +74,85 @@ def _add_filter(tasks_sub: Any) -> None:
     p.set_defaults(fn=cmd_filter)
 
 
+def _add_swe(tasks_sub: Any) -> None:
+    p = tasks_sub.add_parser("swe", help="make bug-fix tasks from a Python project's source distribution")
+    p.add_argument("--package", required=True, metavar="NAME[==VERSION]", help="the project on the package index "
+                   "(no version: its newest release with an sdist); its sdist must hold its test suite")
+    p.add_argument("--count", type=int, default=100, metavar="N", help="tasks to make (that pass the nine gates, "
+                   "unless --no-validate) (default: 100)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the task directories go")
+    p.add_argument("--sdist", metavar="PATH", help="a local sdist archive or source directory instead of the index")
+    p.add_argument("--python", default="3.11", metavar="VER", help="the image's Python (default: 3.11)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the choice of mutations (default: 0)")
+    p.add_argument("--heldout", type=int, default=0, metavar="M", help="put M tasks in DIR/heldout and the rest in "
+                   "DIR/train (default: 0, every task directly in DIR)")
+    p.add_argument("--max-mutants", type=int, default=0, metavar="N", help="single mutations tried at most "
+                   "(default: 10 x --count)")
+    p.add_argument("--workers", type=int, default=0, metavar="N", help="attempts run at once (default: cores)")
+    p.add_argument("--no-validate", action="store_true", help="write tasks without running the nine gates")
+    p.set_defaults(fn=cmd_swe)
+
+
+def _add_import(tasks_sub: Any) -> None:
+    p = tasks_sub.add_parser("import", help="turn SWE-bench instances into task directories")
+    p.add_argument("format", choices=["swebench"], help="the instance format")
+    p.add_argument("file", metavar="FILE.jsonl", help="one instance per line (repo, instance_id, base_commit, patch, "
+                   "test_patch, problem_statement, FAIL_TO_PASS, PASS_TO_PASS, ...)")
+    p.add_argument("--repos", required=True, metavar="DIR", help="local clones: DIR/<owner>__<name>, "
+                   "DIR/<owner>/<name> or DIR/<name>")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the task directories go")
+    p.add_argument("--python", default="3.11", metavar="VER", help="the Python of an instance that names none "
+                   "(default: 3.11)")
+    p.add_argument("--validate", action="store_true", help="run the nine gates on the imported tasks")
+    p.set_defaults(fn=cmd_import)
+
+
 # ------------------------------------------------------------------------------------------ commands
+
+
+def cmd_swe(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.cache import cache_root
+    from albatross.config import default
+    from albatross.sandbox import local_available
+    from albatross.tasks.swe.generate import SweOptions, format_yield, make_swe_tasks
+    from albatross.tasks.swe.sdist import fetch_sdist, local_sdist
+
+    if args.count < 1 or args.heldout < 0 or args.heldout >= max(args.count, 1) and args.heldout:
+        return _user_error("--count must be at least 1 and --heldout below --count")
+    if not local_available():
+        return _user_error("tasks swe runs the project's tests in the isolated local sandbox (root, cgroup v1 "
+                           "memory and pids, namespaces, overlayfs), which this machine lacks")
+    cache = cache_root() / "swe"
+    sdist = local_sdist(Path(args.sdist), args.package) if args.sdist else fetch_sdist(args.package, cache / "sdists")
+    options = SweOptions(count=args.count, seed=args.seed, python=args.python, heldout=args.heldout,
+                         max_mutants=args.max_mutants, workers=args.workers, validate=not args.no_validate)
+    registries = default("sandbox", "registries")  # the image build installs the project from them
+    report = make_swe_tasks(sdist, options, Path(args.out), cache, lambda: _backend("local", [args.out], registries),
+                            log=lambda m: print(m, flush=True))
+    print(format_yield(report), flush=True)
+    return 0 if (report.tasks_validated if options.validate else report.tasks_written) >= args.count else EXIT_FAILED
+
+
+def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.tasks.swe.swebench import import_instances
+
+    paths = import_instances(Path(args.file), Path(args.repos), Path(args.out), python=args.python,
+                             log=lambda m: print(m, flush=True))
+    print(f"imported {len(paths)} instances into {args.out}", flush=True)
+    if not args.validate:
+        return 0
+    from albatross.config import default
+    from albatross.tasks.gates import GateOptions, format_table, validate
+
+    backend = _backend("local", [args.out], default("sandbox", "registries"))
+    try:
+        reports = validate(paths, backend, GateOptions())
+    finally:
+        backend.close()
+    print(format_table(reports), flush=True)
+    return 0 if all(r.passed for r in reports) else EXIT_FAILED
+
+
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:

@@ -556,6 +556,19 @@ def _family_section(results: list[Result]) -> str:
             + _html_table(["run", "family", "tasks", "base", "trained", "trained - base", "verdict"], rows))
 
 
+def _source_section(results: list[Result]) -> str:
+    """Per source of a task mix (``tasks.mix``): Pass@1 and, for repository tasks, the share of FAIL_TO_PASS
+    tests fixed, of every result whose attempts name their source."""
+    rows = [[r.label, row["source"], row["tasks"], row["attempts"], f"{row['pass_at_1']:.3f}",
+             "-" if row["fail_to_pass_fixed"] is None else f"{row['fail_to_pass_fixed']:.3f}"]
+            for r in results for row in r.summary.get("per_source", [])]
+    if not rows:
+        return ""
+    return ("<h2>Per source</h2><p>Pass@1 of each source of the task mix, and for repository tasks the share of "
+            "their FAIL_TO_PASS tests an attempt fixed (mean over tasks).</p>"
+            + _html_table(["result", "source", "tasks", "attempts", "Pass@1", "FAIL_TO_PASS fixed"], rows))
+
+
 def _validation_section(validation: list[Result]) -> str:
     if not validation:
         return ""
@@ -628,6 +641,7 @@ def render_html(results: list[Result], runs: list[TrainingRun], title: str,
     if results:
         body.append(_headline_section(results))
         body.append(_family_section(results))
+        body.append(_source_section(results))
     if models:
         body += ["<h2>Pass@1 against cost per task</h2>",
                  "<p>Each point is one evaluated model or checkpoint; the dashed line is the Pareto "

@@ -108,6 +108,44 @@ def pass_at_1_by_family(result: EvalResult, families: dict[str, str] | None = No
     return {name: sum(v) / len(v) for name, v in sorted(rates.items())}
 
 
+FAIL_TO_PASS_PREFIX = "fail_to_pass::"  # a repository task's reward.json entry per FAIL_TO_PASS test
+
+
+def fail_to_pass_share(metrics: dict[str, float]) -> float | None:
+    """The share of a repository task's FAIL_TO_PASS tests an attempt fixed (its ``fail_to_pass::<test>``
+    entries), or None when the task has none."""
+    values = [float(v) for k, v in metrics.items() if k.startswith(FAIL_TO_PASS_PREFIX)]
+    return sum(v >= 1.0 for v in values) / len(values) if values else None
+
+
+def by_source(records: Iterable[dict[str, Any]], sources: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Per source of tasks (``sources``: task id -> name, else each record's ``source`` key): tasks, scored
+    attempts, Pass@1 (mean over tasks of their pass rates) and, for repository tasks, the share of FAIL_TO_PASS
+    tests fixed (mean over tasks of the mean over their attempts; None for a source without such tasks).
+    Infrastructure errors are left out."""
+    per_task: dict[str, dict[str, list]] = {}
+    for r in records:
+        if r.get("status") == STATUS_INFRA_ERROR:
+            continue
+        name = (sources or {}).get(r["task_id"]) or r.get("source")
+        if name is None:
+            continue
+        entry = per_task.setdefault(name, {}).setdefault(r["task_id"], [[], []])
+        reward = r.get("reward", {})
+        entry[0].append(bool(reward.get("success")))
+        share = fail_to_pass_share(reward.get("metrics", {}))
+        if share is not None:
+            entry[1].append(share)
+    rows = []
+    for name, tasks in sorted(per_task.items()):
+        rates = [sum(ok) / len(ok) for ok, _ in tasks.values() if ok]
+        fixed = [sum(f) / len(f) for _, f in tasks.values() if f]
+        rows.append({"source": name, "tasks": len(tasks), "attempts": sum(len(ok) for ok, _ in tasks.values()),
+                     "pass_at_1": _mean(rates), **_interval_fields(rates),
+                     "fail_to_pass_fixed": _mean(fixed) if fixed else None})
+    return rows
+
+
 def _task_se(outcomes: list[list[bool]]) -> float | None:
     from albatross.eval.stats import task_interval
 
@@ -120,13 +158,14 @@ def _task_se(outcomes: list[list[bool]]) -> float | None:
 def evaluate(agent: Runner, tasks: list[Task], trials: int, workers: int = 16,
              out_jsonl: Path | None = None, retries: int = 3, progress=None,
              skip: Iterable[tuple[str, int]] = (),
-             on_try: Callable[[Trajectory], None] | None = None) -> EvalResult:
+             on_try: Callable[[Trajectory], None] | None = None,
+             sources: dict[str, str] | None = None) -> EvalResult:
     """Run every task ``trials`` times; infrastructure errors are retried and never count as failures.
 
-    ``out_jsonl``: every try is appended as it finishes. ``skip``: (task id, trial) pairs not to run
-    (already finished). ``progress(done, total)`` is called after each attempt; ``on_try(traj)`` after
-    each try (both from worker threads, one at a time). The result holds the final try of each attempt
-    run now, in task then trial order."""
+    ``out_jsonl``: every try is appended as it finishes (with its task's ``source`` when ``sources``, task id ->
+    source name, is given). ``skip``: (task id, trial) pairs not to run (already finished). ``progress(done,
+    total)`` is called after each attempt; ``on_try(traj)`` after each try (both from worker threads, one at a
+    time). The result holds the final try of each attempt run now, in task then trial order."""
     done_pairs = set(skip)
     specs = [AttemptSpec(task, f"eval-{task.id}", i) for task in tasks for i in range(trials)
              if (task.id, i) not in done_pairs]
@@ -139,7 +178,8 @@ def evaluate(agent: Runner, tasks: list[Task], trials: int, workers: int = 16,
             if stop.is_set():  # interrupted: this try was cut short, it is neither saved nor retried
                 raise _Stopped
             if out_jsonl is not None:
-                append_jsonl(out_jsonl, traj.to_dict())
+                source = (sources or {}).get(traj.task_id)
+                append_jsonl(out_jsonl, {**traj.to_dict(), **({"source": source} if source is not None else {})})
             if on_try is not None:
                 on_try(traj)
 
@@ -352,6 +392,7 @@ def summarize(records: Iterable[dict[str, Any]], *, tasks: Iterable[str] | None 
         "cost_per_task": _div(sum(s.cost for s in scored), n_attempts),
         "per_task": per_task,
         "per_category": _category_rows(per_task),
+        **({"per_source": rows} if (rows := by_source(final_records(keep).values())) else {}),
     }
 
 

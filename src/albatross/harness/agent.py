@@ -26,7 +26,7 @@ from albatross.harness.chat import ChatFormat, make_chat_format, resolve_action_
 from albatross.harness.context import SUMMARY_HEADER, SUMMARY_REQUEST, Context
 from albatross.harness.hf_chat import strip_reasoning
 from albatross.harness.parsers import SUBMIT, BashBlockParser, FormatError, Parser, ToolCallParser
-from albatross.harness.tools import BASH_TOOLS_HINT, TOOL_SCHEMAS, TOOLS, Observation, Toolbox
+from albatross.harness.tools import BASH_TOOLS_HINT, TOOL_SCHEMAS, TOOLS, Observation, Toolbox, repo_diff
 from albatross.records import (
     STATUS_AGENT_TIMEOUT,
     STATUS_FORMAT_ERROR,
@@ -99,6 +99,7 @@ class Agent:
             attempt = self.backend.fork(spec.task.env_dir, spec.task.workdir, limits)
             episode = Episode(self, spec.task, attempt, traj, session, start)
             traj.status = episode.run()
+            traj.diff = repo_diff(attempt, spec.task.workdir)  # what the attempt changed, when the workdir is a repo
             self._verify(spec.task, attempt, traj, limits)
         except (SandboxError, VerifierError, EngineError, OSError) as e:
             traj.status, traj.error = STATUS_INFRA_ERROR, f"{type(e).__name__}: {e}"

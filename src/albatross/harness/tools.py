@@ -10,7 +10,11 @@ in the sandbox), installs the ``job`` helper (``jobs.py``) on ``PATH`` and expor
   kills the command, never the session.
 - ``job_*``: the ``job`` helper (background jobs with ids; they survive turns and die with the attempt).
 - ``read_file`` / ``write_file`` / ``edit_file``: file contents cross as base64 through ``exec``
-  (writes in chunks, so any size fits the argument limit); edits are exact string replacements.
+  (writes in chunks, so any size fits the argument limit); edits are exact string replacements. Bash-block
+  models get the same from the ``edit`` helper (``edit view|create|replace``, ``edit_helper.py``), also installed
+  on ``PATH``.
+- ``repo_diff``: the ``git diff`` of the task's working directory at the end of an attempt (with the files it
+  added), recorded on the trajectory.
 - ``submit``: ends the attempt (handled by the agent loop).
 
 A tool that cannot do what was asked raises ``ToolError``; its message is the observation.
@@ -25,8 +29,10 @@ import secrets
 import shlex
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from albatross.harness.edit_helper import HELP as EDIT_USAGE
 from albatross.harness.jobs import JOB_SCRIPT, JOB_USAGE, job_command
 from albatross.harness.parsers import SUBMIT, Action
 from albatross.sandbox.base import Attempt, ExecResult, SandboxError
@@ -34,6 +40,12 @@ from albatross.sandbox.base import Attempt, ExecResult, SandboxError
 _WRITE_CHUNK = 48 * 1024  # raw bytes per exec: 64 KiB of base64, well under the 128 KiB argument limit
 _KEEP_BYTES = 32 << 20  # an output file over this is cut to its first _KEEP_BYTES (frees the sandbox's /tmp)
 _READ_LIMIT = 700 * 1024  # largest file edit_file reads (its base64 must fit the sandbox's output cap)
+EDIT_SCRIPT = Path(__file__).with_name("edit_helper.py").read_text(encoding="utf-8")
+EDIT_WRAPPER = """#!/bin/sh
+command -v python3 >/dev/null 2>&1 || { echo "edit: needs python3, which this environment lacks; use sed -n, \\
+sed -i and cat > FILE instead" >&2; exit 127; }
+exec python3 -I "$(dirname "$0")/edit.py" "$@"
+"""
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1a\x1c-\x1f\x7f\ufffd]")
 
 
@@ -83,7 +95,9 @@ BASH_TOOLS_HINT = f"""\
 
 Helpers in this shell: a command's output longer than the limit is saved to a file; you see its head, \
 its tail and the path, so grep it. Background jobs:
-{JOB_USAGE}"""
+{JOB_USAGE}
+Files:
+{EDIT_USAGE}"""
 
 
 def truncate_middle(text: str, limit: int) -> str:
@@ -163,11 +177,13 @@ class Toolbox:
 
     # setup / teardown ---------------------------------------------------------------------------
     def setup(self) -> None:
-        """Create the attempt's tool directory and install ``job`` (one exec)."""
+        """Create the attempt's tool directory and install ``job`` and ``edit`` (one exec)."""
         script = (
             'd="${SANDBOX_ROOT:-}/tmp/albatross"\nmkdir -p "$d/bin" "$d/out" "$d/jobs" || exit 1\n'
             f"cat > \"$d/bin/job\" <<'ALBATROSS_JOB_EOF'\n{JOB_SCRIPT}ALBATROSS_JOB_EOF\n"
-            'chmod +x "$d/bin/job"\nexport ALBATROSS_DIR="$d"\n'
+            f"cat > \"$d/bin/edit.py\" <<'ALBATROSS_EDIT_EOF'\n{EDIT_SCRIPT}ALBATROSS_EDIT_EOF\n"
+            f"cat > \"$d/bin/edit\" <<'ALBATROSS_EDIT_EOF'\n{EDIT_WRAPPER}ALBATROSS_EDIT_EOF\n"
+            'chmod +x "$d/bin/job" "$d/bin/edit"\nexport ALBATROSS_DIR="$d"\n'
             'case ":$PATH:" in *":$d/bin:"*) ;; *) export PATH="$d/bin:$PATH" ;; esac\nprintf %s "$d"'
         )
         result = self.attempt.exec(script, 30)
@@ -422,3 +438,25 @@ def describe_tools(tools: list[dict[str, Any]] = TOOLS) -> str:
 def tool_call_text(name: str, **arguments: Any) -> str:
     """The text of a well-formed tool call (scripted policies and demonstrations write actions this way)."""
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+_DIFF_LIMIT = 200 * 1024
+_DIFF = """cd -- "${SANDBOX_ROOT:-}"WORKDIR 2>/dev/null || exit 0
+git rev-parse --is-inside-work-tree >/dev/null 2>&1 || exit 0
+g() { git -c core.quotepath=off -c core.fsmonitor= -c diff.external= -c color.ui=false "$@"; }
+{ if git rev-parse -q --verify HEAD >/dev/null 2>&1; then g diff --no-ext-diff HEAD --; else g diff --no-ext-diff; fi
+  g ls-files --others --exclude-standard -z | while IFS= read -r -d '' f; do g diff --no-ext-diff --no-index -- /dev/null "$f"; done
+} 2>/dev/null | head -c LIMIT
+"""
+
+
+def repo_diff(attempt: Attempt, workdir: str, limit: int = _DIFF_LIMIT) -> str:
+    """``git diff`` of ``workdir`` against its last commit, plus the files added since (as diffs from nothing),
+    when it is a git work tree; "" otherwise or when git fails. Run in a clean shell (nothing the agent exported),
+    cut at ``limit`` bytes."""
+    script = _DIFF.replace("LIMIT", str(limit)).replace("WORKDIR", shlex.quote(workdir))
+    try:  # from "/": a working directory the agent removed is no error, just no diff
+        result = attempt.exec_clean(script, "/", timeout_s=30.0)
+    except SandboxError:
+        return ""
+    return result.output if result.exit_code == 0 and not result.timed_out else ""

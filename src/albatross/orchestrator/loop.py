@@ -30,6 +30,7 @@ from albatross.orchestrator.buffer import BatchBuilder, admissible
 from albatross.orchestrator.launcher import Launcher, LocalLauncher
 from albatross.orchestrator.metrics import MetricsSink
 from albatross.orchestrator.state import (
+    MixSampler,
     RunState,
     TaskSampler,
     count_lines,
@@ -58,8 +59,12 @@ class AsyncLoop:
 
     def __init__(self, cfg: RunConfig, agent: Agent, engine, tasks: list[Task], model_dir: Path,
                  run_dir: Path, log: Callable[[str], None] = print, resume: bool = False,
-                 launcher: Any = None, sink: MetricsSink | None = None) -> None:
+                 launcher: Any = None, sink: MetricsSink | None = None,
+                 sources: dict[str, str] | None = None, weights: dict[str, float] | None = None) -> None:
+        """``sources`` (task id -> source name) and ``weights`` (source name -> weight): a task mix
+        (``tasks.mix``), drawn from by ``MixSampler`` and reported per source; None: one pool of tasks."""
         self.cfg, self.agent, self.engine, self.tasks = cfg, agent, engine, tasks
+        self.sources = sources or {}
         self._given_sink = sink  # the run's sink (driver), else one of its own
         self.stop_reason = "not started"
         self.launcher: Launcher = launcher or LocalLauncher()
@@ -68,7 +73,7 @@ class AsyncLoop:
         self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
         self.builder = BatchBuilder(cfg.orchestrator.groups_per_step, max_staleness=cfg.rl.max_staleness,
                                     credit=cfg.rl.credit)
-        self.sampler = TaskSampler(len(tasks), cfg.seed)
+        self.sampler = _sampler(tasks, self.sources, weights or {}, cfg.seed)
         self.state = RunState(version=engine.version)
         self.counts: Counter = Counter()
         self._window: Counter = Counter()  # attempts, solves, rewards since the last step
@@ -276,11 +281,18 @@ class AsyncLoop:
         self.counts["completion_tokens"] += sum(t.completion_tokens for t in ok)
         self._window.update(attempts=len(ok), solved=sum(t.success for t in ok))
         self._window["reward_x1000"] += int(1000 * sum(t.reward.score for t in ok))
+        source = self.sources.get(pg.task.id)
+        if source is not None:  # a task mix: the same figures per source
+            self._window.update({f"source/{source}/attempts": len(ok),
+                                 f"source/{source}/solved": sum(t.success for t in ok),
+                                 f"source/{source}/reward_x1000": int(1000 * sum(t.reward.score for t in ok))})
+            self.counts[f"source/{source}/groups"] += 1
         batch = self.builder.add(group, train_version)
         advantages = group.advantages or [0.0] * len(ok)
+        extra = {"source": source} if source is not None else {}
         for t, adv in zip(group.trajectories, advantages, strict=True):
             append_jsonl(self.run_dir / "trajectories.jsonl",
-                         {**t.to_dict(), "advantage": adv, "dropped": group.dropped})
+                         {**t.to_dict(), "advantage": adv, "dropped": group.dropped, **extra})
         return batch
 
     # ---- trainer results ----------------------------------------------------------------------
@@ -353,9 +365,21 @@ class AsyncLoop:
             "trainer_idle_share": msg.get("trainer_wait_s", 0.0) / max(msg.get("seconds", 0.0)
                                                                      + msg.get("trainer_wait_s", 0.0), 1e-6),
             **{k: v for k, v in msg.items() if isinstance(v, (int, float)) and k != "version"},
+            **self._source_record(),
         }
         self._window.clear()
         return record
+
+    def _source_record(self) -> dict[str, float]:
+        """Per source of a task mix: pass rate and mean reward of the attempts since the last step, groups so far."""
+        out: dict[str, float] = {}
+        for name in sorted(set(self.sources.values())):
+            n = self._window[f"source/{name}/attempts"]
+            if n:
+                out[f"source/{name}/pass_rate"] = self._window[f"source/{name}/solved"] / n
+                out[f"source/{name}/reward_mean"] = self._window[f"source/{name}/reward_x1000"] / 1000 / n
+            out[f"source/{name}/groups"] = self.counts[f"source/{name}/groups"]
+        return out
 
     def _engine_busy(self) -> float | None:
         busy = self.engine.busy_seconds
@@ -376,6 +400,15 @@ class AsyncLoop:
                 "batches waiting": self._batches_sent - self.state.step,
                 "attempts": self.counts["attempts"], "infra": self.counts["infra_error_attempts"],
                 **({"engine restarts": self.engine.restarts} if self.engine.restarts else {})}
+
+
+def _sampler(tasks: list[Task], sources: dict[str, str], weights: dict[str, float], seed: int) -> Any:
+    """One seeded cycle over the tasks, or (a task mix) a ``MixSampler`` over the sources with a weight."""
+    if not sources:
+        return TaskSampler(len(tasks), seed)
+    names = [n for n in dict.fromkeys(sources[t.id] for t in tasks) if weights.get(n, 0) > 0]
+    groups = [[i for i, t in enumerate(tasks) if sources[t.id] == n] for n in names]
+    return MixSampler(groups, [weights[n] for n in names], seed)
 
 
 def _test_weights(path: str) -> dict[str, dict[str, float]] | None:

@@ -73,6 +73,46 @@ class TaskSampler:
         self.rng.setstate((version, tuple(internal), gauss))
 
 
+class MixSampler:
+    """Draws from several sources of tasks in proportion to their weights (``tasks.mix``): smooth weighted round
+    robin picks the source (each pick adds every source's weight to its credit, takes the source with the most
+    credit and charges it the total), so any run of draws holds each source within one draw of its share; the
+    source's own ``TaskSampler`` (seeded per source) picks the task. ``groups[i]``: the task indices of source i.
+    Its state (credits and every source's sampler) is part of the run's state, so a resumed run draws on exactly
+    as the stopped one would have."""
+
+    def __init__(self, groups: list[list[int]], weights: list[float], seed: int) -> None:
+        if len(groups) != len(weights) or not groups or any(not g for g in groups) or min(weights) <= 0:
+            raise ValueError("MixSampler needs one non-empty group of tasks per positive weight")
+        self.groups, self.weights = groups, [float(w) for w in weights]
+        self.credit = [0.0] * len(groups)
+        self.samplers = [TaskSampler(len(g), seed + 7919 * i) for i, g in enumerate(groups)]
+
+    def next_source(self) -> int:
+        total = sum(self.weights)
+        for i, w in enumerate(self.weights):
+            self.credit[i] += w
+        pick = max(range(len(self.groups)), key=lambda i: (self.credit[i], -i))
+        self.credit[pick] -= total
+        return pick
+
+    def next(self) -> int:
+        source = self.next_source()
+        return self.groups[source][self.samplers[source].next()]
+
+    def state(self) -> dict[str, Any]:
+        return {"credit": list(self.credit), "sources": [s.state() for s in self.samplers]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if "sources" not in state or len(state["sources"]) != len(self.samplers):
+            raise ValueError("the saved task sampler does not match tasks.mix (its sources changed)")
+        self.credit = [float(c) for c in state["credit"]]
+        for sampler, saved in zip(self.samplers, state["sources"], strict=True):
+            sampler.restore(saved)
+
+
 def prune_before(run_dir: Path, version: int, keep_weights: int) -> None:
     """Delete trainer checkpoints older than ``version`` and exported weights older than the newest
     ``keep_weights`` up to it. Only the orchestrator prunes checkpoints, after state.json names ``version``: the

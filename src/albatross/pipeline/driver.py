@@ -30,6 +30,9 @@ class Pipeline:
             cfg.out = default_out(cfg.name)
         self.out = Path(cfg.out).resolve()
         self.model_name = cfg.model.path  # as given: a directory or a Hugging Face id (summary.json names it)
+        self.sources: dict[str, str] = {}  # task id -> source name (tasks.mix)
+        self.weights: dict[str, float] = {}
+        self.source_rows: dict[str, list[dict[str, Any]]] = {}  # evaluation -> per-source rows (tasks.mix)
 
     @classmethod
     def resumed(cls, out_dir: str | Path, log: Callable[[str], None] = print) -> Pipeline:
@@ -147,7 +150,8 @@ class Pipeline:
         try:
             base = self._base_eval(evaluator, heldout)
             loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log,
-                             resume=self.resume, launcher=ray_run, sink=self.sink)
+                             resume=self.resume, launcher=ray_run, sink=self.sink,
+                             sources=self.sources or None, weights=self.weights or None)
             with self.plan.phase("train") as ph:
                 first = loop.state.step
                 t0 = time.monotonic()
@@ -242,6 +246,8 @@ class Pipeline:
         tc = self.cfg.tasks
         generated = self.out / "tasks"
         self.validation: list = []
+        if tc.mix:
+            return self._mix_tasks(generated)
         if tc.train:
             train, heldout = load_tasks(tc.train), load_tasks(tc.heldout) if tc.heldout else []
         else:
@@ -260,6 +266,28 @@ class Pipeline:
         self.log(f"[tasks] {len(train)} train, {len(heldout)} held-out"
                  + (f", {len(self.validation)} validation" if self.validation else "") + " tasks"
                  + (f" (held-out families: {', '.join(tc.heldout_families)})" if tc.heldout_families else ""))
+        return train, heldout
+
+    def _mix_tasks(self, generated: Path) -> tuple[list, list]:
+        """``tasks.mix``: the training and held-out tasks of every source (``tasks/mix.py``), with their source."""
+        from albatross.tasks.builtin import generate_tasks
+        from albatross.tasks.format import load_tasks
+        from albatross.tasks.mix import describe, load_mix, source_of
+
+        tc = self.cfg.tasks
+
+        def generate(families: list[str]) -> dict[str, list]:
+            if not (self.resume and (generated / "train").is_dir()):
+                generate_tasks(generated, families=families, n_train=tc.n_train, n_heldout=tc.n_heldout,
+                               seed=tc.seed)
+            return {split: load_tasks(generated / split) if (generated / split).is_dir() else []
+                    for split in ("train", "heldout")}
+
+        sources = load_mix(tc.mix, generate, tc.heldout)
+        self.sources, self.weights = source_of(sources), {s.name: s.weight for s in sources}
+        train = [t for s in sources for t in s.train if s.weight > 0]
+        heldout = [t for s in sources for t in s.heldout]
+        self.log(f"[tasks] mix of {len(sources)} sources: {describe(sources)}")
         return train, heldout
 
     def _model(self) -> tuple[Any, Path | None]:
@@ -359,6 +387,7 @@ class Pipeline:
         result.counts["infra_error_attempts"] = sum(r.get("status") == STATUS_INFRA_ERROR for r in rows)
         self.log(f"[eval] base held-out pass@1 {_fmt(result)} ({len(heldout)} tasks x {self.cfg.eval.trials} "
                  f"trials, temperature {self.cfg.eval.temperature})")
+        self._log_sources("base", list(final_records(rows).values()))
         self._log_eval("base", result)
         return result
 
@@ -368,6 +397,7 @@ class Pipeline:
         (self.out / "eval_trained.jsonl").unlink(missing_ok=True)  # a resumed run evaluates anew
         result = self._evaluate("trained eval", agent, heldout, self.out / "eval_trained.jsonl")
         self.log(f"[eval] trained held-out pass@1 {_fmt(result)}")
+        self._log_sources("trained", [t.to_dict() for t in result.trajectories])
         self._log_eval("trained", result)
         return result
 
@@ -391,7 +421,7 @@ class Pipeline:
             t0 = time.monotonic()
             try:
                 result = evaluate(agent, tasks, self.cfg.eval.trials, out_jsonl=path, skip=skip or (),
-                                  progress=lambda done, _total: bar.update(done))
+                                  progress=lambda done, _total: bar.update(done), sources=self.sources or None)
             finally:
                 bar.close()
             ph.reason = f"all {todo} attempts scored ({len(tasks)} tasks x {self.cfg.eval.trials} trials)"
@@ -404,6 +434,21 @@ class Pipeline:
         self.sink.scalars(f"eval/{name}", {"pass_at_1": result.pass_at_1,
                                            **({"pass_at_1_se": result.pass_at_1_se}
                                               if result.pass_at_1_se is not None else {})}, step)
+
+    def _log_sources(self, name: str, records: list[dict[str, Any]]) -> None:
+        """With a task mix: the evaluation's Pass@1 (and share of FAIL_TO_PASS tests fixed) per source."""
+        if not self.sources:
+            return
+        from albatross.eval.run import by_source
+
+        rows = by_source(records, self.sources)
+        for row in rows:
+            fixed = row["fail_to_pass_fixed"]
+            self.log(f"[eval] {name} held-out {row['source']}: pass@1 {row['pass_at_1']:.3f} ({row['tasks']} tasks)"
+                     + (f", FAIL_TO_PASS fixed {fixed:.3f}" if fixed is not None else ""))
+        self.sink.scalars(f"eval/{name}", {f"{r['source']}/pass_at_1": r["pass_at_1"] for r in rows},
+                          self.sink.max_steps if name != "base" else 0)
+        self.source_rows[name] = rows
 
     def _export_final(self, base_dir: Path, version: int, tokenizer: Any) -> None:
         """``<out>/final``: the last trained weights with the model's tokenizer and chat template, a directory
@@ -453,6 +498,7 @@ class Pipeline:
             "weight_version_final": version,
             "eval_trials": self.cfg.eval.trials,
             "seed": self.cfg.seed,
+            **({"heldout_by_source": self.source_rows} if self.sources else {}),
         }
         summ.write_summary(self.out, out)
         return out
