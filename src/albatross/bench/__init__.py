@@ -14,6 +14,7 @@ BENCHES = {
     "replay": "albatross.bench.replay",
     "recipe": "albatross.bench.recipe",
     "gpu": "albatross.bench.gpu",
+    "lora": "albatross.bench.lora",
 }
 
 
