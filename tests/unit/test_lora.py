@@ -130,3 +130,15 @@ def test_unsupported_combinations_are_refused_in_one_line():
     check_run(load_config(None, ["trainer.gpus=2"]))  # no LoRA: nothing to refuse
     assert load_config(None, ["trainer.lora.enabled=true"]).trainer.lora.r == 16
     assert not load_config(None, []).trainer.lora.on
+
+
+def test_bench_lora_counts_the_optimizer_state_of_each_trainer():
+    from albatross.bench.lora import measure
+
+    r = measure(tiny_causal_lm(VOCAB), rank=4, steps=1, tokens=128, vocab=VOCAB)
+    for name in ("full", "lora"):  # AdamW: two fp32 moments per trainable parameter, plus a step count each
+        trainable = r[name]["trainable_parameters"]
+        assert 8 * trainable <= r[name]["optimizer_bytes"] <= 8 * trainable + 8 * 64
+        assert r[name]["step_s"] > 0
+    assert r["full"]["trainable_parameters"] == sum(p.numel() for p in tiny_causal_lm(VOCAB).parameters())
+    assert r["lora"]["optimizer_share_of_full"] == r["lora"]["optimizer_bytes"] / r["full"]["optimizer_bytes"] < 0.2

@@ -5,6 +5,8 @@ with ``[trainer.lora]`` adapters (rank ``--rank``, the default targets: attentio
 RL batch of random agent-like samples, alternately, so machine load weighs on both alike. Memory is counted, not
 sampled: the bytes of the optimizer's state after a step and of the gradients (one fp32 value per trainable
 parameter), per parameter of the model. Step time is the median over ``--steps`` steps after one warm-up step.
+The same counts for published model shapes (Qwen3-0.6B, Qwen3-8B) are taken on the meta device: the adapters'
+share of the parameters is the optimizer's share (AdamW keeps two fp32 moments per trainable parameter either way).
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ from albatross.errors import UserError
 
 SIZES = {"quick": {"hidden_size": 256, "num_layers": 4, "vocab_size": 8192, "tokens": 1024},
          "full": {"hidden_size": 512, "num_layers": 8, "vocab_size": 16384, "tokens": 2048}}
+
+
+# published shapes (their config.json), counted on the meta device: nothing is allocated or downloaded
+SHAPES = {
+    "Qwen3-0.6B": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
+    "Qwen3-8B": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False},
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,6 +112,26 @@ def measure(model: Any, rank: int, steps: int, tokens: int, vocab: int) -> dict[
     return out
 
 
+def shape_shares(rank: int) -> dict[str, dict[str, float]]:
+    """For each of ``SHAPES``: parameters, adapter parameters at ``rank`` (default targets) and their share, which
+    is LoRA's optimizer memory as a share of a full fine-tune's."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from albatross.config import LoRAConfig
+    from albatross.trainer.lora import apply_lora, parameter_counts
+
+    out = {}
+    for name, fields in SHAPES.items():
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(Qwen3Config(**fields))
+        full = sum(p.numel() for p in model.parameters())
+        apply_lora(model, LoRAConfig(rank=rank))
+        trainable = parameter_counts(model)["trainable_parameters"]
+        out[name] = {"parameters": full, "trainable_parameters": trainable, "optimizer_share_of_full": trainable / full}
+    return out
+
+
 def _table(r: dict[str, dict[str, float]]) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = []
     for name in ("full", "lora"):
@@ -112,6 +143,9 @@ def _table(r: dict[str, dict[str, float]]) -> list[tuple[str, Any]]:
                  (f"{name}: step", f"{m['step_s']:.3f} s")]
     rows += [("lora / full: optimizer memory", f"{r['lora']['optimizer_share_of_full']:.2%}"),
              ("lora / full: step time", f"{r['lora']['step_time_share_of_full']:.2f}x")]
+    rows += [(f"{name} (meta device): lora / full optimizer memory",
+              f"{m['optimizer_share_of_full']:.2%} ({m['trainable_parameters']:,} of {m['parameters']:,})")
+             for name, m in r.get("shapes", {}).items()]
     return rows
 
 
@@ -125,7 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = SIZES["quick" if getattr(args, "quick", False) else "full"]
     model = _model(args, size)
     vocab = min(model.config.vocab_size, size["vocab_size"])
-    result = measure(model, rank, steps, size["tokens"], vocab)
+    result: dict[str, Any] = measure(model, rank, steps, size["tokens"], vocab)
+    result["shapes"] = shape_shares(rank)
     where = getattr(args, "model", None) or (f"random Qwen2, hidden {size['hidden_size']}, {size['num_layers']} "
                                             f"layers, vocab {size['vocab_size']}")
     print_table(f"albatross bench lora ({where}; rank {rank}; {size['tokens']} tokens per step; CPU fp32)",
