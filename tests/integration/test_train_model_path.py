@@ -82,7 +82,7 @@ def test_train_runs_a_users_model_in_its_own_template(tmp_path, tasks, arch, mar
     text = tok.decode(rows[0]["samples"][0]["token_ids"])
     assert marker in text, text[:300]
     if lora:
-        check_lora_final(out, d, summary, cls)
+        check_lora_final(out, tmp_path / "cache", summary, cls)
         return
     # the exported weights load back into transformers with the same architecture
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,16 +93,18 @@ def test_train_runs_a_users_model_in_its_own_template(tmp_path, tasks, arch, mar
     assert summary["trainable_parameters"] == summary["parameters"] == summary["model"]["parameters"]
 
 
-def check_lora_final(out: Path, base: Path, summary: dict, cls: str) -> None:
-    """A LoRA run: only the adapters trained (counts in summary.json), `final` is a PEFT adapter on `base` that
-    PEFT and transformers load, and `final/merged` is the same policy as one model."""
+def check_lora_final(out: Path, cache: Path, summary: dict, cls: str) -> None:
+    """A LoRA run: only the adapters trained (counts in summary.json), `final` is a PEFT adapter on the run's base
+    (here the warm-started model in the cache) that PEFT and transformers load, and `final/merged` is the same
+    policy as one model."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert 0 < summary["trainable_parameters"] < summary["parameters"] / 10
     assert summary["parameters"] == summary["model"]["parameters"] + summary["trainable_parameters"]
-    assert json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    base = Path(json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"])
+    assert base.parent == cache.resolve() and (base / "config.json").is_file()
     ids = torch.arange(3, 40)[None]
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)(ids).logits
