@@ -296,6 +296,36 @@ class RLConfig(_Section):
                                  "each step also logs `mismatch_kl_no_replay`. See docs/models.md.")
 
 
+class LoRAConfig(_Section):
+    enabled: bool = Field(False, description="Train LoRA adapters instead of the whole model (also on when `rank` "
+                          "> 0): the base stays frozen, only the adapters get gradients and optimizer state. The "
+                          "warm start still trains the whole model.")
+    rank: int = Field(0, ge=0, description="Adapter rank r; above 0 turns LoRA on. 0 with `enabled = true`: "
+                      "rank 16.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the adapters' update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during training. Above 0 "
+                           "the trainer's log-probs differ from the sampler's even at staleness 0 (the importance "
+                           "ratio sees the noise), so RL keeps it at 0.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["attention", "mlp"], description="Linear layers that get adapters: `attention` "
+        "(every linear layer of the decoder layers' attention, linear attention included), `mlp` (the dense MLP "
+        "and shared experts; MoE routers never), or a glob over module names (`*.q_proj`, "
+        "`model.layers.1.mlp.*`) or a module's last name (`q_proj`). One that selects no linear layer is an "
+        "error. Experts stored as 3D tensors are not covered.")
+    merge: bool = Field(False, description="Also write the merged model (base + adapters) to `<out>/final/merged` "
+                        "beside the adapter in `<out>/final`.")
+
+    @property
+    def on(self) -> bool:
+        """Whether LoRA trains (``enabled`` or a rank above 0)."""
+        return self.enabled or self.rank > 0
+
+    @property
+    def r(self) -> int:
+        """The rank in use: ``rank``, or 16 when only ``enabled`` is set."""
+        return self.rank or 16
+
+
 class TrainerConfig(_Section):
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate (1e-6 suits a pretrained model of 0.5B "
                       "parameters and more; the demo's tiny model uses 4e-5).")
@@ -341,6 +371,8 @@ class TrainerConfig(_Section):
         "moves the policy; a model without an MTP head is an error), `frozen` keeps it loaded without "
         "gradients or optimizer state (exported with the weights), `off` drops it.")
     mtp_loss_weight: float = Field(0.1, ge=0, description="Weight of the MTP loss (`mtp = \"train\"`).")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="`[trainer.lora]`: train LoRA adapters "
+                             "instead of the whole model.")
 
 
 class OrchestratorConfig(_Section):
@@ -424,7 +456,9 @@ class RunConfig(_Section):
 def default(section: str, name: str) -> Any:
     """The default of config field ``section.name``: code that takes a setting as an argument uses this as its
     own default, so every default is written once, here."""
-    model = RunConfig.model_fields[section].annotation
+    model: Any = RunConfig
+    for key in section.split("."):  # a nested section: ``default("trainer.lora", "rank")``
+        model = model.model_fields[key].annotation
     return model.model_fields[name].get_default(call_default_factory=True)
 
 

@@ -60,13 +60,14 @@ def test_an_unusable_model_directory_is_one_line_naming_it(tmp_path, tasks, prob
 def test_train_runs_a_users_model_in_its_own_template(tmp_path, tasks, arch, marker, cls, gpus):
     """The Qwen3 run also shards its trainer with FSDP2 over 2 gloo ranks (`trainer.gpus = 2`), its parameters,
     gradients and optimizer step on the host (`offload_optimizer`: FSDP2's CPU offload, on a process group with a
-    CPU backend). Both write fenced bash actions, which keep the prompts short (tool calls in the template are
-    covered in test_chat_templates)."""
+    CPU backend). The Llama run trains LoRA adapters (`[trainer.lora]`, merge on). Both write fenced bash actions,
+    which keep the prompts short (tool calls in the template are covered in test_chat_templates)."""
     d = model_dir(tmp_path, arch)
     out = tmp_path / "out"
     offload = "true" if gpus > 1 else "false"
-    cfg = write_config(tmp_path / "run.toml", d, tasks, out,
-                       f"[trainer]\ngpus = {gpus}\nlr = 1e-4\noffload_optimizer = {offload}")
+    lora = "\n[trainer.lora]\nrank = 4\nmerge = true" if arch == "llama" else ""
+    cfg = write_config(tmp_path / "run.toml", d, tasks, out, f"[trainer]\ngpus = {gpus}\nlr = "
+                       f"{'1e-3' if lora else '1e-4'}\noffload_optimizer = {offload}{lora}")
     r = albatross("train", str(cfg), env={"ALBATROSS_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "albatross train: results" in r.stdout and "[eval] base" in r.stdout and "[eval] trained" in r.stdout
@@ -80,9 +81,39 @@ def test_train_runs_a_users_model_in_its_own_template(tmp_path, tasks, arch, mar
     rows = [json.loads(line) for line in (out / "run" / "trajectories.jsonl").read_text().splitlines()]
     text = tok.decode(rows[0]["samples"][0]["token_ids"])
     assert marker in text, text[:300]
+    if lora:
+        check_lora_final(out, tmp_path / "cache", summary, cls)
+        return
     # the exported weights load back into transformers with the same architecture
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(out / "final", local_files_only=True)
     assert type(model).__name__ == cls
+    assert AutoTokenizer.from_pretrained(out / "final", local_files_only=True).chat_template
+    assert summary["trainable_parameters"] == summary["parameters"] == summary["model"]["parameters"]
+
+
+def check_lora_final(out: Path, cache: Path, summary: dict, cls: str) -> None:
+    """A LoRA run: only the adapters trained (counts in summary.json), `final` is a PEFT adapter on the run's base
+    (here the warm-started model in the cache) that PEFT and transformers load, and `final/merged` is the same
+    policy as one model."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert 0 < summary["trainable_parameters"] < summary["parameters"] / 10
+    assert summary["parameters"] == summary["model"]["parameters"] + summary["trainable_parameters"]
+    base = Path(json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"])
+    assert base.parent == cache.resolve() and (base / "config.json").is_file()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)(ids).logits
+        base_model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+        adapted = PeftModel.from_pretrained(base_model, out / "final")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "final" / "merged", local_files_only=True)
+        assert type(merged).__name__ == cls
+        torch.testing.assert_close(merged(ids).logits, adapted, atol=1e-4, rtol=1e-4)
+        via_transformers = AutoModelForCausalLM.from_pretrained(out / "final", local_files_only=True)(ids).logits
+    torch.testing.assert_close(via_transformers, adapted, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(plain, adapted, atol=1e-4)  # the adapter trained
     assert AutoTokenizer.from_pretrained(out / "final", local_files_only=True).chat_template

@@ -320,3 +320,48 @@ def test_probe_and_eval_of_a_model_directory_run_on_the_configured_engine(vllm_u
     config = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert config["engine"]["type"] == "vllm" and config["engine"]["urls"] == [vllm_url]
     assert json.loads((tmp_path / "eval" / "summary.json").read_text())["attempts"] == 2
+
+
+# ---- LoRA: the adapters' merged weights through the filesystem transport ---------------------------------------
+
+
+@needs_vllm
+def test_a_lora_trainer_pushes_its_adapters_to_vllm_with_the_mismatch_of_a_full_model(vllm_pool, weights, tmp_path,
+                                                                                       one_thread) -> None:
+    """A LoRA trainer's step goes to vLLM as merged weights (`trainer.export_view()`, the sender a run uses, an
+    in-place reload with the version label); on tokens vLLM then samples, the LoRA trainer's mismatch KL at
+    staleness 0 is that of a full-model trainer holding the same (merged) weights."""
+    from albatross.config import LoRAConfig
+    from albatross.records import Batch, Sample, TrainSample
+    from albatross.trainer.model import load_model
+    from albatross.trainer.step import Trainer
+    from albatross.trainer.weights.filesystem import FilesystemSender
+
+    def samples(version: int) -> list[TrainSample]:
+        out = []
+        with vllm_pool.session() as s:
+            for i in range(4):
+                prompt = [2, 40 + i, 41, 42, 3]
+                c = s.generate([prompt], SamplingParams(temperature=1.0, max_tokens=16, seed=i))[0]
+                assert c.versions == [version] * len(c.token_ids)
+                n, m = len(prompt), len(c.token_ids)
+                out.append(TrainSample(Sample(prompt + c.token_ids, [0] * n + [1] * m, [0.0] * n + c.logprobs,
+                                              [-1] * n + c.versions), 1.0 if i % 2 else -1.0))
+        return out
+
+    vllm_pool.update_weights(str(weights[0]), 0)
+    lora = Trainer(load_model(weights[0]), lr=3e-2, lora=LoRAConfig(rank=4))
+    first = Batch(samples(0), groups=1, min_version=0)
+    lora.step(first, current_version=0)
+    lora.step(first, current_version=1)  # B moved: now A does too
+    sender = FilesystemSender(tmp_path / "weights", names="served")  # vLLM's names, as make_weight_sender picks
+    path = sender.send(lora.export_view(), 2)
+    vllm_pool.update_weights(path, 2)
+    fresh = Batch(samples(2), groups=1, min_version=2)
+    lora_kl = lora.rl_gradients(fresh, current_version=2)["mismatch_kl"]
+    full_kl = Trainer(load_model(path), lr=1e-9).rl_gradients(fresh, current_version=2)["mismatch_kl"]
+    base_kl = Trainer(load_model(weights[0]), lr=1e-9).rl_gradients(fresh, current_version=2)["mismatch_kl"]
+    print(f"\nmismatch KL at staleness 0 after 2 LoRA steps: LoRA trainer {lora_kl:.2e}, full model {full_kl:.2e}, "
+          f"base (the adapters left out) {base_kl:.2e}")
+    assert lora_kl <= 2 * full_kl + 1e-6
+    assert base_kl > 10 * (lora_kl + 1e-7)  # the adapters moved the policy: vLLM serves them

@@ -15,6 +15,7 @@ BENCHES = {
     "recipe": "albatross.bench.recipe",
     "learn": "albatross.bench.learn",
     "gpu": "albatross.bench.gpu",
+    "lora": "albatross.bench.lora",
 }
 
 

@@ -477,7 +477,7 @@ def sft_control(w: Workload, name: str, seed: int, seconds: float) -> dict[str, 
 
     torch.manual_seed(seed)
     model = load_model(w.base_dir).to(trainer_device(w.cfg.trainer.device))
-    trainer = Trainer.from_config(model, w.cfg, lr=w.cfg.warmstart.lr)
+    trainer = Trainer.from_config(model, w.cfg, lr=w.cfg.warmstart.lr, lora=False)
     rng, bs, steps = random.Random(seed), w.cfg.warmstart.batch_size, 0
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
@@ -603,7 +603,7 @@ def logprob_gaps(w: Workload, run_dir: Path, keep_dir: Path) -> dict[str, Any]:
     samples, acc = _gap_samples(run_dir, w.cfg.seed), GapAccumulator()
     versions = _version_dirs(w, keep_dir)
     for trainer_version, path in sorted(versions.items()):
-        trainer = Trainer.from_config(load_model(path), w.cfg)
+        trainer = Trainer.from_config(load_model(path), w.cfg, lora=False)  # merged weights: no adapters
         for mb in pack(samples, trainer.micro_batch_tokens):
             with torch.no_grad():
                 logprobs, _ = trainer.forward_logprobs(mb)

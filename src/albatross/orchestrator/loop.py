@@ -85,6 +85,8 @@ class AsyncLoop:
         self._saved: RunState | None = None  # the state of the last checkpoint on disk
         self._checkpoint_figures: dict[str, Any] = {}  # the last written checkpoint's, for the next step record
         self.final_weights = ""  # the last version as a directory, once the trainer has written it
+        self.final_adapter = ""  # with [trainer.lora]: the last adapter (PEFT format), once the trainer wrote it
+        self.parameter_counts: dict[str, int] = {}  # the trainer's ``parameters`` and ``trainable_parameters``
         if resume:
             self._restore()
         self._start_version = self.state.version - self.state.step
@@ -185,6 +187,7 @@ class AsyncLoop:
                 continue
             if "error" in msg:
                 raise TrainerDied(f"trainer failed to start:\n{msg['error']}")
+            self.parameter_counts = {k: int(msg[k]) for k in ("parameters", "trainable_parameters") if k in msg}
             if "path" in msg:  # a resumed trainer sent its checkpoint's weights
                 self.engine.update_weights(msg["path"], msg["version"])
             return
@@ -309,6 +312,7 @@ class AsyncLoop:
                 raise TrainerDied(f"trainer failed:\n{msg['error']}")
             if "final" in msg:
                 self.final_weights = str(msg["final"])
+                self.final_adapter = str(msg.get("adapter") or "")
             elif "checkpoint_done" in msg or "checkpoint_error" in msg:
                 self._on_checkpoint(msg)
             else:

@@ -106,6 +106,13 @@ def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any
 
 
 FINISH = "finish"  # the orchestrator's last item on a run that ended normally: write the final weights, then exit
+ADAPTER_DIR = "adapter"  # ``<run_dir>/adapter``: the last LoRA adapter in PEFT's format (``<out>/final``'s source)
+
+
+def _rank() -> int:
+    from albatross.trainer import distributed as dist
+
+    return dist.rank()
 
 
 def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Callable[[], Any], result_q: Any,
@@ -116,10 +123,10 @@ def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Calla
     from albatross.trainer.checkpoint import Checkpointer
 
     trainer.version = version
-    ready: dict[str, Any] = {"ready": True, "device": where}
+    ready: dict[str, Any] = {"ready": True, "device": where, **trainer.parameter_counts()}
     if resume_ckpt:
         trainer.load(resume_ckpt)
-        ready["path"] = sender.send(trainer.model, trainer.version)
+        ready["path"] = sender.send(trainer.export_view(), trainer.version)
     _put(result_q, {**ready, "version": trainer.version})
     oc = cfg.orchestrator
     checkpoints = Checkpointer(oc.checkpoint_every, oc.checkpoint_minutes)
@@ -134,7 +141,7 @@ def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Calla
             metrics = trainer.step(batch, current_version=trainer.version, batch_info=batch.info)
             # no pruning here: the orchestrator prunes once nothing needs a version any more
             t_send = time.monotonic()
-            path = sender.send(trainer.model, trainer.version)
+            path = sender.send(trainer.export_view(), trainer.version)
             metrics["weight_sync_s"] = time.monotonic() - t_send
             metrics.update(_peak_memory())
             ckpt, report = "", None
@@ -147,7 +154,9 @@ def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Calla
     finally:
         checkpoints.wait()
     if batch == FINISH:
-        _put(result_q, {"final": _final_weights(trainer, sender, run_dir, dtype)})
+        final = _final_weights(trainer, sender, run_dir, dtype)
+        adapter = trainer.save_adapter(run_dir / ADAPTER_DIR) if _rank() == 0 else None
+        _put(result_q, {"final": final, "adapter": str(adapter or "")})
 
 
 def _peak_memory() -> dict[str, float]:
@@ -189,7 +198,8 @@ def _final_weights(trainer: Any, sender: Any, run_dir: Path, dtype: str) -> str:
 
     if sender.exports:
         return str(version_dir(run_dir / "weights", trainer.version))
-    return str(export_weights(trainer.model, run_dir / "weights", trainer.version, keep=1 << 30, dtype=dtype))
+    return str(export_weights(trainer.export_view(), run_dir / "weights", trainer.version, keep=1 << 30,
+                              dtype=dtype))
 
 
 def _put(result_q: Any, item: dict[str, Any]) -> None:

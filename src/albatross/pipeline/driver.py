@@ -52,8 +52,11 @@ class Pipeline:
         from albatross.orchestrator.metrics import check_wandb
 
         t0 = time.monotonic()
+        from albatross.trainer.lora import check_run
+
         check_wandb(self.cfg.orchestrator.wandb_project)
         self._check_agent()
+        check_run(self.cfg)
         self._claim_out()
         self.plan = self._plan()
         self.plan.announce()  # the phases to come with an estimate each, before anything slow
@@ -166,7 +169,7 @@ class Pipeline:
                 ray_run.close()
             else:
                 engine.close()
-        self._export_final(base_dir, state.version, tokenizer)
+        self._export_final(base_dir, state.version, tokenizer, loop.final_adapter)
         return base, trained, state, loop, info, version
 
     def _warm_start(self, agent: Any, tokenizer: Any, train: list, model_dir: Path | None) -> Path:
@@ -450,22 +453,49 @@ class Pipeline:
                           self.sink.max_steps if name != "base" else 0)
         self.source_rows[name] = rows
 
-    def _export_final(self, base_dir: Path, version: int, tokenizer: Any) -> None:
-        """``<out>/final``: the last trained weights with the model's tokenizer and chat template, a directory
-        that loads with transformers (``AutoModelForCausalLM.from_pretrained``) and serves with any engine."""
+    def _export_final(self, base_dir: Path, version: int, tokenizer: Any, adapter: str = "") -> None:
+        """``<out>/final``: the last trained weights with the model's tokenizer, chat template and a generation
+        config that stops at the end of a turn, a directory that loads with transformers
+        (``AutoModelForCausalLM.from_pretrained``) and serves with any engine. With ``[trainer.lora]``: the adapter
+        in PEFT's format (its base: ``base_dir``), and with ``merge`` the merged model in ``final/merged``."""
         from albatross.pipeline.model import copy_tokenizer_files, write_generation_config
         from albatross.trainer.checkpoint import version_dir
 
+        final = self.out / "final"
+        shutil.rmtree(final, ignore_errors=True)
+        lora = self.cfg.trainer.lora
+        if lora.on:
+            self._export_adapter(base_dir, version, adapter, final)
+            if not lora.merge:
+                return
         src = version_dir(self.out / "run" / "weights", version) if version else base_dir
         if not src.is_dir():  # engine.weight_sync = "nccl" writes no weights: the checkpoints hold them
             self.log(f"[model] no exported weights of version {version} ({src}); see run/checkpoints")
             return
-        final = self.out / "final"
-        shutil.rmtree(final, ignore_errors=True)
-        shutil.copytree(src, final)
+        merged = final / "merged" if lora.on else final
+        shutil.copytree(src, merged)
+        copy_tokenizer_files(base_dir, merged)
+        write_generation_config(base_dir, merged, tokenizer)
+        self.log(f"[model] final {'merged ' if lora.on else ''}weights (version {version}): {merged}")
+
+    def _export_adapter(self, base_dir: Path, version: int, adapter: str, final: Path) -> None:
+        """The run's last LoRA adapter to ``final`` (PEFT format, ``base_model_name_or_path`` = ``base_dir``), with
+        the tokenizer: ``PeftModel.from_pretrained(base, final)`` and transformers' ``from_pretrained(final)``
+        load it."""
+        import json
+
+        from albatross.pipeline.model import copy_tokenizer_files
+
+        if not adapter or not Path(adapter).is_dir():
+            self.log("[model] no LoRA adapter was written (the trainer did not finish); see run/checkpoints")
+            return
+        shutil.copytree(adapter, final)
+        path = final / "adapter_config.json"
+        config = json.loads(path.read_text())
+        config["base_model_name_or_path"] = str(Path(base_dir).resolve())
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         copy_tokenizer_files(base_dir, final)
-        write_generation_config(base_dir, final, tokenizer)
-        self.log(f"[model] final weights (version {version}): {final}")
+        self.log(f"[model] final LoRA adapter (version {version}): {final}")
 
     def _report(self) -> None:
         from albatross.eval.report import write_report
@@ -494,6 +524,8 @@ class Pipeline:
             "max_staleness_seen": int(state.max_staleness_seen),
             "infra_error_attempts": infra,
             "model": info.as_dict(),
+            "parameters": loop.parameter_counts.get("parameters"),
+            "trainable_parameters": loop.parameter_counts.get("trainable_parameters"),
             "engine": self.cfg.engine.type,
             "weight_version_final": version,
             "eval_trials": self.cfg.eval.trials,

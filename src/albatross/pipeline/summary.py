@@ -10,7 +10,7 @@ SUMMARY_KEYS = (
     "base_pass_at_1", "trained_pass_at_1", "heldout_tasks", "train_steps", "wall_seconds",
     "tokens_per_solve_base", "tokens_per_solve_trained", "zero_signal_group_fraction",
     "dropped_stale_tokens", "max_staleness_seen", "infra_error_attempts", "model", "engine",
-    "weight_version_final",
+    "weight_version_final", "parameters", "trainable_parameters",
 )
 
 

@@ -188,7 +188,7 @@ def _train(cfg: RunConfig, tokenizer: Any, demos: list[Sample], model_dir: Path 
 
     torch.manual_seed(cfg.seed)
     model = build_tiny(cfg.model, tokenizer, seed=cfg.seed) if model_dir is None else load_model(model_dir)
-    trainer = Trainer.from_config(model.to(trainer_device(cfg.trainer.device)), cfg, lr=cfg.warmstart.lr)
+    trainer = Trainer.from_config(model.to(trainer_device(cfg.trainer.device)), cfg, lr=cfg.warmstart.lr, lora=False)
     rng = random.Random(cfg.seed)
     history: list[dict] = []
     ws = cfg.warmstart

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from albatross.config import RunConfig, default
+from albatross.config import LoRAConfig, RunConfig, default
 from albatross.records import Batch, Sample, TrainSample
 from albatross.rl.losses import (
     LossFn,
@@ -184,6 +184,7 @@ class Trainer:
         seed: int = 0,
         mtp: str = default("trainer", "mtp"),
         mtp_loss_weight: float = default("trainer", "mtp_loss_weight"),
+        lora: LoRAConfig | None = None,
     ) -> None:
         torch.manual_seed(seed)
         self.model = model.train()
@@ -197,10 +198,11 @@ class Trainer:
             raise ValueError("trainer.host_params is not supported with FSDP (gpus > 1) yet")
         self.model_options = apply_model_options(model, grouped_experts=grouped_experts, fast_indexer=fast_indexer,
                                                  fused_hyper=fused_hyper, host_params=host_params)
-        self.frozen = self._prepare_model(freeze, activation_checkpointing)
-        self.attention = attention_inputs(model, attention)
         self.device = next(model.parameters()).device
         bf16 = _use_bf16(precision, self.device)
+        self.lora = self._prepare_lora(lora, fsdp, mtp, bf16)
+        self.frozen = self._prepare_model(freeze, activation_checkpointing)
+        self.attention = attention_inputs(model, attention)
         self.policy = TokenLogprobs(model, chunk_size=logprob_chunk, temperature=temperature,
                                     entropy_grad=bool(entropy_coef), recompute=logprob_recompute)
         self.loss_only = logprob_loss_only
@@ -229,10 +231,12 @@ class Trainer:
         self.steps = 0
 
     @classmethod
-    def from_config(cls, model: nn.Module, cfg: RunConfig, *, fsdp: bool = False, lr: float | None = None) -> Trainer:
+    def from_config(cls, model: nn.Module, cfg: RunConfig, *, fsdp: bool = False, lr: float | None = None,
+                    lora: bool = True) -> Trainer:
         """The trainer of a run config: ``[trainer]`` and ``[rl]`` knobs, the loss of ``rl.loss`` with its own
         knobs, log-probs at the sampling temperature (so importance ratios compare like with like); ``lr``
-        overrides ``trainer.lr`` (the warm start's own rate)."""
+        overrides ``trainer.lr`` (the warm start's own rate); ``lora=False`` ignores ``[trainer.lora]`` (the warm
+        start trains the whole model)."""
         rl, tc = cfg.rl, cfg.trainer
         return cls(
             model, lr=tc.lr if lr is None else lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
@@ -243,8 +247,50 @@ class Trainer:
             activation_checkpointing=tc.activation_checkpointing, freeze=tc.freeze,
             offload_optimizer=tc.offload_optimizer, host_params=tc.host_params, grouped_experts=tc.grouped_experts,
             fast_indexer=tc.fast_indexer, fused_hyper=tc.fused_hyper, precision=tc.precision, fsdp=fsdp,
-            seed=cfg.seed, mtp=tc.mtp, mtp_loss_weight=tc.mtp_loss_weight,
+            seed=cfg.seed, mtp=tc.mtp, mtp_loss_weight=tc.mtp_loss_weight, lora=tc.lora if lora else None,
         )
+
+    def _prepare_lora(self, lora: LoRAConfig | None, fsdp: bool, mtp: str, bf16: bool) -> Any:
+        """Inject ``[trainer.lora]``'s adapters (base frozen; ``trainer/lora.py``); the ``peft.LoraConfig``, or
+        None for a full fine-tune. Under bf16 autocast the frozen base is stored in bf16 (its matmuls run in bf16
+        anyway); the adapters stay fp32 with their fp32 optimizer state."""
+        from albatross.trainer.lora import LoRAError, apply_lora
+
+        if lora is None or not lora.on:
+            return None
+        if fsdp:
+            raise LoRAError("trainer.lora with trainer.gpus > 1 (FSDP2) is not supported yet: use one trainer GPU")
+        if mtp == "train":
+            raise LoRAError("trainer.lora with trainer.mtp = \"train\" is not supported: use \"frozen\" or \"off\"")
+        config = apply_lora(self.model, lora)
+        if bf16:
+            for p in self.model.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+        return config
+
+    def export_view(self) -> nn.Module:
+        """What the weight transports send: the model, or with LoRA its merged weights under the base names
+        (``lora.MergedView``; one per send)."""
+        if self.lora is None:
+            return self.model
+        from albatross.trainer.lora import MergedView
+
+        return MergedView(self.model)
+
+    def parameter_counts(self) -> dict[str, int]:
+        """``parameters`` and ``trainable_parameters`` (with gradients and optimizer state)."""
+        from albatross.trainer.lora import parameter_counts
+
+        return parameter_counts(self.model)
+
+    def save_adapter(self, directory: str | Path, base_path: str = "") -> Path | None:
+        """Write the LoRA adapter in PEFT's format to ``directory`` (None without LoRA)."""
+        if self.lora is None:
+            return None
+        from albatross.trainer.lora import save_adapter
+
+        return save_adapter(self.model, self.lora, directory, base_path)
 
     def _prepare_model(self, patterns: Sequence[str], checkpointing: bool) -> list[str]:
         frozen = freeze(self.model, patterns) if patterns else []
