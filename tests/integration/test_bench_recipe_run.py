@@ -52,7 +52,10 @@ def test_bench_recipe_quick_writes_every_key_in_range(tmp_path):
     # test checks that async outpaces sync)
     assert data["async_vs_sync_steps_per_hour"] is None or data["async_vs_sync_steps_per_hour"] >= 0
     assert (tmp_path / data["stability_plot"]).is_file()
-    assert len(data["table"]) == 9 and all(len(row) == 3 for row in data["table"])
+    # the demo config's reward-only families: RL vs SFT on them and on the warm-started ones, two rows more
+    assert data["rl_pass_at_1_reward_only"] is not None and _share(data["sft_control_pass_at_1_reward_only"])
+    assert len(data["table"]) == 11 and all(len(row) == 3 for row in data["table"])
+    assert any(row[0].startswith("held-out Pass@1 of the reward-only families") for row in data["table"])
     assert "quick: a smoke test" in " ".join(data["notes"])
     assert "albatross bench recipe --quick" in proc.stdout
     # the same command again on the same --out: every part is reused, not measured again

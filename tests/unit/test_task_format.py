@@ -56,7 +56,7 @@ def test_loads_real_tb2_task(task_id: str) -> None:
     if task_id == "regex-log":  # FROM ubuntu and WORKDIR only: nothing needs the network
         assert task.offline is None and task.env_dir == task.source_env_dir
     else:  # apt-get / a python image: built from a copy that carries the offline toolkit
-        assert task.offline is not None and (task.env_dir / ".albatross-offline" / "bin" / "apt-get").is_file()
+        assert task.offline is not None and (task.env_dir / ".albatross-offline.tar").is_file()
 
 
 @needs_tb2
