@@ -119,6 +119,13 @@ class SandboxConfig(_Section):
         "names, or `*.example.org` for subdomains. The host's own Debian mirror and pip/npm index hosts are "
         "added.")
 
+    layer_cache: bool = Field(True, description="`local`: keep every built task environment on disk, keyed by "
+                              "the hash of its files, base images and network policy, so every later run reuses it "
+                              "(`$ALBATROSS_IMAGES/layers`); false: build each environment once per run.")
+    build_min_free_mb: int = Field(2048, ge=0, description="`local`: free disk space (MiB) a build must leave where "
+                                   "the layers are stored; a RUN step that goes below it is stopped (builds use the "
+                                   "host's disk, as Docker's do).")
+
     @field_validator("network")
     @classmethod
     def _network_needs_local(cls, value: str, info: Any) -> str:

@@ -275,7 +275,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
           + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
     backend = _backend(args.sandbox, [out, *args.tasks, *([model.directory] if model.directory else [])],
-                       cfg.sandbox.registries)
+                       cfg.sandbox)
     engine = None
     start = time.monotonic()
     try:
@@ -294,7 +294,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     return _finish(out, tasks, args.trials, config, time.monotonic() - start)
 
 
-def _backend(kind: str, hide: list, registries: list[str]):
+def _backend(kind: str, hide: list, sc: Any):
     from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
 
@@ -302,7 +302,8 @@ def _backend(kind: str, hide: list, registries: list[str]):
         kind = "local" if local_available() else "process"
     if kind in ("process", "docker"):  # docker: a container sees nothing of the host to hide
         return make_backend(kind)
-    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=registries)
+    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=sc.registries,
+                        layer_cache=sc.layer_cache, build_min_free_mb=sc.build_min_free_mb)
 
 
 def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):

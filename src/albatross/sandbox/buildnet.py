@@ -263,9 +263,12 @@ class BuildRunner:
     it (a host the proxy refused, or one a tool could not resolve)."""
 
     def __init__(self, builder: Any, instructions: list[Instruction], env_dir: Path, env: dict[str, str],
-                 deadline: Deadline, refused: Any, policy: str) -> None:
+                 deadline: Deadline, refused: Any, policy: str, guard: Any = None) -> None:
+        """``guard``: a ``layers.DiskGuard`` (a step is refused, or stopped, when the disk gets too full;
+        the builder's ``interrupt()`` stops it)."""
         self._builder, self._env_dir, self._env = builder, env_dir, env
         self._deadline, self._refused, self._policy = deadline, refused, policy
+        self._guard = guard
         self._lines = {_command_text(i.command): i.line for i in instructions if isinstance(i, Run)}
 
     def mkdirs(self, sandbox_path: str) -> None:
@@ -283,7 +286,15 @@ class BuildRunner:
         left = self._deadline.left(where)
         before = len(self._refused())
         timeout = left if timeout_s is None else min(timeout_s, left)
-        result = self._builder.run_argv(argv, {**self._env, **env}, cwd, timeout)
+        if self._guard is None:
+            result = self._builder.run_argv(argv, {**self._env, **env}, cwd, timeout)
+        else:
+            if self._guard.problem():
+                raise EnvBuildError(f"{where}: {self._guard.problem()}")
+            with self._guard.watching(self._builder.interrupt) as full:
+                result = self._builder.run_argv(argv, {**self._env, **env}, cwd, timeout)
+            if full:
+                raise EnvBuildError(f"{where}: RUN stopped: {full[0]}")
         if result.exit_code == 0:
             return result
         refused = self._refused()[before:]

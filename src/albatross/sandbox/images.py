@@ -18,6 +18,9 @@ Mapping (anything else is refused with ``EnvBuildError("no base for <ref>")``):
 ``ubuntu:<ver>``                          the closest Debian release (24.04 -> trixie, 22.04 ->
                                           bookworm, 20.04 -> bullseye)
 ``node``/``rust``/``golang``/``gcc``/...  the closest Debian release + that runtime's Debian packages
+``ghcr.io/astral-sh/uv:<version>``         uv's own recipe (``FROM scratch``, ``/uv`` and ``/uvx``), its
+                                          binaries taken from the ``uv`` wheel of that version on the
+                                          package index (sha256 checked against the index's)
 ========================================  ===========================================================
 
 Every difference from what was asked (Python 3.11 for ``python:3.13``, Debian for Ubuntu, ...) is a
@@ -77,6 +80,7 @@ RUNTIMES: dict[str, tuple[str, ...]] = {
 # python slim images lack them, a deviation stated in docs/sandbox.md).
 PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3", "ca-certificates", "netbase",
                    "tzdata", "procps")
+_UV = re.compile(r"^ghcr\.io/astral-sh/uv:(\d+\.\d+\.\d+)$")  # uv's distroless image: /uv, /uvx
 _TBENCH = re.compile(r"^ghcr\.io/laude-institute/t-bench/(python-3-(\d+)|ubuntu-(\d+)-(\d+))(:.*)?$")
 MARKER = rootfs.MARKER
 MAX_IMAGE_BYTES = 64 << 30  # files of an imported image, all layers together
@@ -109,10 +113,12 @@ class Recipe:
     mirror: str = rootfs.DEFAULT_MIRROR
     python: bool = False  # pip not externally managed, python/pip on PATH
     env: dict[str, str] = field(default_factory=dict)
+    uv: str = ""  # a uv image (``FROM scratch`` + /uv, /uvx) of this version, from the uv wheel: no Debian
 
     def key(self) -> str:
-        text = json.dumps([RECIPE_FORMAT, self.release, sorted(self.packages), self.mirror, self.python,
-                           sorted(self.env.items())])
+        parts = [RECIPE_FORMAT, self.release, sorted(self.packages), self.mirror, self.python,
+                 sorted(self.env.items())]
+        text = json.dumps([*parts, {"uv": self.uv, "index": self.mirror}] if self.uv else parts)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -181,6 +187,11 @@ def normalise_ref(ref: str) -> tuple[str, str]:
 
 def recipe_for(ref: str) -> tuple[Recipe, list[str]]:
     """The recipe standing in for ``ref`` and the notes naming how it differs."""
+    uv = _UV.match(ref.split("@", 1)[0])
+    if uv:
+        return Recipe("scratch", (), uv_index(), uv=uv.group(1)), \
+            [f"{ref}: uv's image recipe (FROM scratch + /uv, /uvx), the binaries from the uv {uv.group(1)} "
+             "wheel of the package index"]
     mirror = host_mirror()
     tbench = _TBENCH.match(ref)
     if tbench:  # Terminal-Bench's own base images: a python or ubuntu image with tmux
@@ -278,9 +289,21 @@ def _source_urls(text: str, suffix: str) -> Iterator[str]:
 
 
 def build_recipe(recipe: Recipe, log: Callable[[str], None] | None = None, force: bool = False) -> Path:
-    """The root directory of ``recipe``, built once (mmdebstrap, else debootstrap) and cached."""
+    """The root directory of ``recipe``, built once (mmdebstrap, else debootstrap; a uv image from the uv
+    wheel) and cached."""
     path = images_dir() / recipe.key()
+    if recipe.uv:
+        from albatross.sandbox.wheels import build_uv_root
+
+        return rootfs.build_once(path, lambda tmp: build_uv_root(recipe.uv, recipe.mirror, tmp, log), force)
     return rootfs.build_once(path, lambda tmp: _bootstrap(recipe, tmp, log or (lambda _: None)), force)
+
+
+def uv_index() -> str:
+    """The package index uv images are built from: the host's pip index (http(s)), else PyPI's."""
+    from albatross.sandbox.buildnet import host_package_indexes
+
+    return host_package_indexes().get("PIP_INDEX_URL", "").split(" ")[0] or "https://pypi.org/simple"
 
 
 def bootstrap_tool() -> str:

@@ -39,9 +39,10 @@ from typing import Any
 
 from albatross.sandbox.base import Backend, ExecResult, Limits, SandboxError
 from albatross.sandbox.egress import narrowest
-from albatross.tasks.format import Task, TaskFormatError, load_task
+from albatross.tasks.format import Task, TaskFormatError, attempt_limits, load_task
 from albatross.tasks.leakage import find_static_leaks, scan_for_leaks
 from albatross.tasks.offline import dockerfile_notes, dockerfile_problem, network_evidence
+from albatross.tasks.overrides import Override, apply_overrides
 from albatross.tasks.verify import VerifierRun, VerifyResult, run_oracle, run_verifier
 
 GATES = ("schema", "build", "oracle", "noop", "determinism", "leakage", "resources", "offline", "reward")
@@ -64,6 +65,8 @@ class GateOptions:
     pids: int = 1024
     max_output_bytes: int = 1 << 20
     network: str = "none"  # the run's network policy; a task's own may narrow it (``format.attempt_limits``)
+    ceiling: Limits | None = None  # the run's limits: a task's memory, storage and CPUs within them (None: its own)
+    overrides: dict[str, Override] = field(default_factory=dict)  # task id -> override (``tasks.overrides``)
 
 
 @dataclass
@@ -85,6 +88,14 @@ class TaskReport:
                 "gates": {g: dataclasses.asdict(self.gates[g]) for g in GATES if g in self.gates},
                 "untouched": self.untouched, "tests": self.tests, "notes": self.notes,
                 "seconds": round(self.seconds, 2)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TaskReport:
+        """A report as ``to_dict`` wrote it (``tasks validate --resume``)."""
+        gates = {g: Gate(str(v["status"]), str(v.get("reason", ""))) for g, v in data["gates"].items()}
+        return cls(task=str(data["task"]), path=str(data["path"]), gates=gates,
+                   untouched=list(data.get("untouched", [])), tests=list(data.get("tests", [])),
+                   notes=dict(data.get("notes", {})), seconds=float(data.get("seconds", 0.0)))
 
 
 @dataclass
@@ -176,7 +187,7 @@ class _Gater:
     # gate 1 -------------------------------------------------------------------------------------
     def schema(self, path: Path) -> Task | None:
         try:
-            task = load_task(path)
+            task = apply_overrides(load_task(path), self.options.overrides)
         except TaskFormatError as e:
             self.set("schema", FAIL, str(e))
             return None
@@ -184,7 +195,9 @@ class _Gater:
         if not solve.is_file():
             self.set("schema", FAIL, f"{solve}: missing (the oracle gates need it)")
             return None
-        self.set("schema", PASS)
+        override = self.options.overrides.get(task.id)
+        said = ", ".join(f"{k} = {v!r}" for k, v in override.values.items()) if override else ""
+        self.set("schema", PASS, f"overridden: {said} ({override.reason})" if override else "")
         return task
 
     # gates 2 and 8 (build) ------------------------------------------------------------------------
@@ -350,12 +363,17 @@ def _prepare(backend: Backend, task: Task, limits: Limits) -> None:
 
 
 def task_limits(task: Task, options: GateOptions, scale: float = 1.0) -> Limits:
-    """The task's own limits (memory, storage, agent timeout, build time), optionally scaled up, and its
-    network policy: the run's (``options.network``), narrowed by the task's own."""
+    """The task's own limits (memory, storage, agent timeout, build time), within the run's ceiling
+    (``options.ceiling``, as an attempt of a run gets them: ``format.attempt_limits``), optionally scaled
+    up, and its network policy: the run's (``options.network``), narrowed by the task's own."""
     network = narrowest(options.network, task.network or options.network)
-    return Limits(memory_mb=int(task.memory_mb * scale), pids=options.pids,
-                  disk_mb=int(task.storage_mb * scale), command_timeout_s=task.agent_timeout_s,
-                  max_output_bytes=options.max_output_bytes, network=network, build_timeout_s=task.build_timeout_s)
+    memory_mb, disk_mb, cpus = task.memory_mb, task.storage_mb, 0.0
+    if options.ceiling is not None:
+        capped = attempt_limits(task, dataclasses.replace(options.ceiling, network=options.network))
+        memory_mb, disk_mb, cpus = capped.memory_mb, capped.disk_mb, capped.cpus
+    return Limits(memory_mb=int(memory_mb * scale), pids=options.pids, disk_mb=int(disk_mb * scale),
+                  command_timeout_s=task.agent_timeout_s, max_output_bytes=options.max_output_bytes,
+                  network=network, build_timeout_s=task.build_timeout_s, cpus=cpus)
 
 
 def _generous(task: Task, slack: float) -> Task:
