@@ -67,6 +67,7 @@ def _add_probe(tasks_sub: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the pass-rate table as JSON")
     p.add_argument("--sandbox", choices=SANDBOXES, help="sandbox backend (default: the config's sandbox.type)")
     p.add_argument("--network", choices=NETWORK_POLICIES, help=NETWORK_HELP % "the config's sandbox.network")
+    p.add_argument("--overrides", metavar="FILE|NAME", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_probe)
 
 
@@ -179,7 +180,7 @@ def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     attempts = args.attempts or cfg.orchestrator.group_size
     if attempts < MIN_ATTEMPTS:
         return _user_error(f"--attempts must be at least {MIN_ATTEMPTS}, got {attempts}")
-    tasks = _buildable_tasks(args.dirs)
+    tasks = _buildable_tasks(args.dirs, args.overrides)
     if not tasks:
         return _user_error(f"no task in {' '.join(args.dirs)} can be built here (each skipped above)")
     try:
@@ -230,14 +231,17 @@ def cmd_filter(args: argparse.Namespace, extra: list[str]) -> int:
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def _buildable_tasks(paths: list[str]) -> list[Any]:
-    """The tasks under ``paths`` whose Dockerfile the sandbox can build; each other one is reported on stderr
-    and skipped (the build gate's check), so one bad task does not stop the others."""
+def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Any]:
+    """The tasks under ``paths`` whose Dockerfile the sandbox can build (with ``overrides`` applied); each
+    other one is reported on stderr and skipped (the build gate's check), so one bad task does not stop the
+    others."""
     from albatross.tasks.format import load_tasks
     from albatross.tasks.offline import dockerfile_problem
+    from albatross.tasks.overrides import apply_overrides, load_overrides
 
+    changes = load_overrides(overrides)
     tasks = []
-    for task in load_tasks(paths):
+    for task in (apply_overrides(t, changes) for t in load_tasks(paths)):
         problem = dockerfile_problem(task)
         if problem:
             print(f"albatross: skipping task {task.path}: {problem.splitlines()[0]}", file=sys.stderr)

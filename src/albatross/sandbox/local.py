@@ -127,7 +127,7 @@ HIDDEN_PATHS = ("/work", "/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "
                 "/old_root", "/farm")
 LAYER_KEY_FORMAT = "layers-1"  # part of every environment's key: a change of how layers are built or stored
 DISK_FULL_BYTES = 64 << 10  # less free space than this in the writable layer: the disk limit was hit
-MAX_POOL_KEYS = 4
+MAX_POOL_KEYS = 4  # environments kept warm at once, by default (``LocalBackend(warm_envs=...)``)
 ZYGOTE_TRIES = 3  # a fork or prepare cut short by the zygote's death is tried again on a fresh one
 # Restore cwd and exported env, run the command, save them again (also on `exit N`). Commands are
 # the memory limit's first victims, not the holder (raising one's own oom_score_adj needs no privilege).
@@ -582,8 +582,8 @@ class WarmPool:
     """Keeps up to ``size`` set-up attempts ready for each of the last few specs forked, refilled by a
     background thread, so a fork is taking one (the set-up of the next overlaps the use of this one)."""
 
-    def __init__(self, make: Callable[[_Spec], LocalAttempt], size: int) -> None:
-        self.make, self.size = make, size
+    def __init__(self, make: Callable[[_Spec], LocalAttempt], size: int, keys: int = MAX_POOL_KEYS) -> None:
+        self.make, self.size, self.keys = make, size, keys
         self._ready: OrderedDict[tuple[Any, ...], list[LocalAttempt]] = OrderedDict()
         self._specs: dict[tuple[Any, ...], _Spec] = {}
         self._cond = threading.Condition()
@@ -622,7 +622,7 @@ class WarmPool:
             self._specs[spec.key] = spec
             self._ready.setdefault(spec.key, [])
             self._ready.move_to_end(spec.key)
-            while len(self._ready) > MAX_POOL_KEYS:
+            while len(self._ready) > self.keys:
                 key, attempts = self._ready.popitem(last=False)
                 self._specs.pop(key, None)
                 evicted += attempts
@@ -729,6 +729,7 @@ class LocalBackend:
         registries: Iterable[str] | None = None,
         layer_cache: bool = False,
         build_min_free_mb: int = 2048,
+        warm_envs: int = MAX_POOL_KEYS,
     ) -> None:
         """``hide_paths``: extra host paths made empty in every sandbox (e.g. the run directory).
         ``allow_internet``: False builds with no network at all; otherwise RUN steps reach the package
@@ -740,7 +741,8 @@ class LocalBackend:
         NOT isolated from the host's files; warns). ``images_dir``: OCI layouts / docker save archives
         a FROM may name (``[sandbox] images``).
         ``userns``: run as root of a user namespace (None: wherever the kernel allows it).
-        ``warm``: attempts kept ready per recently forked environment. ``fail_rate``: share of forks
+        ``warm``: attempts kept ready per recently forked environment, for the last ``warm_envs`` of them.
+        ``fail_rate``: share of forks
         made to fail at random (fault-injection tests only), drawn from ``Random(fault_seed)``.
         ``layer_cache``: keep built environments on disk for every later run (``layers.LayerStore``, keyed
         by content hash); False: in a directory of this backend's own, removed by ``close``. Builds use the
@@ -776,7 +778,7 @@ class LocalBackend:
         self._attempts: set[LocalAttempt] = set()
         self._ids = itertools.count()
         self._token = os.urandom(3).hex()  # pids cgroups may be shared with other pid namespaces
-        self._pool = WarmPool(self._make_attempt, warm)
+        self._pool = WarmPool(self._make_attempt, warm, warm_envs)
         cgroups.remove_stale()
         _LIVE.add(self)
 
@@ -1186,7 +1188,7 @@ class LocalBackend:
         if proxy is not None:
             proxy.close()
         self.layers.close()
-        self._pool = WarmPool(self._make_attempt, self._pool.size)
+        self._pool = WarmPool(self._make_attempt, self._pool.size, self._pool.keys)
 
 
 def _parent_record(parent: Parent) -> dict[str, Any]:
