@@ -106,6 +106,7 @@ class LayerStore:
 
     def commit(self, build: Path, key: str, record: dict[str, Any]) -> Path:
         """Write the record into ``build`` and rename it into place as ``key``; returns its path."""
+        os.sync()  # builds write without an fsync per file (dpkg's unsafe-io): durable before it counts as built
         (build / RECORD).write_text(json.dumps({**record, "format": FORMAT}) + "\n")
         final = self.path(key)
         if final.exists():  # an older, unreadable one: replaced

@@ -125,6 +125,10 @@ log = logging.getLogger(__name__)
 ID_BASE = 1_000_000_000  # host uid and gid of root inside the sandbox user namespace
 HIDDEN_PATHS = ("/work", "/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "/media", "/srv",
                 "/old_root", "/farm")
+# What every RUN step of a build has (the Dockerfile's ENV wins): dpkg without an fsync per file, as
+# Docker's Debian and Ubuntu images configure it (their /etc/dpkg/dpkg.cfg.d/docker-apt-speedup); the
+# build's layer is written to disk and made durable when it is stored, not file by file.
+BUILD_ENV = {"DPKG_FORCE": "unsafe-io"}
 LAYER_KEY_FORMAT = "layers-1"  # part of every environment's key: a change of how layers are built or stored
 DISK_FULL_BYTES = 64 << 10  # less free space than this in the writable layer: the disk limit was hit
 MAX_POOL_KEYS = 4  # environments kept warm at once, by default (``LocalBackend(warm_envs=...)``)
@@ -1149,7 +1153,7 @@ class LocalBackend:
                 builder = self._spawn(zygote, self.build_limits, {
                     "lower": lowers, "upper": dirs["layer"], "work": dirs["work"], "new_net": True,
                     "proxy": net.policy, "workdir": None, "state": "", "binds": binds})
-                env = {**egress.proxy_env(net.policy), **(caches.env if caches is not None else {})}
+                env = {**egress.proxy_env(net.policy), **(caches.env if caches is not None else {}), **BUILD_ENV}
                 proxy = self._proxy() if online else None
                 runner = buildnet.BuildRunner(builder, stage.instructions, env_dir, env, net.deadline,
                                               (lambda: proxy.refused(builder.id)) if proxy else (lambda: []),
