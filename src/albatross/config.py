@@ -114,10 +114,10 @@ class SandboxConfig(_Section):
         "builds: any host). `local` only; `docker` runs attempts with `none`.")
     registries: list[str] = Field(
         default_factory=lambda: ["pypi.org", "files.pythonhosted.org", "deb.debian.org", "security.debian.org",
-                                 "registry.npmjs.org"],
+                                 "archive.ubuntu.com", "security.ubuntu.com", "registry.npmjs.org"],
         description="Hosts the `registries` policy (and every build) may reach through the egress proxy: exact "
-        "names, or `*.example.org` for subdomains. The host's own Debian mirror and pip/npm index hosts are "
-        "added.")
+        "names, or `*.example.org` for subdomains. The host's own Debian and Ubuntu mirrors and pip/npm index "
+        "hosts are added.")
 
     layer_cache: bool = Field(True, description="`local`: keep every built task environment on disk, keyed by "
                               "the hash of its files, base images and network policy, so every later run reuses it "

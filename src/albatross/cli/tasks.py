@@ -45,6 +45,9 @@ def _add_validate(tasks_sub: Any) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (e.g. "
                    "sandbox.memory_mb=8192); implies the run's ceiling, as --config")
     p.add_argument("--overrides", metavar="FILE|NAME", help=OVERRIDES_HELP)
+    p.add_argument("--build-timeout-scale", type=float, default=1.0, metavar="X", help="give each build X times "
+                   "its build_timeout_sec (a slow or shared machine builds slower than the task's author's; "
+                   "default 1)")
     p.add_argument("--resume", action="store_true", help="keep the tasks the --json file already reports "
                    "(written after every task) and gate only the others")
     p.add_argument("--redo-failed", action="store_true", help="with --resume: gate again the tasks it "
@@ -106,9 +109,12 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
                            "namespaces, overlayfs), which this machine lacks")
     network = args.network or cfg.sandbox.network
     ceiling = Limits.from_config(cfg.sandbox) if args.config or args.set else None
+    if not (0 < args.build_timeout_scale <= 100):
+        return _user_error("--build-timeout-scale must be above 0 and at most 100")
     options = GateOptions(reruns=args.reruns, parallelism=args.parallel, network=network, ceiling=ceiling,
-                          overrides=load_overrides(args.overrides))
+                          overrides=load_overrides(args.overrides), build_timeout_scale=args.build_timeout_scale)
     record = {"network": network, "reruns": args.reruns, "overrides": args.overrides or "",
+              "build_timeout_scale": args.build_timeout_scale,
               "ceiling": None if ceiling is None else {"memory_mb": ceiling.memory_mb, "disk_mb": ceiling.disk_mb,
                                                        "cpus": ceiling.cpus}}
     done = _resumed(args, record, [str(d) for d in dirs]) if args.resume else {}

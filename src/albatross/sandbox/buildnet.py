@@ -142,9 +142,10 @@ def registry_hosts(configured: Iterable[str]) -> list[str]:
     """The registries a build may reach: ``configured`` plus the hosts of the Debian mirror and the pip and
     npm indexes this machine's own settings name (bases and builds use them)."""
     from albatross.sandbox.images import host_mirror
+    from albatross.sandbox.ubuntu import ubuntu_mirror
 
     hosts = [h.strip().lower() for h in configured if h.strip()]
-    urls = [host_mirror(), *" ".join(host_package_indexes().get(v, "") for v in
+    urls = [host_mirror(), ubuntu_mirror(), *" ".join(host_package_indexes().get(v, "") for v in
                                      ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "npm_config_registry")).split()]
     for url in urls:
         host = (urlparse(url).hostname or "").lower()
@@ -248,6 +249,9 @@ class Deadline:
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.end = seconds, time.monotonic() + seconds
+
+    def elapsed(self) -> float:
+        return self.seconds - (self.end - time.monotonic())
 
     def left(self, where: str) -> float:
         left = self.end - time.monotonic()

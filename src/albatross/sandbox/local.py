@@ -1010,6 +1010,7 @@ class LocalBackend:
             else:
                 return None
         parent = _parent_from_record(record["parent"], str(top / record["layer"]))
+        parent.cached = True
         zygote.lowers[key] = lowers
         return parent
 
@@ -1071,6 +1072,7 @@ class LocalBackend:
             for path in exported:
                 shutil.rmtree(path, ignore_errors=True)
         parent, lowers = built[len(stages) - 1]
+        parent.build_s = round(deadline.elapsed(), 2)
         return self._commit(zygote, key, top, parent, lowers)
 
     def _commit(self, zygote: Zygote, key: str, top: Path, parent: Parent, lowers: list[str]) -> Parent:

@@ -190,9 +190,10 @@ def _write_scripts(directory: Path, scripts: dict[str, str]) -> None:
 
 
 def _pytest_dists() -> list[metadata.Distribution]:
-    """pytest and the distributions it needs at run time, as installed here (empty without pytest)."""
+    """pytest and the distributions it needs at run time, and pip (which installs what a ``-w`` or ``pip
+    install`` asks for where the network policy allows it), as installed here (empty without pytest)."""
     found: dict[str, metadata.Distribution] = {}
-    todo = ["pytest"]
+    todo = ["pytest", "pip"]
     while todo:
         name = _canonical(todo.pop())
         if name in found or name in _SKIPPED_DISTS:

@@ -43,6 +43,8 @@ BUILTIN: dict[str, dict[str, dict[str, Any]]] = {
                                             "configuration under /etc/nginx", **_ATTEMPT},
         "mailman": {"reason": "the tests check the mail server the agent configures under /etc (postfix, "
                               "mailman3)", **_ATTEMPT},
+        "adaptive-rejection-sampler": {"reason": "the tests run Rscript, which the agent installs (r-base)",
+                                       **_ATTEMPT},
     },
 }
 
