@@ -252,8 +252,7 @@ class _Gater:
         a file in /etc), which only an override may allow (``tasks.overrides``); "" otherwise."""
         if task.toolchain != "image" or run.result is None or network_evidence(run.text):
             return ""
-        again = self.attempt(dataclasses.replace(task, toolchain="attempt"), "oracle-toolchain",
-                             task_limits(task, self.options))
+        again = self.attempt(dataclasses.replace(task, toolchain="attempt"), "oracle", task_limits(task, self.options))
         if again.result is None or not again.result.success:
             return ""
         changes = ", ".join(again.result.system_changes[:4])
