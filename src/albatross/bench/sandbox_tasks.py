@@ -2,9 +2,10 @@
 
 Every task under DIR whose environment builds here is one image (tasks sharing an environment count
 once); each attempt is forked with its task's own memory and storage limits. First ``concurrent``
-attempts are forked and kept alive (the ramp, round-robin over the images); then, with all of them
-alive, ``workers`` threads each repeatedly close one of their attempts and fork a fresh attempt of the
-same task in its place, ``forks`` times in all: the fork latency under that population is the figure
+attempts are forked and kept alive (the ramp, round-robin over the images); after ``settle_s`` seconds, with all of them alive,
+``workers`` threads each repeatedly close one of their attempts and fork a fresh attempt of the same task
+in its place (pausing ``pace_ms`` between forks: attempts end and start at the pace of a population of
+long attempts), ``forks`` times in all: the fork latency under that population is the figure
 (``fork()`` to the first byte of ``echo ok`` reaching the host). A fork that raises, or whose ``echo
 ok`` answers anything else, is a failure. Images are built before the clock starts (once per machine
 with the layer cache). The machine's load average is recorded with the figures.
@@ -93,7 +94,8 @@ def run_tasks(args: argparse.Namespace) -> dict[str, Any]:
     if not local_available():
         raise UserError(f"bench sandbox needs the local sandbox: {unavailable_reason()}")
     for name, value, least in (("--concurrent", args.concurrent, 1), ("--forks", args.forks, 1),
-                               ("--workers", args.workers, 1), ("--min-images", args.min_images, 1)):
+                               ("--workers", args.workers, 1), ("--min-images", args.min_images, 1),
+                               ("--pace-ms", args.pace_ms, 0), ("--settle-s", args.settle_s, 0)):
         if value < least:
             raise UserError(f"{name} must be at least {least}, got {value}")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # two descriptors per live attempt, and more
@@ -117,6 +119,7 @@ def _measure(backend: Any, images: list[_Image], args: argparse.Namespace) -> di
 
     result: dict[str, Any] = {"tasks": [i.task.id for i in images], "images": len(images),
                               "concurrent": args.concurrent, "forks": args.forks, "workers": args.workers,
+                              "pace_ms": args.pace_ms, "settle_s": args.settle_s,
                               "warm": args.warm, "memory_mb": sorted({i.limits.memory_mb for i in images}),
                               "load_avg_before": list(os.getloadavg())}
     slots: list[tuple[_Image, Any]] = []
@@ -135,6 +138,7 @@ def _measure(backend: Any, images: list[_Image], args: argparse.Namespace) -> di
     _threads([lambda k=k: ramp_worker(k) for k in range(args.workers)])
     result["ramp_s"] = round(time.perf_counter() - start, 2)
     result["alive_after_ramp"] = len(slots)
+    time.sleep(args.settle_s)  # the population lives a while before attempts end: the warm pools fill
     steady = _Figures()
     alive = {"now": len(slots), "min": len(slots)}
     per_worker = [slots[k::args.workers] for k in range(args.workers)]
@@ -170,6 +174,7 @@ def _measure(backend: Any, images: list[_Image], args: argparse.Namespace) -> di
     result.update(
         fork_ms_p50=_ms(percentile(steady.latencies, 50)), fork_ms_p99=_ms(percentile(steady.latencies, 99)),
         fork_ms_max=_ms(max(steady.latencies, default=float("nan"))),
+        forks_over_50ms=sum(x > 0.05 for x in steady.latencies),
         ramp_fork_ms_p50=_ms(percentile(ramp.latencies, 50)), ramp_fork_ms_p99=_ms(percentile(ramp.latencies, 99)),
         forks_per_s=round(len(steady.latencies) / wall, 2) if wall > 0 else 0.0,
         failures=len(ramp.failures) + len(steady.failures), failure_examples=(ramp.failures + steady.failures)[:5],
@@ -194,6 +199,7 @@ def _report(result: dict[str, Any]) -> None:
         ("fork to first output p50 (ms)", result["fork_ms_p50"]),
         ("fork to first output p99 (ms)", result["fork_ms_p99"]),
         ("fork to first output max (ms)", result["fork_ms_max"]),
+        ("forks over 50 ms", result["forks_over_50ms"]),
         ("ramp fork p50 / p99 (ms)", f"{result['ramp_fork_ms_p50']} / {result['ramp_fork_ms_p99']}"),
         ("forks/s while full", result["forks_per_s"]),
         ("failures", result["failures"]),
@@ -212,8 +218,11 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=8, help="with --tasks: threads that close and fork")
     parser.add_argument("--min-images", type=int, default=10, help="with --tasks: fewest distinct task "
                         "images to measure across")
-    parser.add_argument("--pace-ms", type=float, default=0.0, help="with --tasks: pause of each worker "
-                        "between forks (0: none)")
+    parser.add_argument("--pace-ms", type=float, default=500.0, help="with --tasks: pause of each worker "
+                        "between forks (default 500: 8 workers fork up to 16 attempts a second, the turnover of 256 "
+                        "attempts of 16 s each)")
+    parser.add_argument("--settle-s", type=float, default=10.0, help="with --tasks: seconds the full population "
+                        "lives before the forks are measured (default 10)")
 
 
 def tasks_requested(args: argparse.Namespace) -> bool:

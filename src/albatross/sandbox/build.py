@@ -18,6 +18,8 @@ import re
 import shlex
 import tarfile
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,22 +114,66 @@ def env_key(env_dir: Path | None, salt: str = "") -> str:
 
 
 class EnvKeys:
-    """``env_key`` cached per directory, recomputed only when a file's size, mode or mtime changed."""
+    """``env_key`` cached per directory, recomputed when a file's size, mode or mtime changed. Every lookup
+    checks the directory's and its Dockerfile's stamps; the other files (an adapted copy holds the offline
+    toolkit's thousands) are looked at again in the background, at most every ``recheck_s`` seconds per
+    directory, so a fork never waits for a scan: a change found there is the key of the next lookup."""
 
-    def __init__(self) -> None:
-        self._cache: dict[tuple[str, str], tuple[tuple[object, ...], str]] = {}
+    def __init__(self, recheck_s: float = 2.0) -> None:
+        self.recheck_s = recheck_s
+        self._cache: dict[tuple[str, str], tuple[tuple[object, ...], str, float]] = {}
+        self._lock = threading.Lock()
+        self._scanning: set[tuple[str, str]] = set()
 
     def get(self, env_dir: Path | None, salt: str = "") -> str:
         if env_dir is None:
             return env_key(None, salt)
+        entry = (str(env_dir), salt)
+        with self._lock:
+            cached = self._cache.get(entry)
+        if cached is None or cached[0][:2] != _quick_stamp(env_dir):
+            return self._scan(env_dir, salt)
+        if time.monotonic() - cached[2] >= self.recheck_s:
+            with self._lock:
+                start = entry not in self._scanning
+                self._scanning.add(entry)
+            if start:
+                threading.Thread(target=self._scan_in_background, args=(env_dir, salt), daemon=True,
+                                 name="albatross-env-keys").start()
+        return cached[1]
+
+    def _scan_in_background(self, env_dir: Path, salt: str) -> None:
+        try:
+            self._scan(env_dir, salt)
+        except OSError:
+            pass  # gone or unreadable: the next lookup scans it again and says so
+        finally:
+            with self._lock:
+                self._scanning.discard((str(env_dir), salt))
+
+    def _scan(self, env_dir: Path, salt: str) -> str:
+        """Stat every file; hash the directory again only when a stamp changed."""
+        entry = (str(env_dir), salt)
         stats = [(str(p), p.lstat()) for p in sorted(Path(env_dir).rglob("*"))]
-        stamp = tuple((name, st.st_mtime_ns, st.st_size, st.st_mode) for name, st in stats)
-        cached = self._cache.get((str(env_dir), salt))
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        key = env_key(env_dir, salt)
-        self._cache[(str(env_dir), salt)] = (stamp, key)
+        stamp = (*_quick_stamp(env_dir), *((name, st.st_mtime_ns, st.st_size, st.st_mode) for name, st in stats))
+        with self._lock:
+            cached = self._cache.get(entry)
+        key = cached[1] if cached is not None and cached[0] == stamp else env_key(env_dir, salt)
+        with self._lock:
+            self._cache[entry] = (stamp, key, time.monotonic())
         return key
+
+
+def _quick_stamp(env_dir: Path) -> tuple[object, object]:
+    """What is checked on every lookup: the directory's and its Dockerfile's mtime and size."""
+    stamps = []
+    for path in (Path(env_dir), Path(env_dir) / "Dockerfile"):
+        try:
+            st = path.stat()
+            stamps.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            stamps.append(None)
+    return stamps[0], stamps[1]
 
 
 SOURCE_MARKER = ".albatross-task-dir"  # in an adapted copy of an environment: the task directory it came from

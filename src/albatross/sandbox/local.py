@@ -132,6 +132,7 @@ BUILD_ENV = {"DPKG_FORCE": "unsafe-io"}
 LAYER_KEY_FORMAT = "layers-1"  # part of every environment's key: a change of how layers are built or stored
 DISK_FULL_BYTES = 64 << 10  # less free space than this in the writable layer: the disk limit was hit
 MAX_POOL_KEYS = 4  # environments kept warm at once, by default (``LocalBackend(warm_envs=...)``)
+MAX_FILL_THREADS = 8  # threads that set warm attempts up, when several environments are kept warm
 ZYGOTE_TRIES = 3  # a fork or prepare cut short by the zygote's death is tried again on a fresh one
 # Restore cwd and exported env, run the command, save them again (also on `exit N`). Commands are
 # the memory limit's first victims, not the holder (raising one's own oom_score_adj needs no privilege).
@@ -630,7 +631,8 @@ class WarmPool:
                 key, attempts = self._ready.popitem(last=False)
                 self._specs.pop(key, None)
                 evicted += attempts
-            while len(self._threads) < self.size:  # set-ups mostly wait for the kernel: run them in parallel
+            # set-ups mostly wait for the kernel: run them in parallel, more of them for more environments
+            while len(self._threads) < min(self.size * len(self._ready), max(self.size, MAX_FILL_THREADS)):
                 thread = threading.Thread(target=self._fill, name="albatross-warm-pool", daemon=True)
                 self._threads.append(thread)
                 thread.start()
