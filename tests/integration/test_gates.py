@@ -188,8 +188,9 @@ def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
 def test_validate_cli_prints_the_table_and_fails_on_a_bad_task(tmp_path: Path, cache: Path) -> None:
     good = write_variant(tmp_path / "suite", "good", {})
     write_variant(tmp_path / "suite", "oracle-fails", BROKEN["oracle-fails"][0])
+    (tmp_path / "o.toml").write_text('[other-task]\nreason = "not in this suite"\nverifier.toolchain = "attempt"\n')
     run = _cli("tasks", "validate", str(good.parent), "--json", str(tmp_path / "gates.json"), "--parallel", "2",
-               cache=cache)
+               "--overrides", str(tmp_path / "o.toml"), cache=cache)
     assert run.returncode == 1, run.stderr
     lines = run.stdout.splitlines()
     assert lines[-1] == "2 tasks: 1 passed all nine gates, 1 did not; failures by gate: oracle 1"
@@ -200,12 +201,13 @@ def test_validate_cli_prints_the_table_and_fails_on_a_bad_task(tmp_path: Path, c
     assert report["summary"]["failures_by_reason"] == [
         {"gate": "oracle", "reason": "oracle scores below 1", "count": 1, "tasks": ["oracle-fails"]}]
     assert "failures by reason:" in lines
+    assert report["options"]["overrides"] == str(tmp_path / "o.toml")  # the flag reached the gates
     again = _cli("tasks", "validate", str(good.parent), "--json", str(tmp_path / "gates.json"), "--parallel", "2",
-                 "--resume", cache=cache)  # the report is a checkpoint: nothing is gated again
+                 "--overrides", str(tmp_path / "o.toml"), "--resume", cache=cache)  # a checkpoint: nothing gated again
     assert again.returncode == 1 and again.stdout.splitlines()[-1] == lines[-1], again.stderr
     assert f"[gates] resuming {tmp_path / 'gates.json'}: 2 tasks already gated, 0 to go" in again.stdout
     other = _cli("tasks", "validate", str(good.parent), "--json", str(tmp_path / "gates.json"), "--resume",
-                 "--network", "registries", cache=cache)
+                 cache=cache)  # without the overrides: other options
     assert other.returncode == 2 and "written with other options" in other.stderr
 
 

@@ -59,8 +59,9 @@ def register(sub: Any, tasks_sub: Any) -> None:
     p.add_argument("--network", choices=NETWORK_POLICIES, help="network policy of the attempts (default: the "
                    "config's sandbox.network): none, registries (the package registries through albatross's "
                    "egress proxy) or open; a task may narrow it; recorded with every attempt")
-    p.add_argument("--overrides", metavar="FILE|NAME", help="per-task overrides of task.toml values, each with "
-                   "its reason: a TOML file, or a set albatross ships (terminal-bench-2); docs/tasks.md")
+    p.add_argument("--overrides", dest="task_overrides", metavar="FILE|NAME", help="per-task overrides of "
+                   "task.toml values, each with its reason: a TOML file, or a set albatross ships "
+                   "(terminal-bench-2); docs/tasks.md")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="one self-contained HTML page: Pass@1 vs cost with the Pareto "
                        "frontier, training curves, per-category breakdown, configurations")
@@ -98,7 +99,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     if args.sandbox == "docker" and cfg.sandbox.network != "none":
         raise UserError(f"--network {cfg.sandbox.network}: the docker sandbox runs attempts with no network "
                         "(the local sandbox enforces the registries and open policies)")
-    tasks = _usable_tasks(args.tasks, args.agent == "oracle", args.overrides)
+    tasks = _usable_tasks(args.tasks, args.agent == "oracle", args.task_overrides)
     model = _resolve_model(args)
     try:
         label = args.name or model.label

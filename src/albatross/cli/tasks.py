@@ -44,7 +44,7 @@ def _add_validate(tasks_sub: Any) -> None:
                    "each task's own limits)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (e.g. "
                    "sandbox.memory_mb=8192); implies the run's ceiling, as --config")
-    p.add_argument("--overrides", metavar="FILE|NAME", help=OVERRIDES_HELP)
+    p.add_argument("--overrides", dest="task_overrides", metavar="FILE|NAME", help=OVERRIDES_HELP)
     p.add_argument("--build-timeout-scale", type=float, default=1.0, metavar="X", help="give each build X times "
                    "its build_timeout_sec (a slow or shared machine builds slower than the task's author's; "
                    "default 1)")
@@ -70,7 +70,7 @@ def _add_probe(tasks_sub: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the pass-rate table as JSON")
     p.add_argument("--sandbox", choices=SANDBOXES, help="sandbox backend (default: the config's sandbox.type)")
     p.add_argument("--network", choices=NETWORK_POLICIES, help=NETWORK_HELP % "the config's sandbox.network")
-    p.add_argument("--overrides", metavar="FILE|NAME", help=OVERRIDES_HELP)
+    p.add_argument("--overrides", dest="task_overrides", metavar="FILE|NAME", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_probe)
 
 
@@ -112,8 +112,8 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
     if not (0 < args.build_timeout_scale <= 100):
         return _user_error("--build-timeout-scale must be above 0 and at most 100")
     options = GateOptions(reruns=args.reruns, parallelism=args.parallel, network=network, ceiling=ceiling,
-                          overrides=load_overrides(args.overrides), build_timeout_scale=args.build_timeout_scale)
-    record = {"network": network, "reruns": args.reruns, "overrides": args.overrides or "",
+                          overrides=load_overrides(args.task_overrides), build_timeout_scale=args.build_timeout_scale)
+    record = {"network": network, "reruns": args.reruns, "overrides": args.task_overrides or "",
               "build_timeout_scale": args.build_timeout_scale,
               "ceiling": None if ceiling is None else {"memory_mb": ceiling.memory_mb, "disk_mb": ceiling.disk_mb,
                                                        "cpus": ceiling.cpus}}
@@ -186,7 +186,7 @@ def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     attempts = args.attempts or cfg.orchestrator.group_size
     if attempts < MIN_ATTEMPTS:
         return _user_error(f"--attempts must be at least {MIN_ATTEMPTS}, got {attempts}")
-    tasks = _buildable_tasks(args.dirs, args.overrides)
+    tasks = _buildable_tasks(args.dirs, args.task_overrides)
     if not tasks:
         return _user_error(f"no task in {' '.join(args.dirs)} can be built here (each skipped above)")
     try:

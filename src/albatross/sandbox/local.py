@@ -129,7 +129,8 @@ HIDDEN_PATHS = ("/work", "/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "
 # Docker's Debian and Ubuntu images configure it (their /etc/dpkg/dpkg.cfg.d/docker-apt-speedup); the
 # build's layer is written to disk and made durable when it is stored, not file by file.
 BUILD_ENV = {"DPKG_FORCE": "unsafe-io"}
-LAYER_KEY_FORMAT = "layers-1"  # part of every environment's key: a change of how layers are built or stored
+LAYER_KEY_FORMAT = "layers-1"
+HOST_BASE_LAYERS = Path("/dev/shm/albatross-layers")  # where layers over the host's root are built (a tmpfs)  # part of every environment's key: a change of how layers are built or stored
 DISK_FULL_BYTES = 64 << 10  # less free space than this in the writable layer: the disk limit was hit
 MAX_POOL_KEYS = 4  # environments kept warm at once, by default (``LocalBackend(warm_envs=...)``)
 MAX_FILL_THREADS = 8  # threads that set warm attempts up, when several environments are kept warm
@@ -771,7 +772,9 @@ class LocalBackend:
         self._bases: dict[str | None, images.Base] = {}  # FROM reference -> its base (resolved once)
         self._dockerfiles: dict[str, tuple[tuple[int, int], list[Instruction]]] = {}
         self.build_limits = build_limits or Limits(memory_mb=4096, pids=4096, disk_mb=4096)
-        self.layers = LayerStore(layer_cache)
+        # over the host's own root, a layer on its disk would lie inside the overlay's lower layer (overlayfs
+        # refuses that): those layers go to the host's /dev/shm, a tmpfs, and are never cached
+        self.layers = LayerStore(layer_cache, None) if base != "host" else LayerStore(False, HOST_BASE_LAYERS)
         self.build_min_free_mb = build_min_free_mb
         self.build_timeout_s = build_timeout_s
         self.userns = userns_available() if userns is None else userns
