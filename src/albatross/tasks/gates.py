@@ -477,6 +477,8 @@ _CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("*", r"(?i)nvidia|\bCUDA\b|\bGPU\b", "needs a GPU"),
     ("*", r"(?:needs|resolve host:?|resolve '?|connect to|Failed to connect to)\s*'?([a-z0-9.-]+\.[a-z]{2,})",
      "needs {0}"),
+    ("*", r"(?:unable to access|Failed to fetch|Could not fetch|Cannot connect to proxy\.\W+'?)\s*'?https?://"
+          r"([a-z0-9.-]+\.[a-z]{2,})", "needs {0}"),
     ("*", r".*needs the network: ([\w.-]+(?: (?:install|clone|add|get|download))?)", "needs the network: {0}"),
     ("*", r"needs the network", "needs the network"),
     ("*", r"sandbox error", "sandbox error"),
