@@ -230,6 +230,10 @@ class EngineConfig(_Section):
         "speculative flags), `ngram` with prompt lookup (`builtin`, plain-KV models). Sampled tokens are "
         "distributed exactly as without it; greedy output is the same.")
     draft_tokens: int = Field(2, ge=1, le=16, description="Tokens drafted per step when `speculative` is on.")
+    # ---- GPU node: tensor parallelism of launched servers (engine/launch.py) ----
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per launched vLLM / SGLang server (vLLM "
+                                      "`--tensor-parallel-size`, SGLang `--tp-size`): server i takes GPUs "
+                                      "first + i x this, ... (after the trainer's), so replicas x this GPUs in all.")
 
 
 class RLConfig(_Section):
@@ -322,7 +326,12 @@ class OrchestratorConfig(_Section):
     max_minutes: float = Field(600.0, gt=0, description="Stop training after this wall time (minutes).")
     queue_size: int = Field(2, ge=1, description="Batches that may wait for the trainer.")
     rollout_workers: int = Field(32, ge=1, description="Attempts run concurrently.")
-    checkpoint_every: int = Field(1, ge=1, description="Trainer steps between resumable checkpoints.")
+    # ---- checkpoint cadence (trainer/checkpoint.py): by steps or by time, whichever is due first ----
+    checkpoint_every: int = Field(50, ge=0, description="Trainer steps between resumable checkpoints (model "
+                                  "weights in the model's dtype plus optimizer state, written in the background); "
+                                  "0: by time only.")
+    checkpoint_minutes: float = Field(30.0, ge=0, description="Minutes between resumable checkpoints; 0: by steps "
+                                      "only. A checkpoint is written when either is due (both 0: never).")
     wandb_project: str = Field("", description="Log to this Weights & Biases project (`pip install "
                                "'albatross[wandb]'`; set without wandb installed is an error). The W&B run is "
                                "named after the run directory; a resumed run continues its W&B run.")

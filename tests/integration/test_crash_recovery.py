@@ -39,7 +39,8 @@ def test_engine_and_sandbox_killed_mid_run_are_restarted_and_the_run_finishes(tm
     out = tmp_path / "out"
     env = {**os.environ, "ALBATROSS_CACHE": str(demo_cache), "PYTHONUNBUFFERED": "1"}
     args = ["demo", "--quick", "--out", str(out), *TINY_DEMO_ARGS, f"--orchestrator.max_steps={STEPS}",
-            "--eval.trials=1", "--tasks.n_heldout=4", "--orchestrator.max_minutes=10", "--engine.replicas=2", "--engine.process=true"]
+            "--eval.trials=1", "--tasks.n_heldout=4", "--orchestrator.max_minutes=10", "--engine.replicas=2", "--engine.process=true",
+            "--orchestrator.checkpoint_every=1"]
     with (tmp_path / "log.txt").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "albatross.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)

@@ -167,12 +167,14 @@ def test_launched_sglang_servers_serve_reload_restart_and_stop(fake_sglang, tiny
 def test_weights_pushed_over_sglangs_weight_update_group(fake_sglang, tiny_model_dir: Path, tmp_path: Path) -> None:
     """The ``nccl`` sender's protocol, with gloo on CPU: every server joins the group, receives each tensor
     broadcast from rank 0, and labels the later tokens with the new version; the pool's version follows."""
+    from albatross.engine.remote import HTTPClient
     from albatross.trainer.model import load_model
     from albatross.trainer.weights.nccl import NCCLSender
 
     cfg = run_config(type="sglang", python=sys.executable, replicas=2, start_timeout_s=120)
     pool = make_engine(cfg, tiny_model_dir, tmp_path / "run", log=lambda _: None)
-    sender = NCCLSender("sglang", tmp_path / "run", backend="gloo", device="cpu")
+    sender = NCCLSender("sglang", tmp_path / "run", backend="gloo", device="cpu", dtype="float32", names="unique",
+                        bucket_bytes=16 << 10)
     try:
         for version in (1, 2):
             path = perturbed(tiny_model_dir, tmp_path / "weights", version)
@@ -183,9 +185,20 @@ def test_weights_pushed_over_sglangs_weight_update_group(fake_sglang, tiny_model
                 outs = [x.generate([PROMPTS[1]], GREEDY)[0] for x in (s, t)]
             assert pool.version == version and all(o.versions == [version] * 6 for o in outs)
             assert all(o.token_ids == reference(path, PROMPTS[1:])[0] for o in outs)
+        record = HTTPClient(pool.urls()[0]).call("GET", "/_record")[1]
     finally:
         sender.close()
         pool.close()
+    calls, bodies = record["calls"], record["bodies"]
+    first = calls.index("/pause_generation")
+    updates = calls[first:].index("/continue_generation") - 1
+    assert updates >= 2 and calls[first:first + updates + 2] == [  # paused around the buckets of one version
+        "/pause_generation", *["/update_weights_from_distributed"] * updates, "/continue_generation"]
+    assert bodies[first] == {"mode": "retract"}  # running requests recompute their KV with the new weights
+    sent = bodies[first + 1:first + 1 + updates]
+    assert [b["flush_cache"] for b in sent] == [False] * (updates - 1) + [True]  # cache flushed once, at the end
+    assert [b.get("weight_version") for b in sent] == [None] * (updates - 1) + ["1"]
+    assert sum(len(b["names"]) for b in sent) == len(load_model(tiny_model_dir).state_dict()) - 1  # tied head once
 
 
 def test_unusable_engine_configs_are_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ def test_quick_demo_on_a_local_ray_cluster(tmp_path_factory, demo_cache, monkeyp
         # demo_cache is this run's
         cfg = demo_config(None, True, str(out), [*QUICK_OVERRIDES, "orchestrator.backend=ray", "eval.trials=1",
                                                  "tasks.n_heldout=4", "engine.replicas=2",
-                                                 "ray.engine_cpus=0.25"])
+                                                 "ray.engine_cpus=0.25", "orchestrator.checkpoint_every=1"])
         summary = Pipeline(cfg, log=logs.append, command="demo").run()
         assert ray.is_initialized()  # a cluster the caller started is left to the caller
     finally:

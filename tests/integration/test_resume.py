@@ -51,7 +51,8 @@ def test_interrupt_and_trainer_kill_then_resume(tmp_path, demo_cache):
     env = {**os.environ, "ALBATROSS_CACHE": str(demo_cache), "PYTHONUNBUFFERED": "1"}
     log = (tmp_path / "log.txt").open("w")
     args = ["demo", "--quick", "--out", str(out), *TINY_DEMO_ARGS, f"--orchestrator.max_steps={STEPS}",
-            "--orchestrator.max_minutes=10", "--orchestrator.groups_per_step=1"]
+            "--orchestrator.max_minutes=10", "--orchestrator.groups_per_step=1",
+            "--orchestrator.checkpoint_every=1"]  # a checkpoint after every step (written in the background)
     proc = _start(args, env, log)
     _wait_for_step(proc, out, 2)
     proc.send_signal(signal.SIGINT)  # Ctrl-C

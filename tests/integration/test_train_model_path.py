@@ -58,11 +58,15 @@ def test_an_unusable_model_directory_is_one_line_naming_it(tmp_path, tasks, prob
 @pytest.mark.parametrize("arch,marker,cls,gpus", [("llama", "<|start_header_id|>", "LlamaForCausalLM", 1),
                                                   ("qwen3", "<|im_start|>", "Qwen3ForCausalLM", 2)])
 def test_train_runs_a_users_model_in_its_own_template(tmp_path, tasks, arch, marker, cls, gpus):
-    """The Qwen3 run also shards its trainer with FSDP2 over 2 gloo ranks (`trainer.gpus = 2`). Both write fenced
-    bash actions, which keep the prompts short (tool calls in the template are covered in test_chat_templates)."""
+    """The Qwen3 run also shards its trainer with FSDP2 over 2 gloo ranks (`trainer.gpus = 2`), its parameters,
+    gradients and optimizer step on the host (`offload_optimizer`: FSDP2's CPU offload, on a process group with a
+    CPU backend). Both write fenced bash actions, which keep the prompts short (tool calls in the template are
+    covered in test_chat_templates)."""
     d = model_dir(tmp_path, arch)
     out = tmp_path / "out"
-    cfg = write_config(tmp_path / "run.toml", d, tasks, out, f"[trainer]\ngpus = {gpus}\nlr = 1e-4")
+    offload = "true" if gpus > 1 else "false"
+    cfg = write_config(tmp_path / "run.toml", d, tasks, out,
+                       f"[trainer]\ngpus = {gpus}\nlr = 1e-4\noffload_optimizer = {offload}")
     r = albatross("train", str(cfg), env={"ALBATROSS_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "albatross train: results" in r.stdout and "[eval] base" in r.stdout and "[eval] trained" in r.stdout

@@ -29,6 +29,7 @@ from albatross.engine.remote import (
     tied_without_lm_head,
     vllm_python,
 )
+from albatross.sandbox import local_available
 
 pytestmark = pytest.mark.slow
 
@@ -219,3 +220,103 @@ def test_engines_install_vllm_is_idempotent() -> None:
     assert out.returncode == 0, out.stderr
     assert "is installed:" in out.stdout and "installing" not in out.stdout
     assert time.monotonic() - t0 < 120
+
+
+# ---- log-probs of the sampled distribution (`--logprobs-mode processed_logprobs`) ---------------------------
+
+
+def mismatch_at(engine: VLLMEngine, model_dir: Path, temperature: float, trainer_temperature: float) -> float:
+    """The trainer's ``mismatch_kl`` at staleness 0 on attempts vLLM sampled at ``temperature`` (equal weights):
+    the figure a training step logs, from the real ``Trainer`` scoring at ``trainer_temperature``."""
+    from albatross.records import Batch, Sample, TrainSample
+    from albatross.trainer.model import load_model
+    from albatross.trainer.step import Trainer
+
+    samples = []
+    for i in range(6):
+        prompt = [2, 40 + i, 41, 42, 3]
+        c = engine.generate([prompt], SamplingParams(temperature=temperature, max_tokens=24, seed=i))[0]
+        n, m = len(prompt), len(c.token_ids)
+        samples.append(TrainSample(Sample(prompt + c.token_ids, [0] * n + [1] * m, [0.0] * n + c.logprobs,
+                                          [-1] * n + c.versions), 1.0))
+    trainer = Trainer(load_model(model_dir), temperature=trainer_temperature, lr=1e-9)
+    return trainer.rl_gradients(Batch(samples, groups=1, min_version=0), current_version=0)["mismatch_kl"]
+
+
+@needs_vllm
+def test_logprobs_are_those_of_the_tempered_distribution_that_was_sampled(vllm_url, weights, one_thread) -> None:
+    """At T = 0.7 the trainer-sampler mismatch at equal weights is as small as at T = 1 (within 2x): vLLM reports
+    the log-probs after temperature, as the trainer scores them. vLLM's default (raw log-probs) would give the
+    T = 1 figures against a trainer at 0.7: the last check shows how far off that is."""
+    with VLLMEngine(vllm_url) as remote:
+        remote.update_weights(str(weights[0]), 0)
+        at_1 = mismatch_at(remote, weights[0], 1.0, 1.0)
+        at_07 = mismatch_at(remote, weights[0], 0.7, 0.7)
+        raw_like = mismatch_at(remote, weights[0], 0.7, 1.0)  # tempered samples scored untempered
+    print(f"\nmismatch KL at staleness 0: T=1 {at_1:.2e}, T=0.7 {at_07:.2e}; T=0.7 scored at 1: {raw_like:.2e}")
+    assert at_07 <= 2 * at_1 + 1e-6
+    assert raw_like > 1000 * (at_07 + 1e-9)
+
+
+@needs_vllm
+def test_logprobs_with_top_p_are_those_of_the_truncated_renormalised_distribution(vllm_url, weights) -> None:
+    with VLLMEngine(vllm_url) as remote:
+        remote.update_weights(str(weights[0]), 0)
+        prompt = [2, 44, 41, 42, 3]
+        c = remote.generate([prompt], SamplingParams(temperature=0.7, top_p=0.8, max_tokens=16, seed=5))[0]
+    from albatross.trainer.model import load_model
+
+    with torch.no_grad():
+        logits = load_model(weights[0])(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1] / 0.7
+    probs = logits.softmax(-1)
+    ranked, order = probs.sort(-1, descending=True)
+    drop = ranked.cumsum(-1) - ranked >= 0.8  # the nucleus: what lies above a token is under top_p
+    kept = torch.zeros_like(probs).scatter(-1, order, (~drop).float())
+    truncated = (logits.masked_fill(kept == 0, float("-inf"))).log_softmax(-1)
+    want = truncated.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+    untruncated = logits.log_softmax(-1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+    assert c.logprobs == pytest.approx(want.tolist(), abs=1e-3)
+    assert max(abs(a - b) for a, b in zip(c.logprobs, untruncated.tolist(), strict=True)) > 1e-2
+
+
+# ---- every command on the configured engine -------------------------------------------------------------------
+
+
+def vllm_requests(url: str) -> float:
+    """Requests the server has finished (its Prometheus ``vllm:request_success_total``)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+@needs_vllm
+@pytest.mark.skipif(not local_available(), reason="the tasks' verifiers need the local sandbox")
+def test_probe_and_eval_of_a_model_directory_run_on_the_configured_engine(vllm_url, weights, tmp_path) -> None:
+    """`tasks probe --model DIR` and `eval --model DIR` build `[engine]` (here: the running vLLM server, attached
+    by engine.urls), not the built-in engine: every attempt's turns are requests that server answers."""
+    import json
+
+    from albatross.tasks.builtin import generate_tasks
+
+    tasks = generate_tasks(tmp_path / "tasks", n_train=2, n_heldout=0, seed=3)["train"][0].parent
+    engine = ["--set", "engine.type=vllm", "--set", f'engine.urls=["{vllm_url}"]', "--set", "harness.max_turns=2",
+              "--set", "harness.max_tokens_per_turn=8", "--set", "sandbox.type=local"]
+    before = vllm_requests(vllm_url)
+    probe = subprocess.run([sys.executable, "-m", "albatross.cli", "tasks", "probe", str(tasks), "--model",
+                            str(weights[0]), "--attempts", "4", "--json", str(tmp_path / "probe.json"), *engine],
+                           capture_output=True, text=True, timeout=600)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    after_probe = vllm_requests(vllm_url)
+    assert after_probe - before >= 8  # 2 tasks x 4 attempts, a turn at least each
+    rows = json.loads((tmp_path / "probe.json").read_text())["tasks"]
+    assert [(r["attempts"], r["infra_errors"]) for r in rows] == [(4, 0), (4, 0)]
+    out = subprocess.run([sys.executable, "-m", "albatross.cli", "eval", "--tasks", str(tasks), "--model",
+                          str(weights[0]), "--trials", "1", "--out", str(tmp_path / "eval"), "--sandbox", "local",
+                          *engine], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert vllm_requests(vllm_url) - after_probe >= 2
+    config = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert config["engine"]["type"] == "vllm" and config["engine"]["urls"] == [vllm_url]
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["attempts"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -50,10 +51,67 @@ def test_attention_flops_grow_with_the_square_of_each_document() -> None:
     assert one - two == pytest.approx(6 * attn * (64**2 - 2 * 32**2))
 
 
-def test_peak_flops_lookup() -> None:
-    assert peak_flops("NVIDIA H200", 0.0) == 989e12
+def test_peak_flops_per_gpu_model() -> None:
+    """Dense bf16 peaks of the data sheets, by the names torch reports: the SXM and PCIe parts of one chip differ."""
+    assert peak_flops("NVIDIA H100 80GB HBM3", 0.0) == 989e12  # SXM
+    assert peak_flops("NVIDIA H100 PCIe", 0.0) == 756e12
+    assert peak_flops("NVIDIA H100 NVL", 0.0) == 835e12
+    assert peak_flops("NVIDIA H200", 0.0) == 989e12 and peak_flops("NVIDIA H200 NVL", 0.0) == 835e12
+    assert peak_flops("NVIDIA B200", 0.0) == 2250e12 and peak_flops("NVIDIA GB200", 0.0) == 2500e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", 0.0) == 312e12 and peak_flops("NVIDIA A100 80GB PCIe", 0.0) == 312e12
+    assert peak_flops("NVIDIA A10", 0.0) == 125e12  # not the A100's
     assert peak_flops("NVIDIA L4", 0.0) == 121e12 and peak_flops("NVIDIA L40S", 0.0) == 362e12
     assert peak_flops("Some GPU", 0.0) is None and peak_flops("Some GPU", 100.0) == 100e12
+
+
+def test_the_run_takes_the_gpus_present(tmp_path) -> None:
+    """One GPU: trainer and engine share it (filesystem sync: NCCL cannot put two ranks on one GPU); more: the
+    engine gets the last, the trainer shards over the others with FSDP2 and vLLM takes the weights over NCCL."""
+    from albatross.bench.gpu import RL_STEPS, gpu_split, run_config
+
+    assert gpu_split(1) == (1, 0) and gpu_split(2) == (1, 1) and gpu_split(8) == (7, 7)
+    (tmp_path / "model").mkdir()
+    one = run_config(tmp_path, 1, vllm=True, sandbox="process")
+    assert (one.trainer.gpus, one.engine.type, one.engine.weight_sync) == (1, "vllm", "filesystem")
+    assert one.engine.gpu_memory_utilization < 0.5
+    eight = run_config(tmp_path, 8, vllm=True, sandbox="local")
+    assert (eight.trainer.gpus, eight.engine.weight_sync, eight.trainer.device) == (7, "nccl", "cuda")
+    assert eight.orchestrator.max_steps == RL_STEPS and eight.model.path == str(tmp_path / "model")
+    assert run_config(tmp_path, 2, vllm=False, sandbox="process").engine.type == "builtin"
+
+
+def test_run_figures_from_the_metrics_of_a_run(tmp_path) -> None:
+    from albatross.bench.gpu import run_figures
+
+    (tmp_path / "run").mkdir()
+    rows = [{"step": i, "seconds": 2.0, "input_tokens": 4000, "weight_sync_s": 0.5, "engine_tokens_per_s": 900.0 + i,
+             "peak_memory_gib": 10.0 + i} for i in (1, 2)]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figs = run_figures(tmp_path, 100.0, params=1_000_000, peak=1e12, ranks=2)
+    assert figs["steps"] == 2 and figs["trainer_tokens_per_s"] == 2000.0 and figs["weight_sync_s"] == 0.5
+    assert figs["rollout_tokens_per_s"] == 902.0 and figs["trainer_peak_memory_gib"] == 12.0
+    assert figs["trainer_mfu_6nt"] == pytest.approx(6 * 1e6 * 8000 / 4.0 / 2e12)
+    assert run_figures(tmp_path / "none", 5.0, 1, None, 1) == {"steps": 0, "seconds": 5.0}
+
+
+def test_sync_check_finds_unchanged_weights_identical_and_changed_ones_not(tiny_model_dir, tmp_path) -> None:
+    """The acceptance script's sync phase on the CPU (built-in engine, filesystem): the same weights pushed back
+    leave the greedy tokens as they were; other weights would not."""
+    from albatross.bench.gpu import sync_figures
+    from albatross.engine import BuiltinEngine
+    from albatross.trainer.model import load_model
+
+    model = load_model(tiny_model_dir)
+    with BuiltinEngine(str(tiny_model_dir)) as engine:
+        same = sync_figures(engine, model, tmp_path / "w", "float32")
+        assert engine.version == 0  # the same weights, the same version: a run still starts from version 0
+        assert same["greedy_identical_after_filesystem"] and same["filesystem_s"] >= same["filesystem_export_s"] > 0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+        assert not sync_figures(engine, model, tmp_path / "w", "float32", version=1)[
+            "greedy_identical_after_filesystem"]
+        assert engine.version == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the bench would run")

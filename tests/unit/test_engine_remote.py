@@ -45,8 +45,10 @@ class FakeSGLang:
         self.weight_version = weight_version
         self.fail_next = 0
         self.calls: list[str] = []
+        self.bodies: list[dict] = []
         self.paused = False
         self.group = None  # the weight-update process group, once joined
+        self.received: dict = {}  # tensors of a distributed update, until its last bucket
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -61,7 +63,10 @@ class FakeSGLang:
         self.thread.join()
 
     def answer(self, method: str, path: str, body: dict) -> tuple[int, object]:
+        if path == "/_record":  # what the weight-update tests check
+            return 200, {"calls": self.calls, "bodies": self.bodies}
         self.calls.append(path)
+        self.bodies.append(body)
         if self.fail_next > 0:
             self.fail_next -= 1
             return 503, {"error": "busy"}
@@ -78,11 +83,17 @@ class FakeSGLang:
         if (method, path) in (("POST", "/pause_generation"), ("POST", "/continue_generation")):
             self.paused = path == "/pause_generation"
             return 200, {"status": "ok"}
-        if (method, path) == ("GET", "/server_info"):
-            return 200, {"tp_size": 1, "pp_size": 1, "weight_version": self.weight_version}
+        if (method, path) == ("GET", "/server_info") and self.model_info:
+            return 200, {"tp_size": 1, "pp_size": 1, "dp_size": 1, "weight_version": self.weight_version}
         if (method, path) == ("POST", "/init_weights_update_group"):
             self.group = join_group(body)
             return 200, {"success": True, "message": "joined"}
+        if (method, path) == ("POST", "/destroy_weights_update_group"):
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.group)
+            self.group = None
+            return 200, {"success": True, "message": "left"}
         if (method, path) == ("POST", "/update_weights_from_distributed"):
             return 200, self.receive(body)
         return 404, {"detail": "Not Found"}
@@ -95,8 +106,10 @@ class FakeSGLang:
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
             state[name] = torch.empty(shape, dtype=getattr(torch, dtype))
             dist.broadcast(state[name], src=0, group=self.group)
-        self.engine.update_weights_from_state_dict(state, int(body["weight_version"]))
-        self.weight_version = body["weight_version"]
+        self.received.update(state)
+        if body.get("weight_version") is not None:  # the last bucket: swap in every tensor received
+            self.engine.update_weights_from_state_dict(self.received, int(body["weight_version"]))
+            self.weight_version, self.received = body["weight_version"], {}
         return {"success": True, "message": f"{len(state)} tensors"}
 
     def generate(self, body: dict) -> dict:
@@ -262,3 +275,37 @@ def test_vllm_weight_version_spans_become_per_token_versions() -> None:
     spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
     assert spans_to_versions(spans, 5, default=0) == [3, 3, 4, 4, 4]
     assert spans_to_versions(None, 3, default=7) == [7, 7, 7]
+
+
+def test_sglang_weight_group_size_comes_from_server_info_or_is_an_error(fake) -> None:
+    """``tp_size`` is read from ``/server_info``; a server without it (a 404 whose JSON body is a dict) is an
+    error, never a group of the wrong size (a rendezvous at TP > 1 would then hang)."""
+    from albatross.engine.base import EngineError
+    from albatross.trainer.weights.servers import SGLangServer
+
+    assert SGLangServer(fake.url).ranks() == 1
+    engine = BuiltinEngine(tiny_model(0))
+    bare = FakeSGLang(engine, model_info=False)
+    try:
+        with pytest.raises(EngineError, match="gives tp_size"):
+            SGLangServer(bare.url).ranks()
+    finally:
+        bare.close()
+        engine.close()
+
+
+def test_sglang_logprobs_are_renormalised_over_the_tokens_top_k_and_top_p_keep() -> None:
+    """SGLang reports log-probs after temperature, before top-k / top-p: the sampled distribution's are those
+    divided by the mass its sampler keeps (ranks below top_k whose mass ranked above is at most top_p)."""
+    import math
+
+    from albatross.engine.remote import kept_mass, renormalised
+
+    probs = [0.5, 0.2, 0.15, 0.1, 0.05]
+    assert kept_mass(probs, 0.6, 0) == pytest.approx(0.7)  # 0.5 kept (0 above), 0.2 kept (0.5 above), 0.15 not
+    assert kept_mass(probs, 1.0, 2) == pytest.approx(0.7)
+    assert kept_mass(probs, 0.4, 0) == pytest.approx(0.5)
+    assert kept_mass(probs[:2], 0.9, 0) == pytest.approx(0.9)  # the kept set runs past the list: top_p
+    ranked = [math.log(p) for p in probs]
+    params = SamplingParams(temperature=0.7, top_p=0.6)
+    assert renormalised(math.log(0.2), ranked, params) == pytest.approx(math.log(0.2 / 0.7))

@@ -44,6 +44,23 @@ def test_servers_take_the_gpus_after_the_trainers() -> None:
     assert server_gpus(1, 2, visible="3,5,6", count=None) == ["5", "6"]  # indices into an inherited list
     with pytest.raises(ConfigError, match="engine.replicas: 4 server.*need 8 GPUs; this machine has 6"):
         server_gpus(4, 4, visible="", count=6)
+    assert server_gpus(4, 2, visible="", count=8, per_server=2) == ["4,5", "6,7"]  # tensor parallel pairs
+    assert server_gpus(0, 1, visible="2,3,5,7", per_server=4) == ["2,3,5,7"]
+    with pytest.raises(ConfigError, match="x engine.tensor_parallel_size 2 .* need 10 GPUs"):
+        server_gpus(4, 3, visible="", count=8, per_server=2)
+
+
+def test_launched_servers_get_tensor_parallelism_and_the_sampled_logprobs() -> None:
+    from albatross.config import EngineConfig
+    from albatross.engine.launch import sglang_command, vllm_command
+
+    ec = EngineConfig(type="vllm", tensor_parallel_size=2)
+    vllm = vllm_command(ec, Path("/m"), "/py", 8000, cuda=True)
+    assert vllm[vllm.index("--tensor-parallel-size") + 1] == "2"
+    assert vllm[vllm.index("--logprobs-mode") + 1] == "processed_logprobs"  # after temperature / top-k / top-p
+    sglang = sglang_command(ec, Path("/m"), "/py", 8000, cuda=True)
+    assert sglang[sglang.index("--tp-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in vllm_command(EngineConfig(type="vllm"), Path("/m"), "/py", 8000, True)
 
 
 def test_a_cpu_trainer_holds_no_gpu() -> None:

@@ -416,3 +416,43 @@ def test_fused_linear_logprobs_match_autograd(
 
     for got, want in zip(fused, run(reference), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_checkpoints_are_due_by_steps_or_by_time() -> None:
+    from albatross.trainer.checkpoint import Checkpointer
+
+    every = Checkpointer(every_steps=5, every_minutes=0)
+    assert [s for s in range(1, 12) if every.due(s) and not every.started(s, _done())] == [5, 10]
+    timed = Checkpointer(every_steps=0, every_minutes=1.0)
+    assert not timed.due(100)
+    timed.last_time -= 61  # a minute has passed
+    assert timed.due(101)
+    assert not Checkpointer(0, 0).due(10**6)  # both off: never
+
+
+def _done():
+    from concurrent.futures import Future
+
+    f: Future = Future()
+    f.set_result(0)
+    return f
+
+
+def test_a_background_checkpoint_in_bf16_resumes_the_served_weights(tmp_path):
+    """Written from a thread after a copy to host memory (later steps do not change it), in the model's dtype:
+    half the weight bytes of fp32, and resuming gives the weights the engines served (bf16-rounded)."""
+    batch = make_batch([10, 8, 12], [1.0, -1.0, 0.5])
+    trainer = Trainer(tiny_model(seed=1), lr=1e-3)
+    trainer.step(batch)
+    saved = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    write = trainer.save(tmp_path / "bf16", dtype="bfloat16", background=True)
+    trainer.step(batch)  # the training goes on while it is written
+    assert write.result() > 0 and (tmp_path / "bf16" / "meta.pt").is_file()
+    fp32 = trainer.save(tmp_path / "fp32").result()
+    assert write.result() / fp32 == pytest.approx(10 / 12, abs=0.03)  # weights in 2 bytes, not 4; AdamW moments 8
+    resumed = Trainer(tiny_model(seed=2), lr=1e-3)
+    resumed.load(tmp_path / "bf16")
+    assert resumed.steps == 1 and resumed.version == 1
+    for name, t in resumed.model.state_dict().items():
+        assert torch.equal(t, saved[name].to(torch.bfloat16).float()), name
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left

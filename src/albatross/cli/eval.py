@@ -34,8 +34,9 @@ def register(sub: Any, tasks_sub: Any) -> None:
     """Add the ``eval`` and ``report`` commands to the top-level subparsers."""
     p = sub.add_parser("eval", help="evaluate a model (or the tasks' oracle) on tasks: Pass@1, pass@k, "
                        "tokens, cost; resumable")
-    p.add_argument("--model", metavar="SPEC", help="a local model directory (built-in engine) or the "
-                   "http(s) URL of a vLLM / SGLang / OpenAI-compatible server")
+    p.add_argument("--model", metavar="SPEC", help="a local model directory (served by the config's [engine]: "
+                   "built-in, or vLLM / SGLang servers launched or attached) or the http(s) URL of a vLLM / SGLang "
+                   "/ OpenAI-compatible server")
     p.add_argument("--agent", choices=AGENTS, default="model", help="model: the training harness driving "
                    "--model; oracle: each task's solution/solve.sh (checks the tasks); noop: submits at once")
     p.add_argument("--tasks", nargs="+", required=True, metavar="DIR", help="task directories or folders "
@@ -226,6 +227,7 @@ def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model,
     return {"agent": args.agent, "model": model.spec, "label": label,
             "tokenizer": str(model.tokenizer) if model.tokenizer else None,
             "server": args.server if model.remote is not None else None,
+            "engine": cfg.engine.model_dump() if model.directory is not None else None,
             "tasks": [t.id for t in tasks], "task_dirs": [str(Path(d).resolve()) for d in args.tasks],
             "trials": args.trials, "retries": args.retries, "sandbox": args.sandbox,
             "price_per_million": asdict(price), "harness": cfg.harness.model_dump(),
@@ -287,7 +289,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     engine = None
     start = time.monotonic()
     try:
-        agent, engine = _agent(args, cfg, backend, model)
+        agent, engine = _agent(args, cfg, backend, model, out)
         progress = Progress(todo)
         evaluate(agent, tasks, args.trials, workers=args.workers, retries=args.retries, progress=progress,
                  skip=skip, on_try=_writer(out / ATTEMPTS_FILE, tasks, config["label"], price, progress))
@@ -314,8 +316,9 @@ def _backend(kind: str, hide: list, sc: Any):
                         layer_cache=sc.layer_cache, build_min_free_mb=sc.build_min_free_mb)
 
 
-def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):
-    """The runner for ``--agent`` and the engine to close afterwards (None when there is none)."""
+def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model, out: Path):
+    """The runner for ``--agent`` and the engine to close afterwards (None when there is none). A model directory
+    is served by the config's ``[engine]`` (its logs in ``OUT/engine/logs``)."""
     if args.agent == "oracle":
         from albatross.eval.oracle import OracleAgent
         from albatross.sandbox.base import Limits
@@ -334,13 +337,9 @@ def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model):
     tokenizer = _load_tokenizer(model.tokenizer)
     if model.remote is not None:  # closed by cmd_eval
         return _harness_agent(cfg, model.remote, backend, tokenizer), None
-    import torch
+    from albatross.pipeline.probe import model_agent
 
-    from albatross.engine.builtin import BuiltinEngine
-
-    torch.set_num_threads(cfg.engine.threads)
-    engine = BuiltinEngine(str(model.directory), max_batch_size=cfg.engine.max_batch_size)
-    return _harness_agent(cfg, engine, backend, tokenizer), engine
+    return model_agent(cfg, backend, model.directory, model.tokenizer, out / "engine")
 
 
 def _load_tokenizer(directory: Path) -> Any:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +107,10 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.sandbox import local_available
 
     if not local_available():  # leakage and offline cannot be judged without isolation
-        return _user_error("the gates need the isolated local sandbox (root, cgroup v1 memory and pids, "
-                           "namespaces, overlayfs), which this machine lacks")
+        from albatross.sandbox.local import unavailable_reason
+
+        return _user_error("the gates need the isolated local sandbox (root, the memory and pids cgroup "
+                           f"controllers, namespaces, overlayfs), which this machine lacks: {unavailable_reason()}")
     network = args.network or cfg.sandbox.network
     ceiling = Limits.from_config(cfg.sandbox) if args.config or args.set else None
     if not (0 < args.build_timeout_scale <= 100):
@@ -174,7 +178,7 @@ def _write_report(path: str, reports: list[Any], record: dict[str, Any]) -> None
 
 def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.config import load_config
-    from albatross.pipeline.probe import probe
+    from albatross.pipeline.probe import model_agent, probe
     from albatross.tasks.probe import MIN_ATTEMPTS, format_table, write_json
 
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
@@ -196,8 +200,9 @@ def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     backend = _backend(args.sandbox or cfg.sandbox.type, [*args.dirs, args.model], cfg.sandbox.registries,
                        cfg.sandbox)
     engine = None
+    engine_dir = Path(tempfile.mkdtemp(prefix="albatross-probe-engine-"))  # server logs, an untied model copy
     try:
-        agent, engine = _model_agent(cfg, backend, Path(args.model), Path(args.tokenizer or args.model))
+        agent, engine = model_agent(cfg, backend, Path(args.model), Path(args.tokenizer or args.model), engine_dir)
         from albatross.rl.scoring import GroupScorer
 
         rows = probe(agent, tasks, attempts, GroupScorer(cfg.rl, weights), retries=cfg.sandbox.max_infra_retries,
@@ -207,6 +212,7 @@ def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
         if engine is not None:
             engine.close()
         backend.close()
+    shutil.rmtree(engine_dir, ignore_errors=True)  # kept when the probe failed: its logs say why
     print(format_table(rows), flush=True)
     if args.json:
         config = {"model": str(Path(args.model).resolve()), "attempts": attempts,
@@ -254,22 +260,6 @@ def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Any
         else:
             tasks.append(task)
     return tasks
-
-
-def _model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path) -> tuple[Any, Any]:
-    """The training harness around the model in ``model_dir`` (built-in engine), and the engine."""
-    import torch
-
-    from albatross.engine.builtin import BuiltinEngine
-    from albatross.engine.tokenizer import load_tokenizer
-    from albatross.harness.agent import build_agent
-
-    tokenizer = load_tokenizer(tokenizer_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir / 'config.json'}: missing (--model must be a model directory)")
-    torch.set_num_threads(cfg.engine.threads)
-    engine = BuiltinEngine(str(model_dir), max_batch_size=cfg.engine.max_batch_size)
-    return build_agent(cfg, engine, backend, tokenizer), engine
 
 
 def _backend(kind: str, hide: list[str], registries: list[str], sc: Any) -> Any:

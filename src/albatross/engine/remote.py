@@ -262,6 +262,12 @@ class VLLMEngine(RemoteEngine):
         self._need("/resume")
         self.http.call("POST", "/resume")
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache; running (paused) requests are preempted and recompute their KV."""
+        _, out = self.http.call("POST", "/reset_prefix_cache?reset_running_requests=true")
+        if isinstance(out, dict) and out.get("success") is False:
+            raise RemoteError(f"vLLM at {self.http.base_url} could not reset its prefix cache")
+
     def update_weights(self, path: str, version: int) -> None:
         """Reload the checkpoint directory ``path`` in place and label later tokens ``version``."""
         if not Path(path).is_dir():
@@ -282,8 +288,8 @@ class VLLMEngine(RemoteEngine):
             body = {"method": "reload_weights", "kwargs": {"weights_path": str(Path(path).resolve())}}
             self.http.call("POST", "/collective_rpc", body)
             self.http.call("POST", "/update_weight_version", {"new_version": str(version)})
-            if "/reset_prefix_cache" in self.routes:
-                self.http.call("POST", "/reset_prefix_cache")
+            if "/reset_prefix_cache" in self.routes:  # the frozen requests recompute their KV with the new weights
+                self.reset_prefix_cache()
             self.version = version
         finally:
             if paused:
@@ -326,11 +332,45 @@ def add_lm_head(path: str | Path) -> None:
             tmp = file.with_suffix(".tmp")
             save_file(state, str(tmp), metadata={"format": "pt"})
             tmp.replace(file)
+            index = root / "model.safetensors.index.json"
+            if index.is_file():  # a sharded checkpoint: the index names the shard that holds it
+                data = json.loads(index.read_text())
+                data.setdefault("weight_map", {})["lm_head.weight"] = file.name
+                index.write_text(json.dumps(data, indent=2) + "\n")
             return
     raise ValueError(f"{root}: no model.embed_tokens.weight in its safetensors files")
 
 
 # ------------------------------------------------------------------------------------------------ SGLang
+
+
+TOP_LOGPROBS = 64  # ranked log-probs asked of SGLang per token when top-p truncates (top-k: top_k of them)
+
+
+def truncates(params: SamplingParams) -> bool:
+    return params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
+
+
+def kept_mass(top: Sequence[float], top_p: float, top_k: int) -> float:
+    """The probability mass SGLang samples from, out of the ranked (tempered) probabilities ``top`` of one
+    position: its samplers keep rank r while r < top_k and the mass ranked above r is at most top_p (top-k and
+    top-p on the same distribution, ``sampler.py``). When ``top`` ends before the kept set does, the kept mass is
+    at least top_p and below top_p plus the last probability listed: top_p is used."""
+    mass = above = 0.0
+    for r, p in enumerate(top):
+        if (top_k and r >= top_k) or above > top_p:
+            return mass
+        mass, above = mass + p, above + p
+    return max(mass, top_p) if not top_k or len(top) < top_k else mass
+
+
+def renormalised(logprob: float, ranked: Sequence[float], params: SamplingParams) -> float:
+    """The log-prob of the distribution SGLang sampled from (truncated by top-k / top-p, renormalised), from the
+    tempered log-prob it reports and the ranked log-probs of that position."""
+    import math
+
+    mass = kept_mass([math.exp(x) for x in ranked], params.top_p, params.top_k)
+    return logprob - math.log(mass) if mass > 0 else logprob
 
 
 def sglang_sampling(params: SamplingParams) -> dict[str, Any]:
@@ -345,11 +385,19 @@ def sglang_sampling(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def sglang_completion(out: dict[str, Any], default_version: int) -> Completion:
+def sglang_completion(out: dict[str, Any], default_version: int, params: SamplingParams | None = None) -> Completion:
+    """A completion from SGLang's answer; with top-k / top-p (``truncates``) each log-prob is renormalised over
+    the kept tokens (``output_top_logprobs``): SGLang reports them after temperature, before truncation."""
     meta = out.get("meta_info") or {}
     pairs = meta.get("output_token_logprobs") or []
     ids = list(out.get("output_ids") or [p[1] for p in pairs])
     logprobs = [float(p[0]) for p in pairs]
+    if params is not None and truncates(params):
+        tops = meta.get("output_top_logprobs") or []
+        if len(tops) != len(logprobs):
+            raise RemoteError(f"SGLang returned {len(tops)} ranked log-prob lists for {len(logprobs)} tokens")
+        logprobs = [renormalised(lp, [float(t[0]) for t in top], params) for lp, top in zip(logprobs, tops,
+                                                                                          strict=True)]
     if len(logprobs) != len(ids):
         raise RemoteError(f"SGLang returned {len(ids)} token ids but {len(logprobs)} log-probs")
     finish = meta.get("finish_reason") or {}
@@ -374,10 +422,12 @@ class SGLangEngine(RemoteEngine):
 
     def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
         body = {"input_ids": prompt, "sampling_params": sglang_sampling(params), "return_logprob": True}
+        if truncates(params):
+            body["top_logprobs_num"] = params.top_k or TOP_LOGPROBS
         _, out = self.http.call("POST", "/generate", body)
         if isinstance(out, list):
             out = out[0]
-        return sglang_completion(out, self.version)
+        return sglang_completion(out, self.version, params)
 
     def pause(self) -> None:
         self.http.call("POST", "/pause_generation", {})

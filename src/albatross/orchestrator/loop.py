@@ -11,6 +11,7 @@ see ``buffer.py``), so no trained token is ever older than the bound. The loss s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -28,7 +29,14 @@ from albatross.harness.agent import Agent, AttemptSpec
 from albatross.orchestrator.buffer import BatchBuilder, admissible
 from albatross.orchestrator.launcher import Launcher, LocalLauncher
 from albatross.orchestrator.metrics import MetricsSink
-from albatross.orchestrator.state import RunState, TaskSampler, count_lines, prune_before, truncate_lines
+from albatross.orchestrator.state import (
+    RunState,
+    TaskSampler,
+    count_lines,
+    prune_before,
+    prune_weights,
+    truncate_lines,
+)
 from albatross.records import STATUS_INFRA_ERROR, Group, Trajectory, append_jsonl
 from albatross.rl.scoring import GroupScorer
 from albatross.tasks.format import Task
@@ -67,6 +75,9 @@ class AsyncLoop:
         self._last_pass_rate = self._last_reward = 0.0
         self._t0 = time.monotonic()
         self._busy_mark = (time.monotonic(), self._engine_busy())
+        self._pending: dict[str, RunState] = {}  # checkpoints being written -> the state they belong to
+        self._checkpoint_figures: dict[str, Any] = {}  # the last written checkpoint's, for the next step record
+        self.final_weights = ""  # the last version as a directory, once the trainer has written it
         if resume:
             self._restore()
         self._start_version = self.state.version - self.state.step
@@ -74,8 +85,11 @@ class AsyncLoop:
     # ---- resume -------------------------------------------------------------------------------
     def _restore(self) -> None:
         saved = RunState.load(self.run_dir)
-        if saved is None:
-            self.log(f"[resume] no {self.run_dir}/state.json yet: starting the run from the beginning")
+        if saved is None:  # no checkpoint was written: what the stopped run logged is not counted
+            for name in ("trajectories.jsonl", "metrics.jsonl"):
+                truncate_lines(self.run_dir / name, 0)
+            self.log(f"[resume] no {self.run_dir}/state.json yet (no checkpoint was written): starting the run "
+                     "from the beginning")
             return
         self.state = saved
         self.counts = Counter(saved.counts)
@@ -84,20 +98,31 @@ class AsyncLoop:
         self._batches_sent = saved.step
         for name, n in saved.lines.items():
             truncate_lines(self.run_dir / name, n)
-        from albatross.trainer.checkpoint import version_dir
-
-        self.engine.update_weights(str(version_dir(self.run_dir / "weights", saved.version)), saved.version)
+        # the engines get the checkpoint's weights from the trainer, which sends them before its first step
         self.log(f"[resume] from step {saved.step} (version {saved.version}); in-flight attempts re-run")
 
-    def _save_state(self, checkpoint: str) -> None:
+    def _snapshot(self, checkpoint: str) -> RunState:
+        """The run's state now, for the checkpoint the trainer is writing (saved once that is on disk)."""
         s = self.state
-        s.counts, s.batch_counts = dict(self.counts), dict(self.builder.counts)
-        s.sampler, s.trainer_checkpoint = self.sampler.state(), checkpoint
-        s.lines = {name: count_lines(self.run_dir / name) for name in ("trajectories.jsonl", "metrics.jsonl")}
-        s.elapsed_s += time.monotonic() - self._t0
-        self._t0 = time.monotonic()
-        s.save(self.run_dir)
-        prune_before(self.run_dir, s.version, self.cfg.trainer.keep_versions)
+        return dataclasses.replace(
+            s, counts=dict(self.counts), batch_counts=dict(self.builder.counts), sampler=self.sampler.state(),
+            trainer_checkpoint=checkpoint, elapsed_s=s.elapsed_s + time.monotonic() - self._t0,
+            lines={name: count_lines(self.run_dir / name) for name in ("trajectories.jsonl", "metrics.jsonl")})
+
+    def _on_checkpoint(self, msg: dict[str, Any]) -> None:
+        """A checkpoint is on disk: its state becomes ``state.json``; older checkpoints go."""
+        if "checkpoint_error" in msg:
+            self.log(f"[checkpoint] failed: {msg['checkpoint_error']}")
+            return
+        snapshot = self._pending.pop(msg["checkpoint_done"], None)
+        if snapshot is None:
+            return
+        snapshot.save(self.run_dir)
+        prune_before(self.run_dir, snapshot.version, self.cfg.trainer.keep_versions)
+        self._checkpoint_figures = {"checkpoint_bytes": int(msg["bytes"]),
+                                    "checkpoint_write_s": round(float(msg["seconds"]), 2)}
+        self.log(f"[checkpoint] version {snapshot.version}: {int(msg['bytes']) / 2**30:.2f} GiB written in "
+                 f"{float(msg['seconds']):.1f} s, in the background ({msg['checkpoint_done']})")
 
     # ---- processes ----------------------------------------------------------------------------
     def run(self) -> RunState:
@@ -115,6 +140,7 @@ class AsyncLoop:
         try:
             self._wait_ready(result_q, proc)
             self._drive(pool, batch_q, result_q, proc)
+            self._finish_trainer(result_q, proc, batch_q)
         except KeyboardInterrupt:
             self.stop_reason = "Ctrl-C"
             self.log(f"[train] interrupted (Ctrl-C) at step {self.state.step}; resume with "
@@ -151,7 +177,19 @@ class AsyncLoop:
                 continue
             if "error" in msg:
                 raise TrainerDied(f"trainer failed to start:\n{msg['error']}")
+            if "path" in msg:  # a resumed trainer sent its checkpoint's weights
+                self.engine.update_weights(msg["path"], msg["version"])
             return
+
+    def _finish_trainer(self, result_q, proc, batch_q) -> None:
+        """A run that ended normally: the trainer writes the last version as a directory (``final_weights``),
+        its checkpoints in flight land, then it exits."""
+        from albatross.orchestrator.trainer_worker import FINISH
+
+        batch_q.put(FINISH)
+        deadline = time.monotonic() + 3600
+        while not self.final_weights and time.monotonic() < deadline:
+            self._drain_results(result_q, proc, block=True)
 
     # ---- the scheduling loop ------------------------------------------------------------------
     def _drive(self, pool, batch_q, result_q, proc) -> None:
@@ -249,7 +287,12 @@ class AsyncLoop:
                 return
             if "error" in msg:
                 raise TrainerDied(f"trainer failed:\n{msg['error']}")
-            self._on_step(msg)
+            if "final" in msg:
+                self.final_weights = str(msg["final"])
+            elif "checkpoint_done" in msg or "checkpoint_error" in msg:
+                self._on_checkpoint(msg)
+            else:
+                self._on_step(msg)
             if block:
                 return
 
@@ -270,10 +313,12 @@ class AsyncLoop:
             self.counts["train_version_mismatches"] += 1
             self.log(f"[train] step {self.state.step} trained at version {self.state.version - 1}, "
                      f"not the planned {int(planned)}: the staleness bound may not hold")
-        record = self._step_record(msg)
+        record = {**self._step_record(msg), **self._checkpoint_figures}
+        self._checkpoint_figures = {}
         self.sink.step(record)
+        prune_weights(self.run_dir, self.state.version, self.cfg.trainer.keep_versions)
         if msg.get("checkpoint"):
-            self._save_state(msg["checkpoint"])
+            self._pending[msg["checkpoint"]] = self._snapshot(msg["checkpoint"])
 
     def _step_record(self, msg: dict[str, Any]) -> dict[str, Any]:
         c, w, bc = self.counts, self._window, self.builder.counts

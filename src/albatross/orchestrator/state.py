@@ -1,6 +1,7 @@
 """A run's resumable state: what the orchestrator must remember to continue after a stop or a crash.
 
-Written atomically after every trainer step that has a trainer checkpoint. The JSONL logs are cut back
+Written atomically once a trainer checkpoint is on disk (checkpoints are written in the background: the state
+is the one of the step the checkpoint was taken at). The JSONL logs are cut back
 to the line counts recorded here on resume, so no attempt or step is ever counted twice; attempts that
 were in flight (or finished but not yet trained) are simply run again.
 """
@@ -74,11 +75,21 @@ class TaskSampler:
 
 def prune_before(run_dir: Path, version: int, keep_weights: int) -> None:
     """Delete trainer checkpoints older than ``version`` and exported weights older than the newest
-    ``keep_weights`` up to it. Only the orchestrator prunes, after state.json names ``version``: the
-    trainer may run ahead of the saved state, and a resume needs exactly that version's files."""
-    for ckpt in (run_dir / "checkpoints").glob("trainer-v*.pt"):
-        if int(ckpt.stem.split("-v")[1]) < version:
-            ckpt.unlink(missing_ok=True)
+    ``keep_weights`` up to it. Only the orchestrator prunes checkpoints, after state.json names ``version``: the
+    trainer may run ahead of the saved state, and a resume needs exactly that version's checkpoint."""
+    for ckpt in (run_dir / "checkpoints").glob("trainer-v*"):
+        number = ckpt.name.split("-v")[1].removesuffix(".pt")
+        if number.isdigit() and int(number) < version:
+            if ckpt.is_dir():
+                shutil.rmtree(ckpt, ignore_errors=True)
+            else:
+                ckpt.unlink(missing_ok=True)
+    prune_weights(run_dir, version, keep_weights)
+
+
+def prune_weights(run_dir: Path, version: int, keep_weights: int) -> None:
+    """Delete exported weight versions older than the newest ``keep_weights`` up to ``version`` (run after every
+    step: a resume does not need them, the trainer sends its checkpoint's weights)."""
     for wdir in (run_dir / "weights").glob("v*"):
         if wdir.is_dir() and wdir.name[1:].isdigit() and int(wdir.name[1:]) <= version - keep_weights:
             shutil.rmtree(wdir, ignore_errors=True)

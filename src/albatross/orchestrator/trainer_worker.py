@@ -75,11 +75,14 @@ def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any
     if world > 1:
         _join_group(device, rank, world)
     from albatross.trainer.weights import make_weight_sender
+    from albatross.trainer.weights.tensors import declared_dtype
 
-    sender = make_weight_sender(cfg, run_dir / "weights", run_dir, rank)
+    sender = make_weight_sender(cfg, run_dir / "weights", run_dir, rank, model_dir=model_dir)
     try:
-        _steps(Trainer.from_config(load_model(model_dir).to(device), cfg, fsdp=world > 1), sender, run_dir, cfg,
-               next_batch, result_q, version, resume_ckpt, f"{device}" + (f" x {world} ranks" if world > 1 else ""))
+        trainer = Trainer.from_config(load_model(model_dir).to(device), cfg, fsdp=world > 1)
+        where = f"{device}" + (f" x {world} ranks" if world > 1 else "")
+        _steps(trainer, sender, run_dir, cfg, next_batch, result_q, version, resume_ckpt, where,
+               declared_dtype(model_dir))
     finally:
         from albatross.trainer import distributed as dist
 
@@ -87,29 +90,91 @@ def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any
         dist.leave()
 
 
+FINISH = "finish"  # the orchestrator's last item on a run that ended normally: write the final weights, then exit
+
+
 def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Callable[[], Any], result_q: Any,
-           version: int, resume_ckpt: str, where: str) -> None:
-    """Step on each batch until ``None``; publish the weights after every step (``engine.weight_sync``: the
-    locator goes to ``engine.update_weights``), checkpoint every few."""
+           version: int, resume_ckpt: str, where: str, dtype: str) -> None:
+    """Step on each batch until ``None`` (stop) or ``FINISH``; publish the weights after every step
+    (``engine.weight_sync``: the locator goes to ``engine.update_weights``), checkpoint when due. A resumed trainer
+    first publishes the weights of its checkpoint (the engines start from the base model)."""
+    from albatross.trainer.checkpoint import Checkpointer
+
     trainer.version = version
+    ready: dict[str, Any] = {"ready": True, "device": where}
     if resume_ckpt:
         trainer.load(resume_ckpt)
-    _put(result_q, {"ready": True, "version": trainer.version, "device": where})
-    every = cfg.orchestrator.checkpoint_every
-    while True:
-        t_wait = time.monotonic()
-        batch = next_batch()
-        wait_s = time.monotonic() - t_wait
-        if batch is None:
-            return
-        metrics = trainer.step(batch, current_version=trainer.version, batch_info=batch.info)
-        # no pruning here: the orchestrator prunes once its state.json no longer needs a version
-        path = sender.send(trainer.model, trainer.version)
-        ckpt = ""
-        if trainer.version % every == 0:
-            ckpt = str(save_checkpoint(trainer, run_dir / "checkpoints"))
-        _put(result_q, {**metrics, "version": trainer.version, "path": str(path), "checkpoint": ckpt,
-                        "trainer_wait_s": wait_s})
+        ready["path"] = sender.send(trainer.model, trainer.version)
+    _put(result_q, {**ready, "version": trainer.version})
+    oc = cfg.orchestrator
+    checkpoints = Checkpointer(oc.checkpoint_every, oc.checkpoint_minutes)
+    checkpoints.last_step = trainer.version
+    try:
+        while True:
+            t_wait = time.monotonic()
+            batch = next_batch()
+            wait_s = time.monotonic() - t_wait
+            if batch is None or batch == FINISH:
+                break
+            metrics = trainer.step(batch, current_version=trainer.version, batch_info=batch.info)
+            # no pruning here: the orchestrator prunes once nothing needs a version any more
+            t_send = time.monotonic()
+            path = sender.send(trainer.model, trainer.version)
+            metrics["weight_sync_s"] = time.monotonic() - t_send
+            metrics.update(_peak_memory())
+            ckpt, report = "", None
+            if checkpoints.due(trainer.version):
+                ckpt, report = _checkpoint(trainer, run_dir / "checkpoints", dtype, checkpoints, result_q, metrics)
+            _put(result_q, {**metrics, "version": trainer.version, "path": str(path), "checkpoint": ckpt,
+                            "trainer_wait_s": wait_s})
+            if report is not None:
+                report()  # after the step's message, so the orchestrator knows the step its state belongs to
+    finally:
+        checkpoints.wait()
+    if batch == FINISH:
+        _put(result_q, {"final": _final_weights(trainer, sender, run_dir, dtype)})
+
+
+def _peak_memory() -> dict[str, float]:
+    """This rank's peak GPU memory so far (``peak_memory_gib``), when it has a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def _checkpoint(trainer: Any, directory: Path, dtype: str, checkpoints: Any, result_q: Any,
+                metrics: dict[str, Any]) -> tuple[str, Callable[[], None]]:
+    """Start a background checkpoint of ``trainer``; returns its path and ``report``, which sends its
+    ``checkpoint_done`` (or ``checkpoint_error``) message once it is on disk."""
+    t0 = time.monotonic()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"trainer-v{trainer.version:06d}"
+    write = trainer.save(path, dtype=dtype, background=True)
+    metrics["checkpoint_stage_s"] = time.monotonic() - t0  # the trainer's own pause: a copy to host memory
+    version = trainer.version
+
+    def done(f: Any) -> None:
+        error = f.exception()
+        if error is not None:
+            _put(result_q, {"checkpoint_error": f"{path}: {type(error).__name__}: {error}"})
+        else:
+            _put(result_q, {"checkpoint_done": str(path), "version": version, "bytes": f.result(),
+                            "seconds": time.monotonic() - t0})
+
+    checkpoints.started(version, write)
+    return str(path), lambda: write.add_done_callback(done)
+
+
+def _final_weights(trainer: Any, sender: Any, run_dir: Path, dtype: str) -> str:
+    """The last version as a directory (``<out>/final``'s source): the sender's own export, or one written now when
+    the sender does not export (``nccl``)."""
+    from albatross.trainer.checkpoint import export_weights, version_dir
+
+    if sender.exports:
+        return str(version_dir(run_dir / "weights", trainer.version))
+    return str(export_weights(trainer.model, run_dir / "weights", trainer.version, keep=1 << 30, dtype=dtype))
 
 
 def _put(result_q: Any, item: dict[str, Any]) -> None:
@@ -122,12 +187,14 @@ def _join_group(device: Any, rank: int, world: int) -> None:
 
     import torch.distributed as tdist
 
+    from albatross.trainer.distributed import backend_for
+
     if device.type == "cuda":
         import torch
 
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    tdist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    tdist.init_process_group(backend_for(device.type), rank=rank, world_size=world,
+                             timeout=datetime.timedelta(minutes=30))
 
 
 def _free_port() -> int:
@@ -163,14 +230,6 @@ def _stop_ranks(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def save_checkpoint(trainer, directory: Path) -> Path:
-    """Save trainer + optimizer state for version ``trainer.version`` (atomically, via the trainer)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"trainer-v{trainer.version:06d}.pt"
-    trainer.save(path)
-    return path
 
 
 def _rank_main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,9 @@
 
 The attempts go through the training harness (``build_agent``: the same chat format, turn and token budgets,
 sampling and sandbox limits) and ``run_with_retries`` (infrastructure errors retried, never scored); each task's
-group is scored as training scores groups (``tasks/probe.py`` ``score_row``).
+group is scored as training scores groups (``tasks/probe.py`` ``score_row``). The model is served by the engine
+of the config's ``[engine]`` (``model_agent``): vLLM / SGLang servers launched or attached, with their tensor
+parallelism and replicas, or the built-in engine on the GPU when there is one.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from albatross.harness.agent import AttemptSpec
@@ -35,3 +38,25 @@ def probe(agent: Any, tasks: list[Task], attempts: int, scorer: Any, retries: in
             if progress is not None:
                 progress(rows[-1])
     return rows
+
+
+def model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path, run_dir: Path,
+                log: Callable[[str], None] = print) -> tuple[Any, Any]:
+    """The training harness around ``model_dir`` served by ``[engine]`` (``make_engine``, with no trainer holding
+    GPUs: servers from GPU 0 on; logs in ``run_dir/logs``), and that engine, which the caller closes."""
+    import torch
+
+    from albatross.engine.launch import make_engine
+    from albatross.engine.tokenizer import load_tokenizer
+    from albatross.harness.agent import build_agent
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir / 'config.json'}: missing (--model must be a model directory)")
+    torch.set_num_threads(cfg.engine.threads)
+    engine = make_engine(cfg, model_dir, run_dir, log, trainer_gpus=0)
+    try:
+        return build_agent(cfg, engine, backend, tokenizer), engine
+    except BaseException:
+        engine.close()
+        raise

@@ -1,4 +1,4 @@
-"""Isolated sandbox: Linux namespaces, a copy-on-write overlay of a frozen parent, cgroup v1 limits.
+"""Isolated sandbox: Linux namespaces, a copy-on-write overlay of a frozen parent, cgroup v1 or v2 limits.
 
 Layout of one attempt::
 
@@ -49,7 +49,7 @@ the backend lock, while concurrent forks wait), drops the warm attempts and the 
 and rebuilds the parent it needs; a fork interrupted by the death is retried on the fresh zygote.
 
 Limits: hitting one is an outcome (``ExecResult.limit``), never an error; see ``base.LIMITS``.
-Limitations: needs root, cgroup v1 memory and pids controllers, overlayfs and tmpfs xattrs. The image
+Limitations: needs root, the memory and pids cgroup controllers (v1 or v2; ``cgroups.py``), overlayfs and tmpfs xattrs. The image
 named by FROM is not pulled from a registry: it is built from Debian packages (``images.py``) or imported.
 """
 
@@ -424,7 +424,8 @@ class LocalAttempt:
 
     def _limit_hit(self, ex: _Exchange, crowded: bool, oom_before: int, by_attempt: bool) -> str:
         """Which limit the command hit; after a fork bomb, every process of the agent is killed."""
-        pids = crowded or bool(ex.reply.get("forkfail")) or ex.reply.get("spawn_error") == errno.EAGAIN
+        refused = self._cgroups.new_pid_refusals()  # cgroup v2 counts refused forks on the attempt
+        pids = crowded or refused > 0 or bool(ex.reply.get("forkfail")) or ex.reply.get("spawn_error") == errno.EAGAIN
         pids = pids or self._at_pids_limit()
         if pids:
             self._cgroups.kill_all()
@@ -878,9 +879,7 @@ class LocalBackend:
     def _spawn(self, zygote: Zygote, limits: Limits, cfg: dict[str, Any]) -> LocalAttempt:
         attempt_id = f"{os.getpid()}-{self._token}-{next(self._ids)}"
         groups = cgroups.AttemptCgroups(attempt_id, limits, owner=self.id_base)
-        cfg = {**cfg, "scratch": f"{zygote.root}/scratch", "disk_mb": limits.disk_mb,
-               "memory_cgroup": str(groups.memory), "pids_cgroup": str(groups.pids),
-               "cpu_cgroup": str(groups.cpu or "")}
+        cfg = {**cfg, "scratch": f"{zygote.root}/scratch", "disk_mb": limits.disk_mb, **groups.holder_config()}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             reply, fds = zygote.request_fds({"op": "spawn", "cfg": cfg}, fds=[theirs.fileno()])
@@ -1274,7 +1273,7 @@ def _probe() -> dict[str, Any]:
     if sys.platform != "linux" or os.geteuid() != 0 or not linux.supported_machine():
         return {"ok": False, "userns": False, "why": "needs Linux (x86_64 or aarch64) and root"}
     if not cgroups.available():
-        return {"ok": False, "userns": False, "why": "needs cgroup v1 memory and pids controllers"}
+        return {"ok": False, "userns": False, "why": cgroups.unavailable_reason()}
     import albatross
 
     src = str(Path(albatross.__file__).resolve().parents[1])
@@ -1290,7 +1289,7 @@ def _probe() -> dict[str, Any]:
 
 
 def local_available() -> bool:
-    """True when this machine can run LocalBackend: Linux, root, cgroup v1 memory and pids controllers,
+    """True when this machine can run LocalBackend: Linux, root, the memory and pids cgroup controllers (v1 or v2),
     unshare(2) of mount/pid/net/ipc/uts namespaces, and an overlay whose lower layer is the host root
     (probed once, in a throwaway process)."""
     return bool(_probe().get("ok"))

@@ -2,34 +2,47 @@
 
 Layout under ``out_root``::
 
-    v000007/model.safetensors   weights of policy version 7 (tied tensors stored once)
-    v000007/config.json
+    v000007/model.safetensors   weights of policy version 7, in the model's dtype (tied tensors stored once), or
+    v000007/model-00001-of-00003.safetensors ... + model.safetensors.index.json   when larger than one shard
+    v000007/config.json         with ``dtype`` set to the export dtype
     LATEST                      "7": the newest complete version
 
 A version directory is written under a temporary name, fsynced and renamed into place, and only then is
 ``LATEST`` replaced (tmp file + rename), so a reader that follows ``LATEST`` never sees a partial export.
-Only the newest ``keep`` versions are kept.
+Only the newest ``keep`` versions are kept. Shards are gathered and written one at a time
+(``trainer/weights/tensors.py``): no rank holds more than one shard of full tensors.
 
-Under FSDP2 every rank calls ``export_weights`` and ``save_state`` (gathering the shards is a
-collective); only rank 0 writes. Trainer state is stored as full (unsharded) tensors keyed by parameter
-name, so a checkpoint saved with any number of ranks resumes with any other.
+Trainer state (``save_state``) is a ``torch.distributed.checkpoint`` directory: the model weights in the model's
+dtype, the optimizer state as it is (fp32 moments), and ``meta.pt`` (step, version, every rank's RNG state). Every
+rank writes its own shards (no gather onto one rank), ``background=True`` writes them from a thread after a
+synchronous copy to host memory, and a checkpoint saved with any number of ranks resumes with any other.
+Resuming a bf16 model restores its fp32 master weights from the bf16 copy: the weights the engines served.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from albatross.trainer.distributed import barrier, full_tensor, rank
+from albatross.trainer.distributed import barrier, is_distributed, rank
+from albatross.trainer.weights.tensors import Names, buckets, plan
+from albatross.trainer.weights.tensors import gather as gather_tensors
 
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 LATEST_NAME = "LATEST"
+META_NAME = "meta.pt"
+SHARD_BYTES = 4 << 30  # safetensors shard size of exported versions
 
 
 def version_dir(out_root: str | Path, version: int) -> Path:
@@ -61,42 +74,80 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard shares storage like its param
-    return local.untyped_storage().data_ptr(), local.storage_offset()
-
-
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict with tied tensors stored once, under the first name (e.g. the input embedding).
-
-    Sharded (FSDP2) tensors are gathered in full, so every rank must call this.
-    """
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, int]] = set()
-    for name, t in model.state_dict().items():
-        key = _storage_key(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = full_tensor(t.detach()).contiguous().cpu()
+    """State dict on the CPU with tied tensors stored once, under the first name (e.g. the input embedding), in
+    the parameters' own dtype. Sharded (FSDP2) tensors are gathered in full, so every rank must call this; for a
+    large model prefer ``export_weights``, which never holds more than one shard."""
+    metas = plan(model, "float32", "unique")
+    out = {}
+    for m in metas:
+        t = model.state_dict()[m.source].detach()
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[m.name] = full.contiguous().cpu()
     return out
 
 
-def export_weights(model: nn.Module, out_root: str | Path, version: int, keep: int = 3) -> Path:
-    """Write version ``version`` atomically, point LATEST at it, prune to the newest ``keep``; return its dir."""
+def shard_names(count: int) -> list[str]:
+    """File names of ``count`` safetensors shards, as transformers names them."""
+    if count == 1:
+        return [WEIGHTS_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_weights(model: nn.Module, directory: Path | None, dtype: str = "float32", names: Names = "unique",
+                  shard_bytes: int = SHARD_BYTES, metadata: dict[str, str] | None = None) -> int:
+    """Write ``model``'s weights in ``dtype`` as (sharded) safetensors into ``directory`` (rank 0; other ranks pass
+    anything and only take part in the gathers). Returns the bytes written."""
+    from safetensors.torch import save_file
+
+    shards = buckets(plan(model, dtype, names), shard_bytes)
+    files = shard_names(len(shards))
+    weight_map, total = {}, 0
+    for shard, file in zip(shards, files, strict=True):
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in gather_tensors(model, shard, device="cpu"):
+            # safetensors refuses two names on one storage (a tied alias): the alias gets its own copy
+            tensors[name] = t.clone() if any(t is v for v in tensors.values()) else t
+        if rank() == 0 and directory is not None:
+            save_file(tensors, str(directory / file), metadata={"format": "pt", **(metadata or {})})
+            weight_map.update(dict.fromkeys(tensors, file))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if rank() == 0 and directory is not None and len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def _write_config(model: nn.Module, directory: Path, dtype: str) -> None:
+    """The model's ``config.json``, declaring ``dtype`` (the dtype its weights were written in)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    config.save_pretrained(directory)
+    path = directory / "config.json"
+    data = json.loads(path.read_text())
+    data["dtype"] = dtype
+    if "torch_dtype" in data:
+        data["torch_dtype"] = dtype
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def export_weights(model: nn.Module, out_root: str | Path, version: int, keep: int = 3, dtype: str = "float32",
+                   names: Names = "unique", shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write version ``version`` in ``dtype`` atomically, point LATEST at it, prune to the newest ``keep``; return
+    its dir. Every rank calls it (the gathers are collectives); rank 0 writes. ``names``: ``"served"`` also writes
+    tied aliases (``lm_head.weight``), which vLLM's in-place reload needs."""
     root = Path(out_root)
     final = version_dir(root, version)
-    state = unique_state_dict(model)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    write_weights(model, tmp, dtype, names, shard_bytes, {"version": str(version)})
     if rank() != 0:
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "version": str(version)})
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.save_pretrained(tmp)
+    _write_config(model, tmp, dtype)
     _fsync_tree(tmp)
     if final.exists():  # re-export of the same version after a resume
         shutil.rmtree(final)
@@ -133,83 +184,164 @@ def latest_version(out_root: str | Path) -> int | None:
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:
-    """Load an exported ``model.safetensors`` (or its version dir) into ``model``; tied tensors fill in."""
+    """Load an exported version (its directory, sharded or not, or one safetensors file) into ``model``, cast to
+    the parameters' dtype; tied tensors fill in."""
+    from safetensors.torch import load_file
+
     path = Path(path)
-    if path.is_dir():
-        path = path / WEIGHTS_NAME
-    state = load_file(str(path))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(model.state_dict()) - set(unique_state_dict(model))
+    tied = set(model.state_dict()) - {m.name for m in plan(model, "float32", "unique")}
     really_missing = sorted(set(missing) - tied)
     if unexpected or really_missing:
         raise ValueError(f"{path}: missing keys {really_missing}, unexpected keys {sorted(unexpected)}")
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full state dict of ``model`` on the CPU (gathered from the shards under FSDP2; rank 0 gets it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+# ---------------------------------------------------------------------------------------------- trainer state
 
 
-def optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name (a ``torch.optim`` optimizer) or its own ``state_dict()``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def _model_sd(model: nn.Module, dtype: str) -> dict[str, Any]:
+    """The model's (sharded) state dict, floating tensors cast to ``dtype``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    want = getattr(torch, dtype)
+    return {k: v.detach().to(want) if v.is_floating_point() else v for k, v in get_model_state_dict(model).items()}
+
+
+def _optim_sd(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name (a ``torch.optim`` optimizer, sharded under FSDP2) or its own
+    ``state_dict()`` (``HostOffloadAdamW``); state that does not exist yet is created (zeros) first."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.init_state()
         return optimizer.state_dict()
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(model, optimizer, options=opts)
+    return get_optimizer_state_dict(model, optimizer)
 
 
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+_GROUP: list[Any] = []
 
 
-def load_optimizer_state(model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence DCP's warning that a single process saves without a process group (that is the intent)."""
+    import warnings
 
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer.load_state_dict(state)
-        return
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
-def save_state(
-    path: str | Path, model: nn.Module, optimizer: Any, step: int, extra: dict[str, Any]
-) -> None:
-    """Save model and optimizer state, the step and ``extra`` for resume (tmp file + fsync + rename).
+def _checkpoint_group() -> Any:
+    """A gloo group of every rank for background writes (kept apart from the training collectives); None in a
+    single process. Created by every rank at its first checkpoint."""
+    if not is_distributed():
+        return None
+    if not _GROUP:
+        import torch.distributed as dist
 
-    Every rank must call it under FSDP2; rank 0 writes.
-    """
-    state = {"model": model_state(model), "optimizer": optimizer_state(model, optimizer), "step": step,
-             "extra": extra}
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _finish(tmp: Path, final: Path) -> int:
+    """Rank 0, once every rank's part is on disk: fsync, rename into place; the checkpoint's bytes."""
     if rank() == 0:
-        write_atomic(path, state)
+        _fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_path(final.parent)
+        return _tree_bytes(final)
+    return 0
+
+
+def save_state(path: str | Path, model: nn.Module, optimizer: Any, step: int, extra: dict[str, Any],
+               dtype: str = "float32", background: bool = False) -> Future:
+    """Save model (in ``dtype``) and optimizer state, the step and ``extra`` for resume, as a directory at
+    ``path`` written under a temporary name and renamed when complete. Every rank calls it. ``background``: the
+    state is copied to host memory now and written from a thread. Returns a future of the bytes written (rank 0;
+    0 elsewhere), already done when not in the background."""
+    import torch.distributed.checkpoint as dcp
+
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.tmp")
+    state = {"model": _model_sd(model, dtype), "optim": _optim_sd(model, optimizer)}
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({"step": step, "extra": extra, "dtype": dtype}, tmp / META_NAME)
     barrier()
+    group = _checkpoint_group()
+    done: Future = Future()
+    if not background:
+        with _quiet():
+            dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+        done.set_result(_finish(tmp, final))
+        return done
+    with _quiet():
+        started = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+
+    def finished(f: Future) -> None:
+        try:
+            f.result()
+            done.set_result(_finish(tmp, final))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the checkpoint
+            done.set_exception(e)
+
+    started.add_done_callback(finished)
+    return done
 
 
-def write_atomic(path: str | Path, obj: Any) -> None:
-    """``torch.save`` to a temporary file, fsync, rename into place."""
+def load_state(path: str | Path, model: nn.Module, optimizer: Any | None = None) -> tuple[int, dict[str, Any]]:
+    """Restore what ``save_state`` wrote (every rank reads its part); returns ``(step, extra)``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
-
-
-def load_state(
-    path: str | Path, model: nn.Module, optimizer: Any | None = None
-) -> tuple[int, dict[str, Any]]:
-    """Restore what ``save_state`` wrote (every rank reads the file); returns ``(step, extra)``."""
-    state = torch.load(Path(path), map_location="cpu", weights_only=True)
-    load_model_state(model, state["model"])
+    meta = torch.load(path / META_NAME, map_location="cpu", weights_only=True)
+    state: dict[str, Any] = {"model": _model_sd(model, meta["dtype"])}
     if optimizer is not None:
-        load_optimizer_state(model, optimizer, state["optimizer"])
-    return int(state["step"]), dict(state["extra"])
+        state["optim"] = _optim_sd(model, optimizer)
+    with _quiet():
+        dcp.load(state, checkpoint_id=str(path), process_group=_checkpoint_group())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None and isinstance(optimizer, torch.optim.Optimizer):
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    elif optimizer is not None:
+        optimizer.load_state_dict(state["optim"])
+    return int(meta["step"]), dict(meta["extra"])
+
+
+class Checkpointer:
+    """When to checkpoint (every ``every_steps`` steps or ``every_minutes`` minutes, whichever is due first; 0
+    turns either off) and the writes in flight. Rank 0's clock decides, so every rank agrees."""
+
+    def __init__(self, every_steps: int, every_minutes: float) -> None:
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.last_step, self.last_time = 0, time.monotonic()
+        self.pending: list[Future] = []
+
+    def due(self, step: int) -> bool:
+        from albatross.trainer.distributed import broadcast_object
+
+        by_steps = self.every_steps > 0 and step - self.last_step >= self.every_steps
+        by_time = self.every_minutes > 0 and time.monotonic() - self.last_time >= self.every_minutes * 60
+        return bool(broadcast_object(by_steps or by_time))
+
+    def started(self, step: int, write: Future) -> None:
+        self.last_step, self.last_time = step, time.monotonic()
+        self.pending = [f for f in self.pending if not f.done()] + [write]
+
+    def wait(self) -> None:
+        """Until every write in flight is on disk (their errors are the callers' to report)."""
+        for f in self.pending:
+            f.exception()
+        self.pending = []
+

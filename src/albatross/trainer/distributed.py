@@ -1,7 +1,9 @@
 """FSDP2 across ranks: set-up, sharding, splitting a batch's micro-batches, gathering metrics and state.
 
 Launch with ``torchrun --nproc-per-node N ...``; every rank builds the same model, calls
-``init_distributed()``, and gets the same ``Batch``. The trainer packs the whole batch on every rank
+``init_distributed()``, and gets the same ``Batch``. The group has a CPU backend beside NCCL on GPUs
+(``backend_for``: ``cuda:nccl,cpu:gloo``), so that parameters offloaded to the host (``CPUOffloadPolicy``) can be
+clipped and gathered. The trainer packs the whole batch on every rank
 (deterministically), then each rank takes a share of the micro-batches (longest-processing-time first,
 so tokens are balanced) and pads its list with empty micro-batches so that all ranks run the same
 number of forward/backward passes (FSDP's collectives must line up). Every micro-batch loss is
@@ -48,11 +50,17 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
         return rank(), world_size()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
+    backend = backend or backend_for("cuda" if torch.cuda.is_available() else "cpu")
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def backend_for(device_type: str) -> str:
+    """The process group's backends: on GPUs NCCL for CUDA tensors and gloo for CPU ones (``cuda:nccl,cpu:gloo``),
+    which FSDP2's CPU offload needs (gradient clipping and ``full_tensor`` then run on host shards); gloo on CPUs."""
+    return "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -69,8 +77,8 @@ def shard(root: nn.Module, model: nn.Module, *, bf16: bool = False, offload: boo
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kwargs: dict[str, Any] = {"mp_policy": mp or MixedPrecisionPolicy(),
-                              "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    kwargs: dict[str, Any] = {"mp_policy": mp or MixedPrecisionPolicy(), "offload_policy": host}
     for unit in [*decoder_layers(model), root]:
         fully_shard(unit, **kwargs)
 

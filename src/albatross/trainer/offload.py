@@ -57,6 +57,23 @@ class HostOffloadAdamW:
         for p, m in zip(self.params, self.masters, strict=True):
             p.copy_(m, non_blocking=self.pin)
 
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the AdamW state of every master that has none yet (zero moments, one step of learning rate 0),
+        so that a checkpoint can be loaded into it in place."""
+        if all(m in self.inner.state for m in self.masters):
+            return
+        saved = [(g["lr"], g["weight_decay"]) for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        for m in self.masters:
+            m.grad = torch.zeros_like(m) if m not in self.inner.state else None
+        self.inner.step()
+        for g, (lr, wd) in zip(self.inner.param_groups, saved, strict=True):
+            g["lr"], g["weight_decay"] = lr, wd
+        for m in self.masters:
+            m.grad = None
+
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 

@@ -13,6 +13,7 @@ import functools
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -389,10 +390,11 @@ class Trainer:
         return self._apply(metrics, t0, sum(len(s.token_ids) for s in samples))
 
     # resume --------------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        """Model, optimizer, step, version and every rank's RNG state (every rank must call it)."""
+    def save(self, path: str | Path, dtype: str = "float32", background: bool = False) -> Future:
+        """Model (in ``dtype``), optimizer, step, version and every rank's RNG state (every rank must call it);
+        ``background``: written from a thread after a copy to host memory. A future of the bytes written."""
         extra = {"version": self.version, "rng": dist.gather(rng_state())}
-        save_state(path, self.model, self.optimizer, self.steps, extra)
+        return save_state(path, self.model, self.optimizer, self.steps, extra, dtype=dtype, background=background)
 
     def load(self, path: str | Path) -> None:
         """Restore what ``save`` wrote, so the next steps repeat those of the uninterrupted run."""

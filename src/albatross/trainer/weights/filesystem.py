@@ -1,27 +1,35 @@
-"""``filesystem``: the trainer exports safetensors to ``<weights>/v{version:06d}`` (atomically, ``LATEST`` last);
-each engine reloads that directory (``update_weights(path, version)``): the built-in engine swaps tensors between
-two forward passes, vLLM reloads in place (``collective_rpc reload_weights``), SGLang ``/update_weights_from_disk``.
-Works on any machine that shares the directory."""
+"""``filesystem``: the trainer exports safetensors to ``<weights>/v{version:06d}`` (atomically, ``LATEST`` last), in
+the model's dtype and in shards written one at a time; each engine reloads that directory
+(``update_weights(path, version)``): the built-in engine swaps tensors between two forward passes, vLLM reloads in
+place (``collective_rpc reload_weights``, paused around it), SGLang ``/update_weights_from_disk``. Works on any
+machine that shares the directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from albatross.trainer.weights.tensors import Names
+
 
 class FilesystemSender:
-    """Export to a versioned directory; ``keep`` > 0 prunes older versions (0: the orchestrator prunes)."""
+    """Export to a versioned directory; ``keep`` > 0 prunes older versions (0: the orchestrator prunes).
+    ``names = "served"`` also writes tied aliases (``lm_head.weight``: vLLM's in-place reload needs it)."""
 
     name = "filesystem"
+    exports = True
 
-    def __init__(self, root: str | Path, keep: int = 0, rank: int = 0) -> None:
+    def __init__(self, root: str | Path, keep: int = 0, rank: int = 0, dtype: str = "float32",
+                 names: Names = "unique") -> None:
         self.root, self.keep, self.rank = Path(root), keep, rank
+        self.dtype, self.names = dtype, names
 
     def send(self, model: Any, version: int) -> str:
         """Every rank calls this (the gather of sharded weights is a collective); rank 0 writes."""
         from albatross.trainer.checkpoint import export_weights
 
-        return str(export_weights(model, self.root, version, keep=self.keep or 1 << 30))
+        return str(export_weights(model, self.root, version, keep=self.keep or 1 << 30, dtype=self.dtype,
+                                  names=self.names))
 
     def close(self) -> None:
         pass
