@@ -245,12 +245,14 @@ class LocalAttempt:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             read_fd, write_fd = os.pipe()
             user = None if self.user is None else [self.user.uid, self.user.gid, list(self.user.groups)]
-            puts = [[str(spec.toolkit[0]), spec.toolkit[1], False]] if spec.toolkit is not None else []
+            # host paths go to the zygote's child absolute: it works in another directory
+            puts = [[str(Path(spec.toolkit[0]).resolve()), spec.toolkit[1], False]] if spec.toolkit is not None else []
             msg = {"op": "verify", "holder": self.pid, "lowers": self.lowers, "toolchain": spec.toolchain,
                    "cgroups": [str(self._cgroups.memory), str(group), str(self._cgroups.cpu or "")],
                    "user": user, "isolate": spec.keep_agent_processes, "env": {**self.image_env, **spec.env},
                    "argv": ["/bin/bash", "--noprofile", "--norc", "-c", spec.command], "cwd": spec.cwd,
-                   "tests_dir": str(spec.tests_dir), "tests_path": spec.tests_path, "reward_dir": spec.reward_dir,
+                   "tests_dir": str(Path(spec.tests_dir).resolve()), "tests_path": spec.tests_path,
+                   "reward_dir": spec.reward_dir,
                    "puts": puts, "reads": list(spec.reads), "disk_mb": self.limits.disk_mb}
             start = time.monotonic()
             try:
