@@ -11,6 +11,7 @@ from __future__ import annotations
 
 TOOLKIT_PATH = "/usr/local/lib/albatross-offline"
 NEEDS_NETWORK = "albatross-offline: needs the network:"
+PIP_ZIP = "pip.zip"  # the toolkit's pip, in lib/ (``toolkit_pip`` below runs it)
 
 COMMON = r"""# albatross offline toolkit: helpers sourced by every shim (which sets _self to its real path)
 TK=${_self%/bin/*}
@@ -76,7 +77,7 @@ run_pytest() {
 }
 toolkit_pip() {  # pip (the toolkit's copy) for the environment's python, from the registries the policy allows
   local py; py=$(python_bin) || return 1
-  PYTHONPATH="$TK/site" safe_python "$py" -m pip --disable-pip-version-check --no-input "$@" >&2
+  PYTHONPATH="$TK/lib/pip.zip" safe_python "$py" -m pip --disable-pip-version-check --no-input "$@" >&2
 }
 check_requirements() {  # satisfied from the environment or the toolkit; with a network, what is missing is
   [ $# -eq 0 ] && return 0  # installed for this command only (a directory of its own, as uvx's environment)
