@@ -106,13 +106,15 @@ def test_uvx_with_installs_what_is_missing_where_the_policy_allows(tmp_path: Pat
     comes from PyPI through the toolkit's own pip, for that command only; without one, it needs the network."""
     from albatross.tasks.offline import toolkit_dir
 
-    (tmp_path / "test_six.py").write_text("import six\n\n\ndef test_six():\n    assert six.__version__ == '1.16.0'\n")
+    (tmp_path / "test_w.py").write_text("from importlib.metadata import version\n\nimport tomli_w\n\n\n"
+                                        "def test_w():\n    assert tomli_w.dumps({'a': 1}) == 'a = 1\\n'\n"
+                                        "    assert version('tomli-w') == '1.0.0'\n")
     tk = toolkit_dir()
-    argv = [str(tk / "bin" / "uvx"), "-w", "six==1.16.0", "pytest", "-q", "-p", "no:cacheprovider", "test_six.py"]
+    argv = [str(tk / "bin" / "uvx"), "-w", "tomli-w==1.0.0", "pytest", "-q", "-p", "no:cacheprovider", "test_w.py"]
     env = {**os.environ, "PATH": f"{tk}/bin:{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
     online = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300,
                             env={**env, "ALBATROSS_NETWORK": "registries"})
     assert online.returncode == 0 and "1 passed" in online.stdout, online.stdout + online.stderr
-    assert "installing six==1.16.0 from the package registries for this command" in online.stderr
+    assert "installing tomli-w==1.0.0 from the package registries for this command" in online.stderr
     offline = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
-    assert offline.returncode == 1 and "needs the network: install six==1.16.0" in offline.stderr
+    assert offline.returncode == 1 and "needs the network: install tomli-w==1.0.0" in offline.stderr

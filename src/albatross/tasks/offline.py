@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 TOOLKIT_BIN = f"{TOOLKIT_PATH}/bin"
 TOOLKIT_PYBIN = f"{TOOLKIT_PATH}/pybin"
 TEST_RESULTS = "/logs/verifier/albatross-tests.json"
-_TOOLKIT_FORMAT = "2"
+_TOOLKIT_FORMAT = "3"
 _ENV_DIR = ".albatross-offline"
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SKIPPED_DISTS = {"colorama"}  # Windows only (pygments stays: pytest >= 8.4 imports it unconditionally)
@@ -232,13 +232,13 @@ def _zip_dist(dist: metadata.Distribution, target: Path) -> None:
     environment's own import path (``link_toolkit_site`` adds ``site/``, never this)."""
     import zipfile
 
-    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:  # stored: read fast, linked, not copied
         for rel in sorted(dist.files or [], key=str):
             source = Path(str(dist.locate_file(rel)))
             keep = rel.parts and rel.parts[0] != ".." and not rel.parts[0].endswith(".dist-info")  # metadata:
             if keep and source.suffix != ".pyc" and source.is_file():  # pip would list the zip as an egg
                 info = zipfile.ZipInfo("/".join(rel.parts), date_time=(1980, 1, 1, 0, 0, 0))
-                info.compress_type, info.external_attr = zipfile.ZIP_DEFLATED, 0o644 << 16
+                info.external_attr = 0o644 << 16
                 out.writestr(info, source.read_bytes())
 
 
