@@ -202,12 +202,12 @@ def test_validate_cli_prints_the_table_and_fails_on_a_bad_task(tmp_path: Path, c
         {"gate": "oracle", "reason": "oracle scores below 1", "count": 1, "tasks": ["oracle-fails"]}]
     assert "failures by reason:" in lines
     assert report["options"]["overrides"] == str(tmp_path / "o.toml")  # the flag reached the gates
-    again = _cli("tasks", "validate", str(good.parent), "--json", str(tmp_path / "gates.json"), "--parallel", "2",
-                 "--overrides", str(tmp_path / "o.toml"), "--resume", cache=cache)  # a checkpoint: nothing gated again
+    again = _cli("tasks", "validate", str(good.parent), "--parallel", "2", "--overrides", str(tmp_path / "o.toml"),
+                 "--resume", str(tmp_path / "gates.json"), cache=cache)  # a checkpoint: nothing gated again
     assert again.returncode == 1 and again.stdout.splitlines()[-1] == lines[-1], again.stderr
     assert f"[gates] resuming {tmp_path / 'gates.json'}: 2 tasks already gated, 0 to go" in again.stdout
     other = _cli("tasks", "validate", str(good.parent), "--json", str(tmp_path / "gates.json"), "--resume",
-                 cache=cache)  # without the overrides: other options
+                 str(tmp_path / "gates.json"), cache=cache)  # without the overrides: other options
     assert other.returncode == 2 and "written with other options" in other.stderr
 
 

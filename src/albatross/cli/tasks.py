@@ -50,8 +50,8 @@ def _add_validate(tasks_sub: Any) -> None:
     p.add_argument("--build-timeout-scale", type=float, default=1.0, metavar="X", help="give each build X times "
                    "its build_timeout_sec (a slow or shared machine builds slower than the task's author's; "
                    "default 1)")
-    p.add_argument("--resume", action="store_true", help="keep the tasks the --json file already reports "
-                   "(written after every task) and gate only the others")
+    p.add_argument("--resume", metavar="REPORT", help="continue an interrupted run from its --json report "
+                   "(written after every task): keep the tasks it reports, gate only the others, and update it")
     p.add_argument("--redo-failed", action="store_true", help="with --resume: gate again the tasks it "
                    "reports as failed")
     p.set_defaults(fn=cmd_validate)
@@ -100,8 +100,12 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
 
     if args.reruns < 2 or args.parallel < 0:
         return _user_error("--reruns must be at least 2 and --parallel at least 0")
-    if (args.resume or args.redo_failed) and not args.json:
-        return _user_error("--resume and --redo-failed need --json (the report to resume)")
+    if args.redo_failed and not args.resume:
+        return _user_error("--redo-failed needs --resume REPORT (the report whose failed tasks to gate again)")
+    if args.resume:
+        if args.json and Path(args.json).resolve() != Path(args.resume).resolve():
+            return _user_error(f"--resume {args.resume} updates that report: leave out --json, or give the same path")
+        args.json = args.resume
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     dirs = find_task_dirs(args.dirs)
     from albatross.sandbox import local_available
@@ -131,7 +135,7 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"[gates] {report.task}: {'passed' if report.passed else 'FAILED'} ({report.seconds:.1f} s)",
               flush=True)
         finished[report.path] = report
-        if args.json:  # a checkpoint after every task: --resume picks up from here
+        if args.json:  # a checkpoint after every task: --resume REPORT picks up from here
             _write_report(args.json, [finished[str(d)] for d in dirs if str(d) in finished], record)
 
     backend = _backend("local", [], cfg.sandbox.registries, cfg.sandbox)
