@@ -140,10 +140,17 @@ class SandboxConfig(_Section):
         "builds: any host). `local` only; `docker` runs attempts with `none`.")
     registries: list[str] = Field(
         default_factory=lambda: ["pypi.org", "files.pythonhosted.org", "deb.debian.org", "security.debian.org",
-                                 "registry.npmjs.org"],
+                                 "archive.ubuntu.com", "security.ubuntu.com", "registry.npmjs.org"],
         description="Hosts the `registries` policy (and every build) may reach through the egress proxy: exact "
-        "names, or `*.example.org` for subdomains. The host's own Debian mirror and pip/npm index hosts are "
-        "added.")
+        "names, or `*.example.org` for subdomains. The host's own Debian and Ubuntu mirrors and pip/npm index "
+        "hosts are added.")
+
+    layer_cache: bool = Field(True, description="`local`: keep every built task environment on disk, keyed by "
+                              "the hash of its files, base images and network policy, so every later run reuses it "
+                              "(`$ALBATROSS_IMAGES/layers`); false: build each environment once per run.")
+    build_min_free_mb: int = Field(2048, ge=0, description="`local`: free disk space (MiB) a build must leave where "
+                                   "the layers are stored; a RUN step that goes below it is stopped (builds use the "
+                                   "host's disk, as Docker's do).")
 
     @field_validator("network")
     @classmethod

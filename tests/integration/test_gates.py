@@ -23,6 +23,7 @@ from albatross.tasks import load_task, load_tasks, write_task
 from albatross.tasks.builtin import FAMILIES, corpus_strings, generate_tasks
 from albatross.tasks.filter import filter_rows
 from albatross.tasks.gates import FAIL, GATES, PASS, GateOptions, TaskReport, validate
+from albatross.tasks.overrides import load_overrides
 
 pytestmark = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroup v1 "
                                 "memory/pids controllers, namespaces and overlayfs")
@@ -43,6 +44,11 @@ else
 fi
 """
 DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\n"
+# The answer comes from a tool the oracle installs under /usr/local/bin: only the attempt's toolchain has it.
+TOOL = {"solve_sh": f"#!/bin/bash\nprintf '#!/bin/sh\\necho {ANSWER}\\n' > /usr/local/bin/answer-tool\n"
+                    "chmod +x /usr/local/bin/answer-tool\n",
+        "test_sh": GOOD_TEST.replace("if [ -f /app/answer.txt ]; then e=1; [ \"$(cat /app/answer.txt)\"",
+                                     "if command -v answer-tool; then e=1; [ \"$(answer-tool)\"")}
 
 # name -> (changes to the good task, the gates it must fail)
 BROKEN: dict[str, tuple[dict, set[str]]] = {
@@ -69,7 +75,10 @@ BROKEN: dict[str, tuple[dict, set[str]]] = {
                             "exit 128\n"}, {"offline"}),
     "nan-reward": ({"test_sh": "#!/bin/bash\nmkdir -p /logs/verifier\necho nan > /logs/verifier/reward.txt\n"},
                    {"reward"}),
+    "tool-in-usr": (TOOL, {"oracle"}),
+    "tool-in-usr-overridden": (TOOL, set()),  # named in OVERRIDES: its verifier runs in the attempt's toolchain
 }
+OVERRIDES = '[tool-in-usr-overridden]\nreason = "its tests run answer-tool"\nverifier.toolchain = "attempt"\n'
 
 
 def write_variant(root: Path, name: str, changes: dict) -> Path:
@@ -106,7 +115,9 @@ def backend(cache: Path) -> Iterator[LocalBackend]:
 def broken(tmp_path_factory: pytest.TempPathFactory, backend: LocalBackend) -> dict[str, TaskReport]:
     root = tmp_path_factory.mktemp("broken")
     paths = [write_variant(root, name, changes) for name, (changes, _) in BROKEN.items()]
-    return {r.task: r for r in validate(paths, backend, GateOptions(parallelism=2))}
+    (root / "overrides.toml").write_text(OVERRIDES)
+    options = GateOptions(parallelism=2, overrides=load_overrides(root / "overrides.toml"))
+    return {r.task: r for r in validate(paths, backend, options)}
 
 
 def _failed(report: TaskReport) -> set[str]:
@@ -137,6 +148,9 @@ def test_each_broken_task_fails_exactly_the_gate_it_breaks(broken: dict[str, Tas
          "curl https://example.com/answer.txt"),
         ("build-needs-github", "offline", "Dockerfile:4: RUN needs github.com, which the build cannot reach"),
         ("nan-reward", "reward", "reward.txt: nan is not a finite number in [0, 1]"),
+        ("tool-in-usr", "oracle", "passes with [verifier] toolchain = \"attempt\": its tests use what the oracle "
+         "installed in system paths (/usr/local/bin/answer-tool"),
+        ("tool-in-usr-overridden", "schema", "overridden: toolchain = 'attempt' (its tests run answer-tool)"),
     ],
 )
 def test_failures_say_why(broken: dict[str, TaskReport], name: str, gate: str, reason: str) -> None:
@@ -174,8 +188,9 @@ def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess:
 def test_validate_cli_prints_the_table_and_fails_on_a_bad_task(tmp_path: Path, cache: Path) -> None:
     good = write_variant(tmp_path / "suite", "good", {})
     write_variant(tmp_path / "suite", "oracle-fails", BROKEN["oracle-fails"][0])
+    (tmp_path / "o.toml").write_text('[other-task]\nreason = "not in this suite"\nverifier.toolchain = "attempt"\n')
     run = _cli("tasks", "validate", str(good.parent), "--json", str(tmp_path / "gates.json"), "--parallel", "2",
-               cache=cache)
+               "--overrides", str(tmp_path / "o.toml"), cache=cache)
     assert run.returncode == 1, run.stderr
     lines = run.stdout.splitlines()
     assert lines[-1] == "2 tasks: 1 passed all nine gates, 1 did not; failures by gate: oracle 1"
@@ -186,6 +201,14 @@ def test_validate_cli_prints_the_table_and_fails_on_a_bad_task(tmp_path: Path, c
     assert report["summary"]["failures_by_reason"] == [
         {"gate": "oracle", "reason": "oracle scores below 1", "count": 1, "tasks": ["oracle-fails"]}]
     assert "failures by reason:" in lines
+    assert report["options"]["overrides"] == str(tmp_path / "o.toml")  # the flag reached the gates
+    again = _cli("tasks", "validate", str(good.parent), "--parallel", "2", "--overrides", str(tmp_path / "o.toml"),
+                 "--resume", str(tmp_path / "gates.json"), cache=cache)  # a checkpoint: nothing gated again
+    assert again.returncode == 1 and again.stdout.splitlines()[-1] == lines[-1], again.stderr
+    assert f"[gates] resuming {tmp_path / 'gates.json'}: 2 tasks already gated, 0 to go" in again.stdout
+    other = _cli("tasks", "validate", str(good.parent), "--json", str(tmp_path / "gates.json"), "--resume",
+                 str(tmp_path / "gates.json"), cache=cache)  # without the overrides: other options
+    assert other.returncode == 2 and "written with other options" in other.stderr
 
 
 def test_validate_cli_user_error_is_one_line(tmp_path: Path, cache: Path) -> None:

@@ -81,6 +81,19 @@ def test_no_dockerfile_forks_default_base(backend: LocalBackend) -> None:
         assert attempt.exec("python3 -c 'print(1+1)'").output.strip() == "2"
 
 
+def test_copy_from_uvs_image_built_from_its_wheel(backend: LocalBackend, tmp_path: Path) -> None:
+    """`COPY --from=ghcr.io/astral-sh/uv:<version>` (Terminal-Bench's Dockerfiles): uv's distroless image,
+    rebuilt from the uv wheel of the package index, gives the real binaries of that version. The second
+    stage is built on the first, which the layer store keeps with it."""
+    dockerfile = ("FROM debian:bookworm-slim AS build\nCOPY --from=ghcr.io/astral-sh/uv:0.8.14 /uv /uvx /bin/\n"
+                  "RUN uv --version > /uv.txt\nFROM build\nWORKDIR /app\n")
+    with backend.fork(task_env(tmp_path, dockerfile)) as attempt:
+        assert attempt.exec("cat /uv.txt; uvx --version; ls /bin/uv").output.split("\n")[:3] == [
+            "uv 0.8.14", "uvx 0.8.14", "/bin/uv"]
+    assert sorted(p.name for p in resolve_base("ghcr.io/astral-sh/uv:0.8.14").root.iterdir()) == [
+        ".albatross-base.json", "uv", "uvx"]
+
+
 def test_multi_stage_copy_from_earlier_stage(backend: LocalBackend, tmp_path: Path) -> None:
     dockerfile = ("FROM debian:bookworm-slim AS build\nWORKDIR /src\nRUN echo compiled > out.bin\n"
                   "FROM build AS test\nRUN cat out.bin > checked\n"

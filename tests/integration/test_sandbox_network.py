@@ -4,6 +4,8 @@ offline gate judges a task under its policy. Needs the local sandbox and PyPI (r
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,3 +99,22 @@ def test_add_of_a_registry_url_downloads_under_the_builds_policy(backend: LocalB
     with pytest.raises(EnvBuildError, match=r"Dockerfile:2: ADD https://github.com/robots.txt: needs github.com, "
                                             r"which the network policy registries does not allow"):
         backend.fork(bad)
+
+
+def test_uvx_with_installs_what_is_missing_where_the_policy_allows(tmp_path: Path) -> None:
+    """The toolkit's ``uvx -w REQ`` (Terminal-Bench's verifier line) with a network: what is not installed
+    comes from PyPI through the toolkit's own pip, for that command only; without one, it needs the network."""
+    from albatross.tasks.offline import toolkit_dir
+
+    (tmp_path / "test_w.py").write_text("from importlib.metadata import version\n\nimport tomli_w\n\n\n"
+                                        "def test_w():\n    assert tomli_w.dumps({'a': 1}) == 'a = 1\\n'\n"
+                                        "    assert version('tomli-w') == '1.0.0'\n")
+    tk = toolkit_dir()
+    argv = [str(tk / "bin" / "uvx"), "-w", "tomli-w==1.0.0", "pytest", "-q", "-p", "no:cacheprovider", "test_w.py"]
+    env = {**os.environ, "PATH": f"{tk}/bin:{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
+    online = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                            env={**env, "ALBATROSS_NETWORK": "registries"})
+    assert online.returncode == 0 and "1 passed" in online.stdout, online.stdout + online.stderr
+    assert "installing tomli-w==1.0.0 from the package registries for this command" in online.stderr
+    offline = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    assert offline.returncode == 1 and "needs the network: install tomli-w==1.0.0" in offline.stderr

@@ -141,8 +141,10 @@ def test_env_home_wins_and_unknown_user_is_a_build_error(local: LocalBackend, tm
 
 
 @needs_local
-def test_verifier_runs_as_the_user_and_scores(local: LocalBackend, tmp_path: Path) -> None:
-    check_verifier_as_user(local, user_task(tmp_path, BASE))
+def test_verifier_runs_as_the_user_and_scores(local: LocalBackend, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a task named by a relative path (`tasks validate ../tasks`): the verifier's
+    check_verifier_as_user(local, user_task(Path("."), BASE))  # files still reach the attempt
 
 
 # ---- podman ----------------------------------------------------------------------------------------------

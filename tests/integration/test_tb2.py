@@ -73,3 +73,28 @@ def test_all_five_pass_the_nine_gates(backend: LocalBackend) -> None:
     assert {(r.task, g): r.gates[g].reason for r in reports for g in GATES if r.gates[g].status != "pass"} == {}
     untouched = {r.task: r.untouched for r in reports}
     assert len(untouched["git-leak-recovery"]) == 4 and untouched["regex-log"] == []
+
+
+def test_built_environment_is_cached_on_disk_for_the_next_run(tmp_path: Path) -> None:
+    """A real task's environment, built by one backend with the layer cache, is what the next backend
+    (another run) forks from: the same stored layer, not built again, with the image's workdir and files."""
+    task = load_task(TB2 / "regex-log")
+    first = LocalBackend(layer_cache=True, warm=0)
+    try:
+        layer = Path(first.prepare(task.env_dir).layer)
+    finally:
+        first.close()
+    stored = layer.parents[1]
+    before = (stored.stat().st_ino, (stored / "parent.json").stat().st_mtime_ns)
+    second = LocalBackend(layer_cache=True, warm=0)
+    try:
+        assert Path(second.prepare(task.env_dir).layer) == layer
+        attempt = second.fork(task.env_dir, task.workdir, _limits(task))
+        try:
+            out = attempt.exec("pwd; . /etc/os-release; echo $VERSION_CODENAME").output
+        finally:
+            attempt.close()
+    finally:
+        second.close()
+    assert (stored.stat().st_ino, (stored / "parent.json").stat().st_mtime_ns) == before  # not built again
+    assert out == "/app\nnoble\n", out  # ubuntu:24.04 is Ubuntu's noble, from the Ubuntu archive

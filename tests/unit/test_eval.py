@@ -234,3 +234,12 @@ def test_pass_at_1_by_family_reads_builtin_ids_or_a_mapping():
                                       "uncategorized": 1.0}
     assert pass_at_1_by_family(r, {"my-task": "custom"})["custom"] == 1.0
     assert task_family("train-0012-py_fix") == "py_fix" and task_family("heldout-x-count_lines") == "uncategorized"
+
+
+def test_report_shows_the_network_policies_attempts_ran_under() -> None:
+    from albatross.eval.report import network_policies
+
+    rows = [{"task_id": "a", "network": "registries"}, {"task_id": "b", "network": "registries"}]
+    assert network_policies(rows) == "registries"
+    assert network_policies([*rows, {"task_id": "c", "network": "none"}]) == "registries (2), none (1)"
+    assert network_policies([{"task_id": "a"}]) == "—"

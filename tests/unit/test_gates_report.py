@@ -237,3 +237,27 @@ def test_filter_cli_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     errors = capsys.readouterr().err.splitlines()
     assert errors[0].startswith(f"albatross: error: {tmp_path / 'bad.json'}: not a probe table")
     assert len(errors) == 3 and all(e.startswith("albatross: error: ") for e in errors)
+
+
+def test_report_round_trips_for_resume() -> None:
+    from albatross.tasks.gates import TaskReport as Report
+
+    report = Report(task="t", path="/x/t", gates={g: Gate(PASS, f"r {g}") for g in GATES}, untouched=["a"],
+                    tests=["a", "b"], notes={"build_s": 1.5}, seconds=3.25)
+    again = Report.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again == report and again.passed
+
+
+def test_task_limits_are_the_tasks_within_the_runs_ceiling(tmp_path: Path) -> None:
+    import dataclasses
+
+    from albatross.sandbox.base import Limits
+    from albatross.tasks.gates import GateOptions, task_limits
+
+    task = dataclasses.replace(_task(tmp_path), memory_mb=4096, storage_mb=10240, cpus=2.0)
+    own = task_limits(task, GateOptions(network="registries"))
+    assert (own.memory_mb, own.disk_mb, own.cpus, own.network) == (4096, 10240, 0.0, "registries")
+    run = GateOptions(network="registries", ceiling=Limits(memory_mb=2048, disk_mb=20000, cpus=1.0))
+    capped = task_limits(task, run)
+    assert (capped.memory_mb, capped.disk_mb, capped.cpus, capped.network) == (2048, 10240, 1.0, "registries")
+    assert task_limits(task, run, 3.0).memory_mb == 6144

@@ -29,6 +29,10 @@ from albatross.tasks.gates import (
         ("offline", "the build needs the network: apt-get install albatross-no-such-package",
          "needs the network: apt-get install"),
         ("offline", "the build needs the network", "needs the network"),
+        ("offline", "the oracle needs the network: fatal: unable to access 'https://github.com/a/b.git/': CONNECT "
+         "tunnel failed, response 403", "needs github.com"),  # refused by the registries policy's proxy
+        ("oracle", "passes with [verifier] toolchain = \"attempt\": its tests use what the oracle installed",
+         "needs the attempt's toolchain (an override)"),
         ("offline", "the oracle needs the network: albatross-offline: needs the network: apt-get install curl (not "
          "installed on the local base)", "needs the network: apt-get install"),
         ("oracle", "scored 0; solve.sh exited with 1: qemu-system-x86_64: Could not access KVM kernel module",

@@ -32,8 +32,9 @@ def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ("python:3.13-slim", "trixie", True),
     ("python:3.12", "trixie", True),
     ("python:3.10-slim", "bookworm", True),
-    ("ubuntu:24.04", "trixie", False),
-    ("ubuntu:22.04", "bookworm", False),
+    ("ubuntu:24.04", "noble", False),
+    ("ubuntu:22.04", "jammy", False),
+    ("ubuntu:latest", "noble", False),
     ("node:20-bookworm", "bookworm", False),
     ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", "trixie", True),
 ])
@@ -54,8 +55,10 @@ def test_python_recipe_has_pip_and_names_the_version_difference() -> None:
 
 
 def test_ubuntu_and_runtimes_are_noted() -> None:
-    _recipe, notes = images.recipe_for("ubuntu:24.04")
-    assert notes and "Ubuntu" in notes[0]
+    recipe, notes = images.recipe_for("ubuntu:24.04")
+    assert notes and "Ubuntu noble from the Ubuntu archive" in notes[0]
+    assert recipe.distro == "ubuntu" and {"apt", "ubuntu-keyring", "python3"} <= set(recipe.packages)
+    assert recipe.key() != images.Recipe("noble", recipe.packages, recipe.mirror).key()  # not a Debian recipe
     node, node_notes = images.recipe_for("node:20")
     assert "nodejs" in node.packages and node_notes
 
@@ -252,3 +255,15 @@ def test_cli_import_and_list(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().err.strip().endswith("missing: no such file or directory")
     assert main(["sandbox", "image", "build", "alpine:3.19"]) == 2
     assert "no base for alpine:3.19" in capsys.readouterr().err
+
+
+def test_ubuntu_sources_are_the_images_and_uv_maps_to_its_wheel() -> None:
+    from albatross.sandbox.ubuntu import sources
+
+    assert sources("noble", "http://archive.ubuntu.com/ubuntu") == [
+        "deb http://archive.ubuntu.com/ubuntu noble main restricted universe multiverse",
+        "deb http://archive.ubuntu.com/ubuntu noble-updates main restricted universe multiverse",
+        "deb http://security.ubuntu.com/ubuntu noble-security main restricted universe multiverse"]
+    uv, notes = images.recipe_for("ghcr.io/astral-sh/uv:0.8.14")
+    assert (uv.uv, uv.release) == ("0.8.14", "scratch") and "wheel" in notes[0]
+    assert images.recipe_for("ghcr.io/astral-sh/uv:0.8.15")[0].key() != uv.key()

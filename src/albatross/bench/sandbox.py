@@ -1,4 +1,5 @@
-"""Sandbox: fork-to-first-output and close latency, forks/s at 1, 8 and 64 attempts alive, vs sh -c.
+"""Sandbox: fork-to-first-output and close latency, forks/s at 1, 8 and 64 attempts alive, vs sh -c
+(``--tasks DIR --concurrent N``: forks of real task images with N attempts alive, ``sandbox_tasks.py``).
 
 Every fork is of a real task parent (a Dockerfile with WORKDIR and COPY, built once) and runs
 ``echo ok`` in the fresh attempt, one after the other. Fork-to-first-output runs from ``fork()`` to the
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm", type=int, default=3, help="attempts kept ready per environment")
     parser.add_argument("--base", choices=["image", "debian", "host"], default="image",
                         help="base root: the Dockerfile's FROM image (default), debian, or the host's own root")
+    from albatross.bench.sandbox_tasks import add_task_arguments
+
+    add_task_arguments(parser)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -141,8 +145,12 @@ def _make_env(root: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from albatross.bench.sandbox_tasks import run_tasks, tasks_requested
     from albatross.errors import UserError
     from albatross.sandbox.local import LocalBackend, local_available, unavailable_reason, userns_available
+
+    if tasks_requested(args):
+        return run_tasks(args)
 
     if not local_available():
         raise UserError(f"bench sandbox needs the local sandbox: {unavailable_reason()}")

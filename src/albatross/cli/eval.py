@@ -60,6 +60,9 @@ def register(sub: Any, tasks_sub: Any) -> None:
     p.add_argument("--network", choices=NETWORK_POLICIES, help="network policy of the attempts (default: the "
                    "config's sandbox.network): none, registries (the package registries through albatross's "
                    "egress proxy) or open; a task may narrow it; recorded with every attempt")
+    p.add_argument("--overrides", dest="task_overrides", metavar="FILE|NAME", help="per-task overrides of "
+                   "task.toml values, each with its reason: a TOML file, or a set albatross ships "
+                   "(terminal-bench-2); docs/tasks.md")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("report", help="one self-contained HTML page: Pass@1 vs cost with the Pareto "
                        "frontier, training curves, per-category breakdown, configurations")
@@ -97,7 +100,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     if args.sandbox == "docker" and cfg.sandbox.network != "none":
         raise UserError(f"--network {cfg.sandbox.network}: the docker sandbox runs attempts with no network "
                         "(the local sandbox enforces the registries and open policies)")
-    tasks = _usable_tasks(args.tasks, args.agent == "oracle")
+    tasks = _usable_tasks(args.tasks, args.agent == "oracle", args.task_overrides)
     model = _resolve_model(args)
     try:
         label = args.name or model.label
@@ -180,16 +183,21 @@ def _price(path: str | None, label: str):
     return price or Price()
 
 
-def _usable_tasks(paths: list[str], oracle: bool) -> list:
+def _usable_tasks(paths: list[str], oracle: bool, overrides: str | None = None) -> list:
     """The tasks under ``paths`` that can run here. A task that cannot (malformed, a Dockerfile the sandbox
     cannot build, no solve.sh for ``--agent oracle``) is reported on stderr and skipped; the others run."""
     from albatross.tasks.format import TaskFormatError, find_task_dirs, load_task
     from albatross.tasks.offline import dockerfile_problem
+    from albatross.tasks.overrides import apply_overrides, load_overrides
 
+    try:
+        changes = load_overrides(overrides)
+    except TaskFormatError as e:
+        raise UserError(str(e)) from None
     tasks, seen = [], {}
     for task_dir in find_task_dirs(paths):
         try:
-            task = load_task(task_dir)
+            task = apply_overrides(load_task(task_dir), changes)
             problem = dockerfile_problem(task) or _solution_problem(task, oracle)
         except TaskFormatError as e:
             problem = str(e)
@@ -277,7 +285,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
           + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
     backend = _backend(args.sandbox, [out, *args.tasks, *([model.directory] if model.directory else [])],
-                       cfg.sandbox.registries)
+                       cfg.sandbox)
     engine = None
     start = time.monotonic()
     try:
@@ -296,7 +304,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     return _finish(out, tasks, args.trials, config, time.monotonic() - start)
 
 
-def _backend(kind: str, hide: list, registries: list[str]):
+def _backend(kind: str, hide: list, sc: Any):
     from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
 
@@ -304,7 +312,8 @@ def _backend(kind: str, hide: list, registries: list[str]):
         kind = "local" if local_available() else "process"
     if kind in ("process", "docker"):  # docker: a container sees nothing of the host to hide
         return make_backend(kind)
-    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=registries)
+    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=sc.registries,
+                        layer_cache=sc.layer_cache, build_min_free_mb=sc.build_min_free_mb)
 
 
 def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model, out: Path):

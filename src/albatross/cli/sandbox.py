@@ -5,7 +5,7 @@
     albatross sandbox base build                  build the cached debian base root (debootstrap, once)
     albatross sandbox image build REF             build (once) the base a FROM REF uses
     albatross sandbox image import PATH --tag REF import an OCI image layout / docker save archive
-    albatross sandbox image list                  the built and imported bases
+    albatross sandbox image list                  the built and imported bases, the built environments
 
 ``run`` takes one argument as a shell command line (``-- 'ls | wc -l'``), several as an argv
 (``-- ls -la``). A command killed by its timeout exits 124; a limit it hit is named on stderr.
@@ -287,8 +287,15 @@ def cmd_image_import(args: argparse.Namespace, extra: list[str]) -> int:
 @_sandbox_errors
 def cmd_image_list(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.sandbox.images import list_images
+    from albatross.sandbox.layers import disk_usage
 
     for entry in list_images():
         what = entry.get("recipe") or {"source": entry.get("source", "?")}
         print(f"{entry['key']}  {json.dumps(what)}")
+    built = disk_usage()
+    if built["parents"]:
+        total = sum(p["mb"] for p in built["parents"])
+        print(f"\nbuilt environments in {built['root']} ({len(built['parents'])}, {total:.0f} MB):")
+        for parent in built["parents"]:
+            print(f"{parent['key']}  {parent['mb']:.0f} MB")
     return 0

@@ -18,6 +18,9 @@ from typing import Any
 EXIT_FAILED, EXIT_USER_ERROR = 1, 2
 SANDBOXES = ("auto", "local", "process", "docker")
 NETWORK_POLICIES = ("none", "registries", "open")  # sandbox.base.NETWORK_POLICIES (not imported: it is heavy)
+OVERRIDES_HELP = ("per-task overrides of task.toml values, each with its reason: a TOML file, or a set albatross "
+                  "ships (terminal-bench-2: the tasks whose tests check what the agent installed in system "
+                  "paths run the verifier in the attempt's toolchain); docs/tasks.md")
 NETWORK_HELP = ("network policy of builds' and attempts' egress: none (attempts have no network; builds reach the "
                 "package registries), registries (attempts too reach the registries, through albatross's egress "
                 "proxy), open (any host but the host's own services); a task may narrow it (default: %s)")
@@ -40,7 +43,20 @@ def _add_validate(tasks_sub: Any) -> None:
                    help="tasks gated at once (default: the number of cores)")
     p.add_argument("--reruns", type=int, default=3, metavar="N",
                    help="runs of the oracle and of the no-op for the determinism gate (default: 3)")
-    p.add_argument("--network", choices=NETWORK_POLICIES, help=NETWORK_HELP % "the config default, none")
+    p.add_argument("--network", choices=NETWORK_POLICIES, help=NETWORK_HELP % "the config's sandbox.network")
+    p.add_argument("--config", metavar="TOML", help="the run's config: its sandbox.memory_mb, disk_mb and cpus "
+                   "are the ceiling of every task's own limits, as in that run (without --config or --set: "
+                   "each task's own limits)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (e.g. "
+                   "sandbox.memory_mb=8192); implies the run's ceiling, as --config")
+    p.add_argument("--overrides", dest="task_overrides", metavar="FILE|NAME", help=OVERRIDES_HELP)
+    p.add_argument("--build-timeout-scale", type=float, default=1.0, metavar="X", help="give each build X times "
+                   "its build_timeout_sec (a slow or shared machine builds slower than the task's author's; "
+                   "default 1)")
+    p.add_argument("--resume", metavar="REPORT", help="continue an interrupted run from its --json report "
+                   "(written after every task): keep the tasks it reports, gate only the others, and update it")
+    p.add_argument("--redo-failed", action="store_true", help="with --resume: gate again the tasks it "
+                   "reports as failed")
     p.set_defaults(fn=cmd_validate)
 
 
@@ -59,6 +75,7 @@ def _add_probe(tasks_sub: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="write the pass-rate table as JSON")
     p.add_argument("--sandbox", choices=SANDBOXES, help="sandbox backend (default: the config's sandbox.type)")
     p.add_argument("--network", choices=NETWORK_POLICIES, help=NETWORK_HELP % "the config's sandbox.network")
+    p.add_argument("--overrides", dest="task_overrides", metavar="FILE|NAME", help=OVERRIDES_HELP)
     p.set_defaults(fn=cmd_probe)
 
 
@@ -156,11 +173,21 @@ def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.config import load_config
+    from albatross.sandbox.base import Limits
     from albatross.tasks.format import find_task_dirs
-    from albatross.tasks.gates import GateOptions, format_table, reports_json, validate
+    from albatross.tasks.gates import GateOptions, format_table, validate
+    from albatross.tasks.overrides import load_overrides
 
     if args.reruns < 2 or args.parallel < 0:
         return _user_error("--reruns must be at least 2 and --parallel at least 0")
+    if args.redo_failed and not args.resume:
+        return _user_error("--redo-failed needs --resume REPORT (the report whose failed tasks to gate again)")
+    if args.resume:
+        if args.json and Path(args.json).resolve() != Path(args.resume).resolve():
+            return _user_error(f"--resume {args.resume} updates that report: leave out --json, or give the same path")
+        args.json = args.resume
+    cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     dirs = find_task_dirs(args.dirs)
     from albatross.sandbox import local_available
 
@@ -169,21 +196,69 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
 
         return _user_error("the gates need the isolated local sandbox (root, the memory and pids cgroup "
                            f"controllers, namespaces, overlayfs), which this machine lacks: {unavailable_reason()}")
-    from albatross.config import default
+    network = args.network or cfg.sandbox.network
+    ceiling = Limits.from_config(cfg.sandbox) if args.config or args.set else None
+    if not (0 < args.build_timeout_scale <= 100):
+        return _user_error("--build-timeout-scale must be above 0 and at most 100")
+    options = GateOptions(reruns=args.reruns, parallelism=args.parallel, network=network, ceiling=ceiling,
+                          overrides=load_overrides(args.task_overrides), build_timeout_scale=args.build_timeout_scale)
+    record = {"network": network, "reruns": args.reruns, "overrides": args.task_overrides or "",
+              "build_timeout_scale": args.build_timeout_scale,
+              "ceiling": None if ceiling is None else {"memory_mb": ceiling.memory_mb, "disk_mb": ceiling.disk_mb,
+                                                       "cpus": ceiling.cpus}}
+    done = _resumed(args, record, [str(d) for d in dirs]) if args.resume else {}
+    todo = [d for d in dirs if str(d) not in done]
+    if done:
+        print(f"[gates] resuming {args.json}: {len(done)} tasks already gated, {len(todo)} to go", flush=True)
+    finished = dict(done)
 
-    network = args.network or default("sandbox", "network")
-    backend = _backend("local", [], default("sandbox", "registries"))
+    def progress(report: Any) -> None:
+        print(f"[gates] {report.task}: {'passed' if report.passed else 'FAILED'} ({report.seconds:.1f} s)",
+              flush=True)
+        finished[report.path] = report
+        if args.json:  # a checkpoint after every task: --resume REPORT picks up from here
+            _write_report(args.json, [finished[str(d)] for d in dirs if str(d) in finished], record)
+
+    backend = _backend("local", [], cfg.sandbox.registries, cfg.sandbox)
     try:
-        options = GateOptions(reruns=args.reruns, parallelism=args.parallel, network=network)
-        reports = validate(dirs, backend, options,
-                           progress=lambda r: print(f"[gates] {r.task}: {'passed' if r.passed else 'FAILED'} "
-                                                    f"({r.seconds:.1f} s)", flush=True))
+        validate(todo, backend, options, progress=progress)
     finally:
         backend.close()
+    reports = [finished[str(d)] for d in dirs]
     print(format_table(reports), flush=True)
     if args.json:
-        _write_json(args.json, reports_json(reports))
+        _write_report(args.json, reports, record)
     return 0 if all(r.passed for r in reports) else EXIT_FAILED
+
+
+def _resumed(args: argparse.Namespace, record: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """The reports an earlier run with the same options wrote to ``args.json`` (path -> report), less the
+    failed ones with ``--redo-failed``; {} when there is no such file."""
+    from albatross.errors import UserError
+    from albatross.tasks.gates import TaskReport
+
+    path = Path(args.json)
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        reports = [TaskReport.from_dict(t) for t in data["tasks"]]
+        options = data.get("options", {})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: not a `tasks validate --json` report ({type(e).__name__}: {e})") from None
+    if options != record:
+        raise UserError(f"{path}: written with other options ({options}); rerun with the same ones, or write "
+                        "to another --json")
+    return {r.path: r for r in reports if r.path in paths and (r.passed or not args.redo_failed)}
+
+
+def _write_report(path: str, reports: list[Any], record: dict[str, Any]) -> None:
+    from albatross.tasks.gates import reports_json
+
+    data = {**reports_json(reports), "options": record}
+    tmp = Path(f"{path}.tmp")
+    _write_json(str(tmp), data)
+    tmp.replace(path)
 
 
 def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
@@ -200,14 +275,15 @@ def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     attempts = args.attempts or cfg.orchestrator.group_size
     if attempts < MIN_ATTEMPTS:
         return _user_error(f"--attempts must be at least {MIN_ATTEMPTS}, got {attempts}")
-    tasks = _buildable_tasks(args.dirs)
+    tasks = _buildable_tasks(args.dirs, args.task_overrides)
     if not tasks:
         return _user_error(f"no task in {' '.join(args.dirs)} can be built here (each skipped above)")
     try:
         weights = _weights(args.gates)
     except ValueError as e:
         return _user_error(f"{args.gates}: not a `tasks validate --json` report ({e})")
-    backend = _backend(args.sandbox or cfg.sandbox.type, [*args.dirs, args.model], cfg.sandbox.registries)
+    backend = _backend(args.sandbox or cfg.sandbox.type, [*args.dirs, args.model], cfg.sandbox.registries,
+                       cfg.sandbox)
     engine = None
     engine_dir = Path(tempfile.mkdtemp(prefix="albatross-probe-engine-"))  # server logs, an untied model copy
     try:
@@ -252,14 +328,17 @@ def cmd_filter(args: argparse.Namespace, extra: list[str]) -> int:
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def _buildable_tasks(paths: list[str]) -> list[Any]:
-    """The tasks under ``paths`` whose Dockerfile the sandbox can build; each other one is reported on stderr
-    and skipped (the build gate's check), so one bad task does not stop the others."""
+def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Any]:
+    """The tasks under ``paths`` whose Dockerfile the sandbox can build (with ``overrides`` applied); each
+    other one is reported on stderr and skipped (the build gate's check), so one bad task does not stop the
+    others."""
     from albatross.tasks.format import load_tasks
     from albatross.tasks.offline import dockerfile_problem
+    from albatross.tasks.overrides import apply_overrides, load_overrides
 
+    changes = load_overrides(overrides)
     tasks = []
-    for task in load_tasks(paths):
+    for task in (apply_overrides(t, changes) for t in load_tasks(paths)):
         problem = dockerfile_problem(task)
         if problem:
             print(f"albatross: skipping task {task.path}: {problem.splitlines()[0]}", file=sys.stderr)
@@ -268,7 +347,7 @@ def _buildable_tasks(paths: list[str]) -> list[Any]:
     return tasks
 
 
-def _backend(kind: str, hide: list[str], registries: list[str]) -> Any:
+def _backend(kind: str, hide: list[str], registries: list[str], sc: Any) -> Any:
     from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
 
@@ -276,7 +355,8 @@ def _backend(kind: str, hide: list[str], registries: list[str]) -> Any:
         kind = "local" if local_available() else "process"
     if kind in ("process", "docker"):  # docker: a container sees nothing of the host to hide
         return make_backend(kind)
-    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=registries)
+    return make_backend("local", hide_paths=[str(p) for p in [*hide, cache_root()]], registries=registries,
+                        layer_cache=sc.layer_cache, build_min_free_mb=sc.build_min_free_mb)
 
 
 def _weights(path: str | None) -> dict[str, dict[str, float]]:

@@ -55,6 +55,21 @@ class Result:
     expected_attempts: int | None = None  # tasks x trials of an eval directory, to flag a partial one
     role: str = "model"  # "model": an evaluated model; "validation": a run's validation split (shown apart)
     split: str = ""  # a run's evaluation: "base", "trained", "validation"
+    network: str = ""  # the network policies its attempts ran under (``network_policies``)
+
+
+def network_policies(records: list[dict[str, Any]]) -> str:
+    """The network policies attempts ran under, as the report shows them: ``registries``, or with counts
+    when tasks narrowed the run's (``registries (60), none (4)``); ``—`` for records from before policies."""
+    from collections import Counter
+
+    counts = Counter(str(r.get("network") or "") for r in records if "task_id" in r)
+    counts.pop("", None)
+    if not counts:
+        return "—"
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{policy} ({n})" for policy, n in counts.most_common())
 
 
 @dataclass
@@ -104,10 +119,10 @@ def _eval_result(path: Path, prices: dict[str, Price] | None) -> Result:
     config = _read_json(path / "eval.json")
     label = str(config.get("label") or _read_json(path / "summary.json").get("label") or path.name)
     tasks, trials = config.get("tasks"), config.get("trials")
-    summary = summarize(load_attempts(path / "attempts.jsonl"), tasks=tasks, trials=trials,
-                        price=_pick_price(prices, label))
+    records = load_attempts(path / "attempts.jsonl")
+    summary = summarize(records, tasks=tasks, trials=trials, price=_pick_price(prices, label))
     expected = len(tasks) * int(trials) if isinstance(tasks, list) and isinstance(trials, int) else None
-    return Result(label, path, summary, config, expected)
+    return Result(label, path, summary, config, expected, network=network_policies(list(records)))
 
 
 def _run_results(path: Path, prices: dict[str, Price] | None) -> list[Result]:
@@ -126,7 +141,7 @@ def _run_results(path: Path, prices: dict[str, Price] | None) -> list[Result]:
         known = {**{t: f for t, f in families.items() if f != UNCATEGORIZED}, **categories}
         s = summarize(records, categories=known, price=_pick_price(prices, label, path.name))
         out.append(Result(label, path, s, config, role="validation" if split == "validation" else "model",
-                          split=split))
+                          split=split, network=network_policies(records)))
     return out
 
 
@@ -484,9 +499,10 @@ def _results_table(results: list[Result]) -> str:
                      f"{s['attempts']} of {r.expected_attempts} (partial)" if partial else s["attempts"],
                      _money(s["cost_per_task"], priced), f"{s['tokens_per_task']['input']:.0f}",
                      f"{s['tokens_per_task']['cached_input']:.0f}", f"{s['tokens_per_task']['output']:.0f}",
-                     f"{s['turns_per_task']:.2f}", f"{s['wall_seconds_per_task']:.2f}", s["infra_errors"]])
+                     f"{s['turns_per_task']:.2f}", f"{s['wall_seconds_per_task']:.2f}", s["infra_errors"],
+                     r.network or "—"])
     return _html_table(["result", "Pass@1 (95% CI)", "pass@k", "tasks", "attempts", "cost/task",
-                        "input tok", "cached tok", "output tok", "turns", "wall s", "infra errors"], rows)
+                        "input tok", "cached tok", "output tok", "turns", "wall s", "infra errors", "network"], rows)
 
 
 def _category_table(results: list[Result]) -> str:

@@ -52,7 +52,8 @@ def backend_from_config(sc: Any, hide_paths: list[str] | None = None) -> Backend
     """The backend a run's ``[sandbox]`` config section describes."""
     if sc.type == "local":
         return make_backend("local", hide_paths=hide_paths or [], base=sc.base, warm=sc.warm,
-                            images_dir=sc.images or None, registries=sc.registries)
+                            images_dir=sc.images or None, registries=sc.registries, layer_cache=sc.layer_cache,
+                            build_min_free_mb=sc.build_min_free_mb)
     if sc.type == "docker":
         return make_backend("docker", engine=sc.engine, images_dir=sc.images or None)
     return make_backend(sc.type, hide_paths=hide_paths or [])

@@ -74,6 +74,8 @@ class Parent:
     entrypoint: list[str] | None = None  # ENTRYPOINT / CMD as Docker records them (argv; recorded only)
     cmd: list[str] | None = None
     ids: UserIds | None = None  # ``user`` resolved in the built image: what every attempt command runs as
+    build_s: float = 0.0  # how long its build took (all stages)
+    cached: bool = False  # loaded from the layer store (built by an earlier run), not built now
 
     def attempt_env(self) -> dict[str, str]:
         """The environment attempts start with: PATH, HOME (the USER's, as ``docker exec`` sets it, unless

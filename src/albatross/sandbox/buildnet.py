@@ -142,9 +142,10 @@ def registry_hosts(configured: Iterable[str]) -> list[str]:
     """The registries a build may reach: ``configured`` plus the hosts of the Debian mirror and the pip and
     npm indexes this machine's own settings name (bases and builds use them)."""
     from albatross.sandbox.images import host_mirror
+    from albatross.sandbox.ubuntu import ubuntu_mirror
 
     hosts = [h.strip().lower() for h in configured if h.strip()]
-    urls = [host_mirror(), *" ".join(host_package_indexes().get(v, "") for v in
+    urls = [host_mirror(), ubuntu_mirror(), *" ".join(host_package_indexes().get(v, "") for v in
                                      ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "npm_config_registry")).split()]
     for url in urls:
         host = (urlparse(url).hostname or "").lower()
@@ -249,6 +250,9 @@ class Deadline:
     def __init__(self, seconds: float) -> None:
         self.seconds, self.end = seconds, time.monotonic() + seconds
 
+    def elapsed(self) -> float:
+        return self.seconds - (self.end - time.monotonic())
+
     def left(self, where: str) -> float:
         left = self.end - time.monotonic()
         if left <= 0:
@@ -263,9 +267,12 @@ class BuildRunner:
     it (a host the proxy refused, or one a tool could not resolve)."""
 
     def __init__(self, builder: Any, instructions: list[Instruction], env_dir: Path, env: dict[str, str],
-                 deadline: Deadline, refused: Any, policy: str) -> None:
+                 deadline: Deadline, refused: Any, policy: str, guard: Any = None) -> None:
+        """``guard``: a ``layers.DiskGuard`` (a step is refused, or stopped, when the disk gets too full;
+        the builder's ``interrupt()`` stops it)."""
         self._builder, self._env_dir, self._env = builder, env_dir, env
         self._deadline, self._refused, self._policy = deadline, refused, policy
+        self._guard = guard
         self._lines = {_command_text(i.command): i.line for i in instructions if isinstance(i, Run)}
 
     def mkdirs(self, sandbox_path: str) -> None:
@@ -283,7 +290,15 @@ class BuildRunner:
         left = self._deadline.left(where)
         before = len(self._refused())
         timeout = left if timeout_s is None else min(timeout_s, left)
-        result = self._builder.run_argv(argv, {**self._env, **env}, cwd, timeout)
+        if self._guard is None:
+            result = self._builder.run_argv(argv, {**self._env, **env}, cwd, timeout)
+        else:
+            if self._guard.problem():
+                raise EnvBuildError(f"{where}: {self._guard.problem()}")
+            with self._guard.watching(self._builder.interrupt) as full:
+                result = self._builder.run_argv(argv, {**self._env, **env}, cwd, timeout)
+            if full:
+                raise EnvBuildError(f"{where}: RUN stopped: {full[0]}")
         if result.exit_code == 0:
             return result
         refused = self._refused()[before:]

@@ -15,9 +15,13 @@ Mapping (anything else is refused with ``EnvBuildError("no base for <ref>")``):
 ``python:3.X[-slim][-<release>]``         the release (without one: the Debian release whose python3
                                           is closest to 3.X) + python3, pip, venv; pip is not
                                           "externally managed"; ``python`` and ``pip`` on PATH
-``ubuntu:<ver>``                          the closest Debian release (24.04 -> trixie, 22.04 ->
-                                          bookworm, 20.04 -> bullseye)
+``ubuntu:<ver>``                          that Ubuntu release (24.04 noble, 22.04 jammy, 20.04 focal)
+                                          from the Ubuntu archive, as its image is (``ubuntu.py``: the
+                                          archive's keyring pinned by hash), + python3
 ``node``/``rust``/``golang``/``gcc``/...  the closest Debian release + that runtime's Debian packages
+``ghcr.io/astral-sh/uv:<version>``         uv's own recipe (``FROM scratch``, ``/uv`` and ``/uvx``), its
+                                          binaries taken from the ``uv`` wheel of that version on the
+                                          package index (sha256 checked against the index's)
 ========================================  ===========================================================
 
 Every difference from what was asked (Python 3.11 for ``python:3.13``, Debian for Ubuntu, ...) is a
@@ -55,8 +59,8 @@ DEBIAN_NUMBERS = {v: k for k, v in RELEASES.items()}
 OLDER = {"buster": "bullseye", "stretch": "bullseye", "jessie": "bullseye"}  # archived: the oldest served
 NEWEST = "trixie"
 PYTHON3 = {"bullseye": (3, 9), "bookworm": (3, 11), "trixie": (3, 13)}  # the release's python3
-UBUNTU = {"20.04": "bullseye", "focal": "bullseye", "22.04": "bookworm", "jammy": "bookworm",
-          "24.04": "trixie", "noble": "trixie", "latest": "trixie", "rolling": "trixie"}
+UBUNTU = {"20.04": "focal", "focal": "focal", "22.04": "jammy", "jammy": "jammy", "24.04": "noble",
+          "noble": "noble", "latest": "noble", "rolling": "noble"}  # the Ubuntu suite of an ubuntu: tag
 # Other runtimes: their Debian packages.
 RUNTIMES: dict[str, tuple[str, ...]] = {
     "node": ("nodejs", "npm", "ca-certificates"),
@@ -77,6 +81,10 @@ RUNTIMES: dict[str, tuple[str, ...]] = {
 # python slim images lack them, a deviation stated in docs/sandbox.md).
 PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3", "ca-certificates", "netbase",
                    "tzdata", "procps")
+# Ubuntu's image has apt and the archive's keyring (Priority important there: minbase leaves them out), and
+# python3 is added for the offline verifier's pytest (noted).
+UBUNTU_PACKAGES = ("apt", "ubuntu-keyring", "ca-certificates", "python3")
+_UV = re.compile(r"^ghcr\.io/astral-sh/uv:(\d+\.\d+\.\d+)$")  # uv's distroless image: /uv, /uvx
 _TBENCH = re.compile(r"^ghcr\.io/laude-institute/t-bench/(python-3-(\d+)|ubuntu-(\d+)-(\d+))(:.*)?$")
 MARKER = rootfs.MARKER
 MAX_IMAGE_BYTES = 64 << 30  # files of an imported image, all layers together
@@ -109,11 +117,17 @@ class Recipe:
     mirror: str = rootfs.DEFAULT_MIRROR
     python: bool = False  # pip not externally managed, python/pip on PATH
     env: dict[str, str] = field(default_factory=dict)
+    uv: str = ""  # a uv image (``FROM scratch`` + /uv, /uvx) of this version, from the uv wheel: no Debian
+    distro: str = "debian"  # "ubuntu": an Ubuntu suite from the Ubuntu archive (``ubuntu.py``)
 
     def key(self) -> str:
-        text = json.dumps([RECIPE_FORMAT, self.release, sorted(self.packages), self.mirror, self.python,
-                           sorted(self.env.items())])
-        return hashlib.sha256(text.encode()).hexdigest()[:20]
+        parts = [RECIPE_FORMAT, self.release, sorted(self.packages), self.mirror, self.python,
+                 sorted(self.env.items())]
+        if self.uv:
+            parts.append({"uv": self.uv, "index": self.mirror})
+        if self.distro != "debian":
+            parts.append({"distro": self.distro, "format": 1})
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
 def images_dir() -> Path:
@@ -181,6 +195,11 @@ def normalise_ref(ref: str) -> tuple[str, str]:
 
 def recipe_for(ref: str) -> tuple[Recipe, list[str]]:
     """The recipe standing in for ``ref`` and the notes naming how it differs."""
+    uv = _UV.match(ref.split("@", 1)[0])
+    if uv:
+        return Recipe("scratch", (), uv_index(), uv=uv.group(1)), \
+            [f"{ref}: uv's image recipe (FROM scratch + /uv, /uvx), the binaries from the uv {uv.group(1)} "
+             "wheel of the package index"]
     mirror = host_mirror()
     tbench = _TBENCH.match(ref)
     if tbench:  # Terminal-Bench's own base images: a python or ubuntu image with tmux
@@ -195,12 +214,14 @@ def recipe_for(ref: str) -> tuple[Recipe, list[str]]:
     if name == "python":
         return _python_recipe(tag, ref, mirror)
     if name == "ubuntu":
+        from albatross.sandbox.ubuntu import ubuntu_mirror
+
         release = UBUNTU.get(tag.split("-")[0])
         if release is None:
             raise EnvBuildError(f"no base for {ref}: unknown Ubuntu version {tag!r}")
-        return Recipe(release, ("ca-certificates", "python3"), mirror), \
-            [f"{ref}: Debian {release} stands in for Ubuntu {tag} (same package names for most tools); with "
-             "python3, which the offline verifier's pytest runs on (uv would download a Python)"]
+        return Recipe(release, UBUNTU_PACKAGES, ubuntu_mirror(), distro="ubuntu"), \
+            [f"{ref}: Ubuntu {release} from the Ubuntu archive (minbase), with python3, which the offline "
+             "verifier's pytest runs on (uv would download a Python)"]
     if name in RUNTIMES:
         release, notes = _release_in_tag(tag, ref)
         packages = RUNTIMES[name]
@@ -278,9 +299,25 @@ def _source_urls(text: str, suffix: str) -> Iterator[str]:
 
 
 def build_recipe(recipe: Recipe, log: Callable[[str], None] | None = None, force: bool = False) -> Path:
-    """The root directory of ``recipe``, built once (mmdebstrap, else debootstrap) and cached."""
+    """The root directory of ``recipe``, built once (mmdebstrap, else debootstrap; a uv image from the uv
+    wheel) and cached."""
     path = images_dir() / recipe.key()
+    if recipe.uv:
+        from albatross.sandbox.wheels import build_uv_root
+
+        return rootfs.build_once(path, lambda tmp: build_uv_root(recipe.uv, recipe.mirror, tmp, log), force)
+    if recipe.distro == "ubuntu":
+        from albatross.sandbox.ubuntu import bootstrap_ubuntu
+
+        return rootfs.build_once(path, lambda tmp: bootstrap_ubuntu(recipe, tmp, log or (lambda _: None)), force)
     return rootfs.build_once(path, lambda tmp: _bootstrap(recipe, tmp, log or (lambda _: None)), force)
+
+
+def uv_index() -> str:
+    """The package index uv images are built from: the host's pip index (http(s)), else PyPI's."""
+    from albatross.sandbox.buildnet import host_package_indexes
+
+    return host_package_indexes().get("PIP_INDEX_URL", "").split(" ")[0] or "https://pypi.org/simple"
 
 
 def bootstrap_tool() -> str:

@@ -56,6 +56,7 @@ named by FROM is not pulled from a registry: it is built from Debian packages (`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import json
@@ -114,6 +115,7 @@ from albatross.sandbox.buildnet import needed_host
 from albatross.sandbox.dockerfile import Instruction, parse_dockerfile
 from albatross.sandbox.faults import FAULT_DIE, FAULT_FORK, FaultInjector
 from albatross.sandbox.holder import STATE_FILE
+from albatross.sandbox.layers import DiskGuard, LayerStore, free_mb
 from albatross.sandbox.zygote import Zygote, ZygoteDied
 
 __all__ = ["EnvBuildError", "LocalAttempt", "LocalBackend", "local_available", "needed_host", "userns_available"]
@@ -123,8 +125,15 @@ log = logging.getLogger(__name__)
 ID_BASE = 1_000_000_000  # host uid and gid of root inside the sandbox user namespace
 HIDDEN_PATHS = ("/work", "/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "/media", "/srv",
                 "/old_root", "/farm")
+# What every RUN step of a build has (the Dockerfile's ENV wins): dpkg without an fsync per file, as
+# Docker's Debian and Ubuntu images configure it (their /etc/dpkg/dpkg.cfg.d/docker-apt-speedup); the
+# build's layer is written to disk and made durable when it is stored, not file by file.
+BUILD_ENV = {"DPKG_FORCE": "unsafe-io"}
+LAYER_KEY_FORMAT = "layers-1"
+HOST_BASE_LAYERS = Path("/dev/shm/albatross-layers")  # where layers over the host's root are built (a tmpfs)  # part of every environment's key: a change of how layers are built or stored
 DISK_FULL_BYTES = 64 << 10  # less free space than this in the writable layer: the disk limit was hit
-MAX_POOL_KEYS = 4
+MAX_POOL_KEYS = 4  # environments kept warm at once, by default (``LocalBackend(warm_envs=...)``)
+MAX_FILL_THREADS = 8  # threads that set warm attempts up, when several environments are kept warm
 ZYGOTE_TRIES = 3  # a fork or prepare cut short by the zygote's death is tried again on a fresh one
 # Restore cwd and exported env, run the command, save them again (also on `exit N`). Commands are
 # the memory limit's first victims, not the holder (raising one's own oom_score_adj needs no privilege).
@@ -204,6 +213,10 @@ class LocalAttempt:
         if left > 0:
             raise SandboxError(f"attempt {self.id}: {left} processes survived the end of the attempt")
 
+    def interrupt(self) -> None:
+        """Kill every process of every command now, from any thread (a build that filled the disk)."""
+        self._cgroups.kill_all(settle_s=0.0)
+
     def exec_clean(self, command: str, cwd: str, timeout_s: float | None = None) -> ExecResult:
         """Run ``command`` as a fresh ``bash --noprofile --norc -c`` with the image's environment only."""
         return self.run_argv(["/bin/bash", "--noprofile", "--norc", "-c", command], dict(self.image_env), cwd,
@@ -232,13 +245,14 @@ class LocalAttempt:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             read_fd, write_fd = os.pipe()
             user = None if self.user is None else [self.user.uid, self.user.gid, list(self.user.groups)]
+            # host paths go to the zygote's child absolute: it works in another directory
             puts = [[str(Path(spec.toolkit[0]).resolve()), spec.toolkit[1], False]] if spec.toolkit is not None else []
             msg = {"op": "verify", "holder": self.pid, "lowers": self.lowers, "toolchain": spec.toolchain,
                    "cgroups": [str(self._cgroups.memory), str(group), str(self._cgroups.cpu or "")],
                    "user": user, "isolate": spec.keep_agent_processes, "env": {**self.image_env, **spec.env},
                    "argv": ["/bin/bash", "--noprofile", "--norc", "-c", spec.command], "cwd": spec.cwd,
-                   "tests_dir": str(Path(spec.tests_dir).resolve()),  # the zygote runs elsewhere
-                   "tests_path": spec.tests_path, "reward_dir": spec.reward_dir,
+                   "tests_dir": str(Path(spec.tests_dir).resolve()), "tests_path": spec.tests_path,
+                   "reward_dir": spec.reward_dir,
                    "puts": puts, "reads": list(spec.reads), "disk_mb": self.limits.disk_mb}
             start = time.monotonic()
             try:
@@ -577,8 +591,8 @@ class WarmPool:
     """Keeps up to ``size`` set-up attempts ready for each of the last few specs forked, refilled by a
     background thread, so a fork is taking one (the set-up of the next overlaps the use of this one)."""
 
-    def __init__(self, make: Callable[[_Spec], LocalAttempt], size: int) -> None:
-        self.make, self.size = make, size
+    def __init__(self, make: Callable[[_Spec], LocalAttempt], size: int, keys: int = MAX_POOL_KEYS) -> None:
+        self.make, self.size, self.keys = make, size, keys
         self._ready: OrderedDict[tuple[Any, ...], list[LocalAttempt]] = OrderedDict()
         self._specs: dict[tuple[Any, ...], _Spec] = {}
         self._cond = threading.Condition()
@@ -617,11 +631,12 @@ class WarmPool:
             self._specs[spec.key] = spec
             self._ready.setdefault(spec.key, [])
             self._ready.move_to_end(spec.key)
-            while len(self._ready) > MAX_POOL_KEYS:
+            while len(self._ready) > self.keys:
                 key, attempts = self._ready.popitem(last=False)
                 self._specs.pop(key, None)
                 evicted += attempts
-            while len(self._threads) < self.size:  # set-ups mostly wait for the kernel: run them in parallel
+            # set-ups mostly wait for the kernel: run them in parallel, more of them for more environments
+            while len(self._threads) < min(self.size * len(self._ready), max(self.size, MAX_FILL_THREADS)):
                 thread = threading.Thread(target=self._fill, name="albatross-warm-pool", daemon=True)
                 self._threads.append(thread)
                 thread.start()
@@ -722,6 +737,9 @@ class LocalBackend:
         fault_seed: int | None = None,
         images_dir: str | Path | None = None,
         registries: Iterable[str] | None = None,
+        layer_cache: bool = False,
+        build_min_free_mb: int = 2048,
+        warm_envs: int = MAX_POOL_KEYS,
     ) -> None:
         """``hide_paths``: extra host paths made empty in every sandbox (e.g. the run directory).
         ``allow_internet``: False builds with no network at all; otherwise RUN steps reach the package
@@ -733,8 +751,12 @@ class LocalBackend:
         NOT isolated from the host's files; warns). ``images_dir``: OCI layouts / docker save archives
         a FROM may name (``[sandbox] images``).
         ``userns``: run as root of a user namespace (None: wherever the kernel allows it).
-        ``warm``: attempts kept ready per recently forked environment. ``fail_rate``: share of forks
-        made to fail at random (fault-injection tests only), drawn from ``Random(fault_seed)``."""
+        ``warm``: attempts kept ready per recently forked environment, for the last ``warm_envs`` of them.
+        ``fail_rate``: share of forks
+        made to fail at random (fault-injection tests only), drawn from ``Random(fault_seed)``.
+        ``layer_cache``: keep built environments on disk for every later run (``layers.LayerStore``, keyed
+        by content hash); False: in a directory of this backend's own, removed by ``close``. Builds use the
+        host's disk, as Docker's do, leaving ``build_min_free_mb`` free."""
         if base not in rootfs.BASES:
             raise ValueError(f"unknown sandbox base {base!r}; choose one of {list(rootfs.BASES)}")
         self.hide_paths = [*HIDDEN_PATHS, *(str(Path(p).resolve()) for p in hide_paths)]
@@ -753,6 +775,10 @@ class LocalBackend:
         self._bases: dict[str | None, images.Base] = {}  # FROM reference -> its base (resolved once)
         self._dockerfiles: dict[str, tuple[tuple[int, int], list[Instruction]]] = {}
         self.build_limits = build_limits or Limits(memory_mb=4096, pids=4096, disk_mb=4096)
+        # over the host's own root, a layer on its disk would lie inside the overlay's lower layer (overlayfs
+        # refuses that): those layers go to the host's /dev/shm, a tmpfs, and are never cached
+        self.layers = LayerStore(layer_cache, None) if base != "host" else LayerStore(False, HOST_BASE_LAYERS)
+        self.build_min_free_mb = build_min_free_mb
         self.build_timeout_s = build_timeout_s
         self.userns = userns_available() if userns is None else userns
         self.faults = FaultInjector(fail_rate, fault_seed)
@@ -764,7 +790,7 @@ class LocalBackend:
         self._attempts: set[LocalAttempt] = set()
         self._ids = itertools.count()
         self._token = os.urandom(3).hex()  # pids cgroups may be shared with other pid namespaces
-        self._pool = WarmPool(self._make_attempt, warm)
+        self._pool = WarmPool(self._make_attempt, warm, warm_envs)
         cgroups.remove_stale()
         _LIVE.add(self)
 
@@ -795,7 +821,7 @@ class LocalBackend:
                             "its attempts are lost, its environments are rebuilt", dead.pid, dead.proc.poll(),
                             self.restarts)
             if self._zygote is None:
-                self._zygote = Zygote(self.id_base)
+                self._zygote = Zygote(self.id_base, self.layers.root)
             zygote = self._zygote
         if dead is not None:  # outside the lock: closing attempts takes it
             dead.close()  # reap it and remove its directory (its mounts went with its namespace)
@@ -946,14 +972,16 @@ class LocalBackend:
 
     def _prepare(self, env_dir: Path | None, network: str = egress.NONE, build_timeout_s: float | None = None
                  ) -> Parent:
-        """The parent for ``env_dir`` in the current zygote (built there once: a fresh zygote after a
-        restart builds it again). Raises ``ZygoteDied`` if the zygote died meanwhile."""
+        """The parent for ``env_dir`` in the current zygote: from the layer store when it was built before
+        (by this run, or by any run with ``layer_cache``), else built now and stored. Raises ``ZygoteDied``
+        if the zygote died meanwhile."""
         hide = self._hidden(env_dir)
         instructions = self._instructions(env_dir)
         stages = _stages(instructions)
         bases = [self.base_for(stage.base) for stage in stages if stage.base_stage is None]
         internet = self._build_network(network)
-        key = self._keys.get(env_dir, json.dumps([self.base, [b.key for b in bases], hide, internet]))
+        salt = json.dumps([LAYER_KEY_FORMAT, self.base, [b.key for b in bases], hide, internet, self.id_base])
+        key = self._keys.get(env_dir, salt)
         parent = self._zyg().parents.get(key)
         if parent is not None:
             return parent
@@ -963,11 +991,34 @@ class LocalBackend:
             zygote = self._zyg()
             parent = zygote.parents.get(key)
             if parent is None:
-                deadline = buildnet.Deadline(build_timeout_s or self.build_timeout_s)
-                parent = self._build(zygote, Path(env_dir or "."), stages, key, hide, internet, deadline)
+                with self.layers.locked(key):
+                    parent = self._load(zygote, key)
+                    if parent is None:
+                        deadline = buildnet.Deadline(build_timeout_s or self.build_timeout_s)
+                        parent = self._build(zygote, Path(env_dir or "."), stages, key, hide, internet, deadline)
                 with self._lock:
                     zygote.parents[key] = parent
             return parent
+
+    def _load(self, zygote: Zygote, key: str) -> Parent | None:
+        """The parent ``key`` from the layer store, its bases mounted in ``zygote``; None if not stored (or
+        a base it was built on is gone)."""
+        record = self.layers.load(key)
+        if record is None:
+            return None
+        top = self.layers.path(key)
+        lowers = []
+        for entry in record["stack"]:
+            if "layer" in entry:
+                lowers.append(str(top / entry["layer"]))
+            elif rootfs.is_built(Path(entry["root"])) or self.base != "image":
+                lowers.append(self._base_lower(zygote, images.Base("", Path(entry["root"]), {}, (), entry["base"])))
+            else:
+                return None
+        parent = _parent_from_record(record["parent"], str(top / record["layer"]))
+        parent.cached = True
+        zygote.lowers[key] = lowers
+        return parent
 
     def _hidden(self, env_dir: Path | None) -> list[str]:
         """Paths made empty in the parent: on the host's root, its private places, ``hide_paths`` and the
@@ -990,7 +1041,7 @@ class LocalBackend:
         """Build every stage in order (each earlier one only for ``COPY --from``); the last is the parent."""
         roots: dict[str, str] = {}  # --from reference -> host path of that stage's (or image's) root
         built: dict[int, tuple[Parent, list[str]]] = {}
-        made: list[str] = []  # parent directories in the zygote, removed if the build fails
+        top = self.layers.new_build(key)  # each stage's layer in s<index>; renamed into place when done
         exported: list[Path] = []  # stage roots written for COPY --from, removed after the build
         wanted = {ref.lower() for stage in stages for ref in stage.copies_from}
         keys = {k.lower() for stage in stages for k in stage.ref_keys()}
@@ -1008,7 +1059,7 @@ class LocalBackend:
                     lowers = [self._base_lower(zygote, self.base_for(stage.base))]
                 stage_key = key if last else f"{key}-stage{stage.index}"
                 parent = self._build_stage(zygote, env_dir, stage, stage_key, hide if last else [], lowers,
-                                           _BuildNet(internet, deadline, key), roots, made, below)
+                                           _BuildNet(internet, deadline, key), roots, top, below)
                 built[index] = (parent, lowers)
                 if not last and any(k.lower() in wanted for k in stage.ref_keys()):
                     merged = self._export_stage(zygote, stages, index, stage_key, built, exported)
@@ -1018,9 +1069,7 @@ class LocalBackend:
             if last_parent.user:
                 last_parent.ids = self._resolve_user(zygote, last_parent, last_lowers, env_dir)
         except BaseException as err:
-            for path in made:
-                with contextlib.suppress(SandboxError):  # a dead zygote took the layer with it
-                    zygote.request({"op": "rmtree", "path": path})
+            self.layers.discard(top)
             infra = isinstance(err, (SandboxDied, ForkError)) and not isinstance(err, ZygoteDied)
             if infra and zygote.died_within(0.5):  # the builder died with its zygote: build again
                 raise ZygoteDied(f"sandbox zygote {zygote.pid} died while building {env_dir}: {err}") from err
@@ -1029,12 +1078,31 @@ class LocalBackend:
             for path in exported:
                 shutil.rmtree(path, ignore_errors=True)
         parent, lowers = built[len(stages) - 1]
+        parent.build_s = round(deadline.elapsed(), 2)
+        return self._commit(zygote, key, top, parent, lowers)
+
+    def _commit(self, zygote: Zygote, key: str, top: Path, parent: Parent, lowers: list[str]) -> Parent:
+        """Store the built parent (its layer, the stages it builds on, how to find its bases again) under
+        ``key``; stages the last one does not build on are dropped."""
         keep = {str(Path(layer).parent) for layer in [parent.layer, *lowers]}
-        for path in made:  # stages the last one does not build on are not needed any more
-            if path not in keep:
-                zygote.request({"op": "rmtree", "path": path})
-        zygote.lowers[key] = lowers
-        return parent
+        for stage_dir in top.iterdir():
+            if str(stage_dir) not in keep:
+                shutil.rmtree(stage_dir, ignore_errors=True)
+        mounted = {lower: base_key for base_key, lower in zygote.base_lowers.items()}
+        roots = {b.key: str(b.root) for b in self._bases.values()}
+        stack = []
+        for lower in lowers:
+            if lower.startswith(f"{top}/"):
+                stack.append({"layer": os.path.relpath(lower, top)})
+            else:  # a base image's root (idmapped in the zygote): found again by its key
+                base_key = mounted.get(lower, "")
+                stack.append({"base": base_key, "root": roots.get(base_key, lower)})
+        record = {"parent": _parent_record(parent), "layer": os.path.relpath(parent.layer, top), "stack": stack}
+        final = self.layers.commit(top, key, record)
+        moved = _parent_from_record(record["parent"], str(final / record["layer"]))
+        zygote.lowers[key] = [str(final / e["layer"]) if "layer" in e else lower
+                              for e, lower in zip(stack, lowers, strict=True)]
+        return moved
 
     def _resolve_user(self, zygote: Zygote, parent: Parent, lowers: list[str], env_dir: Path) -> UserIds | None:
         """The ids of the image's USER in the built image (Docker's lookup, ``resolve_user``), read by a
@@ -1069,14 +1137,14 @@ class LocalBackend:
         return str(dest)
 
     def _build_stage(self, zygote: Zygote, env_dir: Path, stage: Any, key: str, hide: list[str],
-                     lowers: list[str], net: _BuildNet, roots: dict[str, str], made: list[str],
+                     lowers: list[str], net: _BuildNet, roots: dict[str, str], top: Path,
                      below: Parent | None) -> Parent:
         """Build one stage into a new layer over ``lowers``: on its image's base (its env first), or on
         the earlier stage ``below`` (whose env and workdir it inherits, as in Docker)."""
         base = self.base_for(stage.base) if below is None else None
         base_root = base.root if base is not None else Path("/nonexistent")
-        dirs = zygote.request({"op": "parent_new", "key": key, "hide": hide, "base": str(base_root)})
-        made.append(str(Path(dirs["layer"]).parent))
+        dirs = zygote.request({"op": "parent_new", "top": str(top / f"s{stage.index}"), "hide": hide,
+                               "base": str(base_root)})
         parent = Parent(key, dirs["layer"])
         parent.env.update(base.env if base is not None else below.env if below is not None else {})
         if below is not None:
@@ -1093,26 +1161,28 @@ class LocalBackend:
                 builder = self._spawn(zygote, self.build_limits, {
                     "lower": lowers, "upper": dirs["layer"], "work": dirs["work"], "new_net": True,
                     "proxy": net.policy, "workdir": None, "state": "", "binds": binds})
-                env = {**egress.proxy_env(net.policy), **(caches.env if caches is not None else {})}
+                env = {**egress.proxy_env(net.policy), **(caches.env if caches is not None else {}), **BUILD_ENV}
                 proxy = self._proxy() if online else None
                 runner = buildnet.BuildRunner(builder, stage.instructions, env_dir, env, net.deadline,
                                               (lambda: proxy.refused(builder.id)) if proxy else (lambda: []),
-                                              net.policy)
+                                              net.policy, DiskGuard(top, self.build_min_free_mb))
             fetch = None
             if online:
                 def fetch(url: str, out: Any, where: str) -> None:
                     buildnet.download(url, net.policy, self.registries, out, where)
+            budget = max(0, free_mb(top) - self.build_min_free_mb) << 20  # Docker's: the disk, less a reserve
             apply_dockerfile(stage.instructions, parent, runner, env_dir, self.build_timeout_s,
                              stages={ref: Path(root) for ref, root in roots.items()}, fetch=fetch,
-                             copy_budget=self.build_limits.disk_mb << 20)
+                             copy_budget=budget)
         finally:
             if builder is not None:
                 builder.close()
             if caches is not None:
                 caches.release()
         for bind in (caches.binds if caches is not None and builder is not None else []):
-            zygote.request({"op": "rmtree", "path": f"{dirs['layer']}{bind[1]}", "empty_only": True})
-        zygote.request({"op": "rmtree", "path": dirs["work"]})
+            with contextlib.suppress(OSError):  # a mount point the build left behind, if nothing was put in it
+                os.rmdir(f"{dirs['layer']}{bind[1]}")
+        shutil.rmtree(dirs["work"], ignore_errors=True)
         return parent
 
     def close(self) -> None:
@@ -1129,7 +1199,24 @@ class LocalBackend:
             proxy, self._egress = self._egress, None
         if proxy is not None:
             proxy.close()
-        self._pool = WarmPool(self._make_attempt, self._pool.size)
+        self.layers.close()
+        self._pool = WarmPool(self._make_attempt, self._pool.size, self._pool.keys)
+
+
+def _parent_record(parent: Parent) -> dict[str, Any]:
+    """What ``parent.json`` keeps of a built parent (its layer's path is the store's)."""
+    record = dataclasses.asdict(parent)
+    record.pop("layer")
+    return record
+
+
+def _parent_from_record(record: dict[str, Any], layer: str) -> Parent:
+    ids = record.get("ids")
+    fields = {k: v for k, v in record.items() if k not in ("ids", "layer")}
+    parent = Parent(layer=layer, **fields)
+    if ids is not None:
+        parent.ids = UserIds(int(ids["uid"]), int(ids["gid"]), tuple(int(g) for g in ids["groups"]), ids["home"])
+    return parent
 
 
 @dataclass(frozen=True)

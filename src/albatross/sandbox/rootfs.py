@@ -49,7 +49,16 @@ def debian_path(suite: str = DEFAULT_SUITE) -> Path:
 
 
 def is_built(path: Path) -> bool:
-    return (path / MARKER).is_file() and (path / "bin" / "sh").exists()
+    """A complete root: its marker (written last) and a shell, or a marker saying it has none (an image
+    built ``FROM scratch``, such as uv's)."""
+    if not (path / MARKER).is_file():
+        return False
+    if (path / "bin" / "sh").exists():
+        return True
+    try:
+        return bool(json.loads((path / MARKER).read_text()).get("scratch"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def base_root(base: str, build: bool = True) -> str:

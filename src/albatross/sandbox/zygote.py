@@ -1,7 +1,8 @@
 """The zygote: one small single-threaded Python process per backend that forks the attempts' holders.
 
-It lives in a private mount namespace holding, on a tmpfs, the parents' layers and the base root file
-systems, so no mount of ours ever appears on the host. At start it creates the sandbox user namespace
+It lives in a private mount namespace holding, on a tmpfs, its scratch space and the base root file
+systems' mounts, so no mount of ours ever appears on the host; the parents' layers are directories of
+the layer store on the host's disk (``layers.py``), made here (``parent_new``). At start it creates the sandbox user namespace
 (uid 0 inside = ``id_base`` on the host) and mounts the base roots *idmapped* into it, so files the
 host owns as root are owned by root inside. It drops the dangerous capabilities from its bounding set,
 which every command of every attempt inherits. While idle it prepares network namespaces with loopback
@@ -54,6 +55,7 @@ CREATOR_COUNT = 100_000_000
 class _State:
     def __init__(self, root: str, opts: dict[str, Any]) -> None:
         self.root, self.id_base = root, int(opts["id_base"])
+        self.layers = os.path.realpath(opts["layers"])  # the layer store: parent_new makes directories only there
         self.userns_fd: int | None = _make_userns(self.id_base) if self.id_base else None
         self.own_ns = [os.open(f"/proc/self/ns/{ns}", os.O_RDONLY) for ns in ("mnt", "pid", "net", "ipc", "uts")]
         self.netns: list[int] = []
@@ -159,7 +161,7 @@ def zygote_main() -> None:
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount("none", "/", None, linux.MS_REC | linux.MS_PRIVATE)
     linux.mount("tmpfs", root, "tmpfs", 0, "mode=711")
-    for sub in ("scratch", "parents", "bases"):
+    for sub in ("scratch", "bases"):
         os.mkdir(f"{root}/{sub}")
     state = _State(root, opts)
     linux.drop_bounding_caps(KEPT_CAPS)
@@ -213,20 +215,10 @@ def _handle_plain(state: _State, msg: dict[str, Any]) -> dict[str, Any]:
     if op == "base":
         return {"lower": _mount_base(state, msg["name"], msg["path"])}
     if op == "parent_new":
-        return _parent_new(state, msg["key"], msg["hide"], msg["base"])
+        return _parent_new(state, msg["top"], msg["hide"], msg["base"])
     if op == "export_root":
         _export_root(msg["base"], msg["layers"], msg["dest"])
         return {"root": msg["dest"]}
-    if op == "rmtree":
-        path = os.path.realpath(msg["path"])
-        if not path.startswith(f"{state.root}/parents/"):
-            raise ValueError(f"refusing to remove {path}")
-        if msg.get("empty_only"):  # a mount point a build left behind: only if nothing was put in it
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
-            return {"ok": True}
-        shutil.rmtree(path, ignore_errors=True)
-        return {"ok": True}
     raise ValueError(f"unknown zygote request {op!r}")
 
 
@@ -294,8 +286,12 @@ def _mount_base(state: _State, name: str, path: str) -> str:
     return state.bases[name]
 
 
-def _parent_new(state: _State, key: str, hide: list[str], base: str) -> dict[str, str]:
-    top = f"{state.root}/parents/{key}"
+def _parent_new(state: _State, top: str, hide: list[str], base: str) -> dict[str, str]:
+    """A new layer (and overlay work directory) in ``top``, a fresh directory of the layer store; the
+    hidden paths made empty in it."""
+    top = os.path.realpath(top)
+    if not top.startswith(f"{state.layers}/") or os.path.exists(top):
+        raise ValueError(f"refusing to make a layer at {top}")
     layer, work = f"{top}/layer", f"{top}/work"
     os.makedirs(layer)
     os.makedirs(work)
@@ -400,7 +396,7 @@ class Zygote:
     """Starts the zygote process and sends it requests (one at a time). ``parents``, ``lowers`` and
     ``base_lowers`` are the host's record of what lives in this zygote's mount namespace (they die with it)."""
 
-    def __init__(self, id_base: int) -> None:
+    def __init__(self, id_base: int, layers: str | Path) -> None:
         import albatross
 
         self.parents: dict[str, Any] = {}  # env key -> build.Parent whose layer this zygote holds
@@ -414,7 +410,7 @@ class Zygote:
         late = _module_dirs("pyseccomp")  # after the stdlib: nothing else of site-packages shadows it
         code = (f"import sys; sys.path.insert(0, {src!r}); sys.path += {late!r}; "
                 "from albatross.sandbox.zygote import zygote_main; zygote_main()")
-        opts = json.dumps({"id_base": id_base})
+        opts = json.dumps({"id_base": id_base, "layers": str(layers)})
         self.proc = subprocess.Popen(
             [sys.executable, "-S", "-c", code, self.root, str(theirs.fileno()), opts],
             pass_fds=[theirs.fileno()],

@@ -39,9 +39,10 @@ from typing import Any
 
 from albatross.sandbox.base import Backend, ExecResult, Limits, SandboxError
 from albatross.sandbox.egress import narrowest
-from albatross.tasks.format import Task, TaskFormatError, load_task
+from albatross.tasks.format import Task, TaskFormatError, attempt_limits, load_task
 from albatross.tasks.leakage import find_static_leaks, scan_for_leaks
 from albatross.tasks.offline import dockerfile_notes, dockerfile_problem, network_evidence
+from albatross.tasks.overrides import Override, apply_overrides
 from albatross.tasks.verify import VerifierRun, VerifyResult, run_oracle, run_verifier
 
 GATES = ("schema", "build", "oracle", "noop", "determinism", "leakage", "resources", "offline", "reward")
@@ -64,6 +65,9 @@ class GateOptions:
     pids: int = 1024
     max_output_bytes: int = 1 << 20
     network: str = "none"  # the run's network policy; a task's own may narrow it (``format.attempt_limits``)
+    ceiling: Limits | None = None  # the run's limits: a task's memory, storage and CPUs within them (None: its own)
+    overrides: dict[str, Override] = field(default_factory=dict)  # task id -> override (``tasks.overrides``)
+    build_timeout_scale: float = 1.0  # builds get this many times build_timeout_sec (a slow or shared machine)
 
 
 @dataclass
@@ -85,6 +89,14 @@ class TaskReport:
                 "gates": {g: dataclasses.asdict(self.gates[g]) for g in GATES if g in self.gates},
                 "untouched": self.untouched, "tests": self.tests, "notes": self.notes,
                 "seconds": round(self.seconds, 2)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TaskReport:
+        """A report as ``to_dict`` wrote it (``tasks validate --resume``)."""
+        gates = {g: Gate(str(v["status"]), str(v.get("reason", ""))) for g, v in data["gates"].items()}
+        return cls(task=str(data["task"]), path=str(data["path"]), gates=gates,
+                   untouched=list(data.get("untouched", [])), tests=list(data.get("tests", [])),
+                   notes=dict(data.get("notes", {})), seconds=float(data.get("seconds", 0.0)))
 
 
 @dataclass
@@ -176,7 +188,7 @@ class _Gater:
     # gate 1 -------------------------------------------------------------------------------------
     def schema(self, path: Path) -> Task | None:
         try:
-            task = load_task(path)
+            task = apply_overrides(load_task(path), self.options.overrides)
         except TaskFormatError as e:
             self.set("schema", FAIL, str(e))
             return None
@@ -184,7 +196,9 @@ class _Gater:
         if not solve.is_file():
             self.set("schema", FAIL, f"{solve}: missing (the oracle gates need it)")
             return None
-        self.set("schema", PASS)
+        override = self.options.overrides.get(task.id)
+        said = ", ".join(f"{k} = {v!r}" for k, v in override.values.items()) if override else ""
+        self.set("schema", PASS, f"overridden: {said} ({override.reason})" if override else "")
         return task
 
     # gates 2 and 8 (build) ------------------------------------------------------------------------
@@ -195,7 +209,7 @@ class _Gater:
             return False
         start = time.monotonic()
         try:
-            _prepare(self.backend, task, task_limits(task, self.options))
+            parent = _prepare(self.backend, task, task_limits(task, self.options))
         except (SandboxError, ValueError, OSError) as e:
             message = task.offline.map_message(str(e)) if task.offline else str(e)
             evidence = network_evidence(message)
@@ -205,12 +219,16 @@ class _Gater:
             else:
                 self.set("build", FAIL, message)
             return False
-        seconds = time.monotonic() - start
+        seconds = parent.build_s if parent.cached else time.monotonic() - start
         self.report.notes["build_s"] = round(seconds, 2)
-        if seconds > task.build_timeout_s:
-            self.set("build", FAIL, f"took {seconds:.0f} s, over build_timeout_sec {task.build_timeout_s:.0f}")
+        took = f"{seconds:.1f} s" + (" (built by an earlier run; cached)" if parent.cached else "")
+        limit = task.build_timeout_s * self.options.build_timeout_scale
+        scaled = f" x {self.options.build_timeout_scale:g}" if self.options.build_timeout_scale != 1 else ""
+        if seconds > limit:
+            self.set("build", FAIL, f"took {seconds:.0f} s, over build_timeout_sec {task.build_timeout_s:.0f}{scaled}")
         else:
-            self.set("build", PASS, "; ".join([f"{seconds:.1f} s", *dockerfile_notes(task)]))
+            self.set("build", PASS, "; ".join([took + (f" (build_timeout_sec{scaled})" if scaled else ""),
+                                               *dockerfile_notes(task)]))
         return True
 
     # gates 3, 7 and 8 (oracle) ----------------------------------------------------------------
@@ -225,8 +243,22 @@ class _Gater:
             return run
         if resource_symptom(run):
             return self.oracle_rerun(task, run)
-        self.oracle_failed(run)
+        self.oracle_failed(run, self.toolchain_hint(task, run))
         return run
+
+    def toolchain_hint(self, task: Task, run: Run) -> str:
+        """Why an oracle that scored below 1 under the pristine toolchain did: when it scores 1 with the
+        verifier in the attempt's own toolchain, its tests use what the oracle installed (a tool under /usr,
+        a file in /etc), which only an override may allow (``tasks.overrides``); "" otherwise."""
+        if task.toolchain != "image" or run.result is None or network_evidence(run.text):
+            return ""
+        again = self.attempt(dataclasses.replace(task, toolchain="attempt"), "oracle", task_limits(task, self.options))
+        if again.result is None or not again.result.success:
+            return ""
+        changes = ", ".join(again.result.system_changes[:4])
+        return (f"passes with [verifier] toolchain = \"attempt\": its tests use what the oracle installed in "
+                f"system paths ({changes or 'its changes'}), which the pristine toolchain does not show; give "
+                "the task an override (--overrides) if its tests may trust the attempt's tools")
 
     def oracle_rerun(self, task: Task, first: Run) -> Run:
         generous = _generous(task, self.options.slack)
@@ -253,13 +285,15 @@ class _Gater:
         note = f" (the task asks for {task.network})" if task.network not in (None, policy) else ""
         self.set("offline", PASS, f"built and solved {how}{note}")
 
-    def oracle_failed(self, run: Run) -> None:
+    def oracle_failed(self, run: Run, hint: str = "") -> None:
         evidence = network_evidence(run.text)
         if evidence:
             self.set("offline", FAIL, f"the oracle needs the network: {evidence}")
             self.set("oracle", SKIP, "needs the network (gate 8)")
         elif run.result is None:
             self.set("oracle", SKIP, "the verifier gave no usable reward (gate 9)")
+        elif hint:
+            self.set("oracle", FAIL, f"{hint}; {describe_failure(run)}")
         else:
             self.set("oracle", FAIL, describe_failure(run))
         self.set("resources", SKIP, "the oracle does not pass")
@@ -345,17 +379,22 @@ def _attempt(backend: Backend, task: Task, kind: str, limits: Limits, scan: bool
         attempt.close()
 
 
-def _prepare(backend: Backend, task: Task, limits: Limits) -> None:
-    backend.prepare(task.env_dir, limits.network, limits.build_timeout_s)
+def _prepare(backend: Backend, task: Task, limits: Limits) -> Any:
+    return backend.prepare(task.env_dir, limits.network, limits.build_timeout_s)
 
 
 def task_limits(task: Task, options: GateOptions, scale: float = 1.0) -> Limits:
-    """The task's own limits (memory, storage, agent timeout, build time), optionally scaled up, and its
-    network policy: the run's (``options.network``), narrowed by the task's own."""
+    """The task's own limits (memory, storage, agent timeout, build time), within the run's ceiling
+    (``options.ceiling``, as an attempt of a run gets them: ``format.attempt_limits``), optionally scaled
+    up, and its network policy: the run's (``options.network``), narrowed by the task's own."""
     network = narrowest(options.network, task.network or options.network)
-    return Limits(memory_mb=int(task.memory_mb * scale), pids=options.pids,
-                  disk_mb=int(task.storage_mb * scale), command_timeout_s=task.agent_timeout_s,
-                  max_output_bytes=options.max_output_bytes, network=network, build_timeout_s=task.build_timeout_s)
+    memory_mb, disk_mb, cpus = task.memory_mb, task.storage_mb, 0.0
+    if options.ceiling is not None:
+        capped = attempt_limits(task, dataclasses.replace(options.ceiling, network=options.network))
+        memory_mb, disk_mb, cpus = capped.memory_mb, capped.disk_mb, capped.cpus
+    return Limits(memory_mb=int(memory_mb * scale), pids=options.pids, disk_mb=int(disk_mb * scale),
+                  command_timeout_s=task.agent_timeout_s, max_output_bytes=options.max_output_bytes,
+                  network=network, build_timeout_s=task.build_timeout_s * options.build_timeout_scale, cpus=cpus)
 
 
 def _generous(task: Task, slack: float) -> Task:
@@ -438,6 +477,8 @@ _CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("*", r"(?i)nvidia|\bCUDA\b|\bGPU\b", "needs a GPU"),
     ("*", r"(?:needs|resolve host:?|resolve '?|connect to|Failed to connect to)\s*'?([a-z0-9.-]+\.[a-z]{2,})",
      "needs {0}"),
+    ("*", r"(?:unable to access|Failed to fetch|Could not fetch|Cannot connect to proxy\.\W+'?)\s*'?https?://"
+          r"([a-z0-9.-]+\.[a-z]{2,})", "needs {0}"),
     ("*", r".*needs the network: ([\w.-]+(?: (?:install|clone|add|get|download))?)", "needs the network: {0}"),
     ("*", r"needs the network", "needs the network"),
     ("*", r"sandbox error", "sandbox error"),
@@ -449,6 +490,7 @@ _CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("build", r"RUN exited", "a RUN step fails"),
     ("build", r"source .* not found|no source files", "COPY/ADD source missing"),
     ("build", r"USER|--chown", "unknown user or group"),
+    ("oracle", r"passes with \[verifier\] toolchain", "needs the attempt's toolchain (an override)"),
     ("oracle", r"solve\.sh exited", "solve.sh fails"),
     ("oracle", r"scored", "oracle scores below 1"),
     ("noop", r"already scores 1", "the untouched environment passes"),

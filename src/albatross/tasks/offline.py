@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from albatross.cache import cache_root
 from albatross.sandbox.build import SOURCE_MARKER
 from albatross.tasks import shims
-from albatross.tasks.shims import NEEDS_NETWORK, TOOLKIT_PATH
+from albatross.tasks.shims import NEEDS_NETWORK, PIP_ZIP, TOOLKIT_PATH
 
 if TYPE_CHECKING:
     from albatross.tasks.format import Task
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 TOOLKIT_BIN = f"{TOOLKIT_PATH}/bin"
 TOOLKIT_PYBIN = f"{TOOLKIT_PATH}/pybin"
 TEST_RESULTS = "/logs/verifier/albatross-tests.json"
-_TOOLKIT_FORMAT = "1"
+_TOOLKIT_FORMAT = "3"
 _ENV_DIR = ".albatross-offline"
 _ADAPTED_FORMAT = "2"  # the toolkit ADDed as one archive
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -188,6 +188,9 @@ def _toolkit_digest(dists: list[metadata.Distribution]) -> str:
 
 def _build_toolkit(root: Path) -> Path:
     dists = _pytest_dists()
+    pip = _dist("pip")
+    if pip is not None:
+        dists = [*dists, pip]
     final = root / "offline-toolkit" / _toolkit_digest(dists)
     if final.is_dir():
         return final
@@ -201,7 +204,10 @@ def _build_toolkit(root: Path) -> Path:
         site.mkdir()
         shutil.copyfile(Path(__file__).with_name("pytest_results.py"), site / "albatross_pytest.py")
         for dist in dists:
-            _copy_dist(dist, site)
+            if dist is pip:
+                _zip_dist(dist, tmp / "lib" / PIP_ZIP)
+            else:
+                _copy_dist(dist, site)
         os.rename(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -216,6 +222,13 @@ def _write_scripts(directory: Path, scripts: dict[str, str]) -> None:
         path = directory / name
         path.write_text(text)
         path.chmod(0o755)
+
+
+def _dist(name: str) -> metadata.Distribution | None:
+    try:
+        return metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _pytest_dists() -> list[metadata.Distribution]:
@@ -240,6 +253,22 @@ def _pytest_dists() -> list[metadata.Distribution]:
 
 def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _zip_dist(dist: metadata.Distribution, target: Path) -> None:
+    """``dist``'s modules as one zip file that python imports from (pip runs so, as get-pip runs it): one
+    file where the tree has a thousand, linked into every adapted environment, and kept off the
+    environment's own import path (``link_toolkit_site`` adds ``site/``, never this)."""
+    import zipfile
+
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:  # stored: read fast, linked, not copied
+        for rel in sorted(dist.files or [], key=str):
+            source = Path(str(dist.locate_file(rel)))
+            keep = rel.parts and rel.parts[0] != ".." and not rel.parts[0].endswith(".dist-info")  # metadata:
+            if keep and source.suffix != ".pyc" and source.is_file():  # pip would list the zip as an egg
+                info = zipfile.ZipInfo("/".join(rel.parts), date_time=(1980, 1, 1, 0, 0, 0))
+                info.external_attr = 0o644 << 16
+                out.writestr(info, source.read_bytes())
 
 
 def _copy_dist(dist: metadata.Distribution, site: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 TOOLKIT_PATH = "/usr/local/lib/albatross-offline"
 NEEDS_NETWORK = "albatross-offline: needs the network:"
+PIP_ZIP = "pip.zip"  # the toolkit's pip, in lib/ (``toolkit_pip`` below runs it)
 
 COMMON = r"""# albatross offline toolkit: helpers sourced by every shim (which sets _self to its real path)
 TK=${_self%/bin/*}
@@ -74,17 +75,34 @@ run_pytest() {
   export PATH="$TK/pybin:$PATH" PYTHONPATH="$TK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
   exec "$py" "$TK/lib/pytest_main.py" -p albatross_pytest "$@"  # as the pytest command: the cwd is not on sys.path
 }
-check_requirements() {  # satisfied from the environment or the toolkit, else needs the network
-  [ $# -eq 0 ] && return 0
-  local missing
+toolkit_pip() {  # pip (the toolkit's copy) for the environment's python, from the registries the policy allows
+  local py; py=$(python_bin) || return 1
+  PYTHONPATH="$TK/lib/pip.zip" safe_python "$py" -m pip --disable-pip-version-check --no-input "$@" >&2
+}
+check_requirements() {  # satisfied from the environment or the toolkit; with a network, what is missing is
+  [ $# -eq 0 ] && return 0  # installed for this command only (a directory of its own, as uvx's environment)
+  local missing dir
   missing=$(missing_dists toolkit "$@")
+  if [ -n "$missing" ] && [ -n "${ALBATROSS_NETWORK:-}" ]; then
+    dir=$(mktemp -d "${TMPDIR:-/tmp}/albatross-with-XXXXXX") && \
+      note "installing $(printf '%s ' $missing)from the package registries for this command" && \
+      toolkit_pip install --quiet --no-warn-script-location --target "$dir" $missing && {
+        export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" PATH="$dir/bin:$PATH"; return 0; }
+  fi
   if [ -n "$missing" ]; then
     needs_network "install $(printf '%s ' $missing)(not installed locally)"
     return 1
   fi
   note "already installed locally (no network): $*"
 }
-install_requirements() {  # as check_requirements, and the environment's python then imports them
+install_requirements() {  # as check_requirements, and the environment's python then imports them; with a
+  local missing  # network, what is missing is installed into the environment's python, as pip would
+  missing=$(missing_dists toolkit "$@")
+  if [ -n "$missing" ] && [ -n "${ALBATROSS_NETWORK:-}" ]; then
+    note "installing $(printf '%s ' $missing)from the package registries"
+    toolkit_pip install --quiet --no-warn-script-location --break-system-packages $missing || return 1
+    return 0
+  fi
   check_requirements "$@" || return 1
   if [ $# -gt 0 ] && [ -n "$(missing_dists system "$@")" ]; then link_toolkit_site; fi
 }
@@ -195,8 +213,10 @@ exec "$real" "$@"
 """
 
 UV = r"""#!/bin/bash
-# albatross offline shim: uv. venv, pip install, run and tool run work with what is installed locally.
+# albatross offline shim: uv. venv, pip install, run and tool run work with what is installed locally
+# (with a network, the image's own uv where it has one).
 _self=$(readlink -f "$0"); . "${_self%/bin/*}/lib/common.sh"
+with_build_network uv "$@"
 sub=$1; [ $# -gt 0 ] && shift
 case "$sub" in
   --version|-V|version|self) echo "uv 0.0.0 (albatross offline shim)"; exit 0 ;;

@@ -1,0 +1,106 @@
+"""Per-task overrides of task.toml values, kept on albatross's side: for task sets you must not edit.
+
+Some public tasks need a setting their task.toml cannot say, because the format they were written for
+has no such field: Terminal-Bench 2.0 tests that check a tool the agent installed under ``/usr/local``
+or a file it wrote in ``/etc`` need ``[verifier] toolchain = "attempt"`` (docs/sandbox.md, "Threat
+model"), which weakens what the verifier trusts and so is never the default. An overrides file names
+each such task, the value, and why::
+
+    [build-pmars]
+    reason = "the tests run /usr/local/bin/pmars, which the agent builds and installs"
+    verifier.toolchain = "attempt"
+
+``--overrides PATH`` (``tasks validate``, ``tasks probe``, ``eval``) applies one, or ``--overrides
+NAME`` a set albatross ships (``BUILTIN``: ``terminal-bench-2``). Only the keys of ``KEYS`` may be
+overridden; every entry needs a ``reason``; anything else is a ``TaskFormatError`` naming the file and
+entry. A task the file does not name keeps its own values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from albatross.tasks.format import TOOLCHAINS, Task, TaskFormatError
+
+KEYS: dict[str, tuple[str, Any]] = {  # "table.key" -> (Task field, allowed values or type)
+    "verifier.toolchain": ("toolchain", TOOLCHAINS),
+    "verifier.keep_agent_processes": ("keep_agent_processes", bool),
+}
+
+_ATTEMPT = {"verifier": {"toolchain": "attempt"}}
+BUILTIN: dict[str, dict[str, dict[str, Any]]] = {
+    # Terminal-Bench 2.0 tasks whose tests check what the agent installed or configured in system paths.
+    "terminal-bench-2": {
+        "build-pmars": {"reason": "the tests run /usr/local/bin/pmars, which the agent builds and installs",
+                        **_ATTEMPT},
+        "build-pov-ray": {"reason": "the tests run /usr/local/bin/povray, which the agent builds and installs",
+                          **_ATTEMPT},
+        "nginx-request-logging": {"reason": "the tests check nginx, which the agent installs, and its "
+                                            "configuration under /etc/nginx", **_ATTEMPT},
+        "mailman": {"reason": "the tests check the mail server the agent configures under /etc (postfix, "
+                              "mailman3)", **_ATTEMPT},
+        "adaptive-rejection-sampler": {"reason": "the tests run Rscript, which the agent installs (r-base)",
+                                       **_ATTEMPT},
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    values: dict[str, Any]  # Task field -> value
+    reason: str
+
+
+def load_overrides(spec: str | Path | None) -> dict[str, Override]:
+    """Task id -> its override, from a TOML file or a built-in set's name (``BUILTIN``); {} for none."""
+    if not spec:
+        return {}
+    name = str(spec)
+    if name in BUILTIN:
+        return _parse(BUILTIN[name], f"built-in overrides {name}")
+    path = Path(name)
+    if not path.is_file():
+        raise TaskFormatError(f"{path}: no overrides file (or a built-in set: {', '.join(sorted(BUILTIN))})")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise TaskFormatError(f"{path}: invalid TOML: {err}") from None
+    return _parse(data, str(path))
+
+
+def _parse(data: dict[str, Any], where: str) -> dict[str, Override]:
+    found = {}
+    for task_id, entry in data.items():
+        if not isinstance(entry, dict):
+            raise TaskFormatError(f"{where}: [{task_id}] must be a table")
+        reason = entry.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            raise TaskFormatError(f"{where}: [{task_id}] needs a reason (why the task needs the override)")
+        values = {}
+        for table, inner in entry.items():
+            if table == "reason":
+                continue
+            for key, value in (inner.items() if isinstance(inner, dict) else [("", inner)]):
+                dotted = f"{table}.{key}" if key else table
+                if dotted not in KEYS:
+                    raise TaskFormatError(f"{where}: [{task_id}] {dotted} cannot be overridden (only "
+                                          f"{', '.join(KEYS)})")
+                field, allowed = KEYS[dotted]
+                ok = isinstance(value, allowed) if isinstance(allowed, type) else value in allowed
+                if not ok:
+                    raise TaskFormatError(f"{where}: [{task_id}] {dotted} must be "
+                                          f"{allowed.__name__ if isinstance(allowed, type) else ' or '.join(allowed)}"
+                                          f", got {value!r}")
+                values[field] = value
+        found[str(task_id)] = Override(values, reason.strip())
+    return found
+
+
+def apply_overrides(task: Task, overrides: dict[str, Override]) -> Task:
+    """``task`` with its override's values (itself when none names it)."""
+    override = overrides.get(task.id)
+    return task if override is None else dataclasses.replace(task, **override.values)
