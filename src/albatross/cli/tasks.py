@@ -347,9 +347,13 @@ def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Any
     return tasks
 
 
-def _backend(kind: str, hide: list[str], registries: list[str], sc: Any) -> Any:
+def _backend(kind: str, hide: list[str], registries: list[str], sc: Any = None) -> Any:
+    """The sandbox for a command (``sc``: the config's ``[sandbox]``, its defaults when None)."""
     from albatross.cache import cache_root
+    from albatross.config import SandboxConfig
     from albatross.sandbox import local_available, make_backend
+
+    sc = sc or SandboxConfig()
 
     if kind == "auto":
         kind = "local" if local_available() else "process"
