@@ -240,7 +240,9 @@ def test_a_resumed_trainer_sends_its_checkpoint_first_and_writes_final_weights(s
                messages, 0, str(ckpt), "cpu", "bfloat16")
     finally:
         sender.close()
+    counts = {k: messages[0].pop(k) for k in ("parameters", "trainable_parameters")}
     assert messages[0] == {"ready": True, "device": "cpu", "path": "", "version": 7}
+    assert counts["parameters"] == counts["trainable_parameters"] > 0  # a full fine-tune trains every parameter
     assert stand_in.record()["version"] == "7"
     got = stand_in.weights(7)
     for name, t in trained.model.state_dict().items():
