@@ -148,12 +148,13 @@ class CountLines(Family):
     category = "text-processing"
     instruction_template = "Count the lines in {a}.txt and write the number to answer.txt."
     demo_templates = ("wc -l < {a}.txt > answer.txt", "submit")
+    ext = "txt"  # the input files' extension
 
     def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
         n_files = 3 + extra_files(difficulty)
         names = rng.sample(WORDS, n_files)
         counts = rng.sample(range(1, 10), n_files)
-        files = {f"{n}.txt": text(word_lines(rng, c)) for n, c in zip(names, counts, strict=True)}
+        files = {f"{n}.{self.ext}": text(word_lines(rng, c)) for n, c in zip(names, counts, strict=True)}
         test = make_test_sh(self.name, [("answer_exists", "answer_correct", "answer.txt")], str(counts[0]))
         key = (tuple(names), tuple(counts))
         return self._instance(key, difficulty, files, test, self.demo_templates[0], a=names[0])
@@ -166,15 +167,16 @@ class GrepWord(Family):
     category = "text-processing"
     instruction_template = "Write the lines of {a}.log that contain {w} to out.txt."
     demo_templates = ("grep {w} {a}.log > out.txt", "submit")
+    ext = "log"  # the input files' extension
 
     def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
         words = rng.sample(WORDS, 3 + extra_files(difficulty))
         w, names = words[0], words[1:]
         logs = [self._log(rng, w, hits=rng.randint(1, 3)) for _ in names]
-        files = {f"{n}.log": text(lines) for n, lines in zip(names, logs, strict=True)}
+        files = {f"{n}.{self.ext}": text(lines) for n, lines in zip(names, logs, strict=True)}
         expected = text([line for line in logs[0] if w in line.split()])
         test = make_test_sh(self.name, [("out_exists", "out_correct", "out.txt")], expected)
-        key = (w, tuple(names), tuple(files[f"{n}.log"] for n in names))
+        key = (w, tuple(names), tuple(files[f"{n}.{self.ext}"] for n in names))
         return self._instance(key, difficulty, files, test, self.demo_templates[0], a=names[0], w=w)
 
     @staticmethod

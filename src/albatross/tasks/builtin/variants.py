@@ -20,45 +20,25 @@ from albatross.tasks.builtin.families import (
     extra_files,
     make_test_sh,
     text,
-    word_lines,
 )
 
 
-class CountLog(Family):
+class CountLog(CountLines):
     """count_lines on .log files: /app holds {a}.log {b}.log {c}.log with distinct line counts in 1..9."""
 
     name = "count_log"
-    category = "text-processing"
     instruction_template = "Count the lines in {a}.log and write the number to answer.txt."
     demo_templates = ("wc -l < {a}.log > answer.txt", "submit")
-
-    def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
-        n_files = 3 + extra_files(difficulty)
-        names = rng.sample(WORDS, n_files)
-        counts = rng.sample(range(1, 10), n_files)
-        files = {f"{n}.log": text(word_lines(rng, c)) for n, c in zip(names, counts, strict=True)}
-        test = make_test_sh(self.name, [("answer_exists", "answer_correct", "answer.txt")], str(counts[0]))
-        key = (tuple(names), tuple(counts))
-        return self._instance(key, difficulty, files, test, self.demo_templates[0], a=names[0])
+    ext = "log"
 
 
-class GrepTxt(Family):
+class GrepTxt(GrepWord):
     """grep_word on .txt files: /app holds {a}.txt and {b}.txt (4-8 lines of 3 words); {w} is in 1-3 lines."""
 
     name = "grep_txt"
-    category = "text-processing"
     instruction_template = "Write the lines of {a}.txt that contain {w} to out.txt."
     demo_templates = ("grep {w} {a}.txt > out.txt", "submit")
-
-    def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
-        words = rng.sample(WORDS, 3 + extra_files(difficulty))
-        w, names = words[0], words[1:]
-        logs = [GrepWord._log(rng, w, hits=rng.randint(1, 3)) for _ in names]
-        files = {f"{n}.txt": text(lines) for n, lines in zip(names, logs, strict=True)}
-        expected = text([line for line in logs[0] if w in line.split()])
-        test = make_test_sh(self.name, [("out_exists", "out_correct", "out.txt")], expected)
-        key = (w, tuple(names), tuple(files[f"{n}.txt"] for n in names))
-        return self._instance(key, difficulty, files, test, self.demo_templates[0], a=names[0], w=w)
+    ext = "txt"
 
 
 class PointerLog(Family):
@@ -157,9 +137,6 @@ class CopyTo(Family):
         return self._instance(key, difficulty, files, test, self.demo_templates[0], a=inputs[0], e=e, o=o)
 
 
-VARIANTS: tuple[Family, ...] = (CountLog(), GrepTxt(), PointerLog(), CountTo(), GrepTo(), PointerTo(), CopyTo())
-
-
 class _Paraphrase(Family):
     """A demo family's tasks under another instruction: same files, oracle and verifier."""
 
@@ -210,4 +187,5 @@ class PointerPara(_Paraphrase):
     demo_templates = FollowPointer.demo_templates
 
 
-VARIANTS = (*VARIANTS, LinesPara(), GrepPara(), PointerPara())
+VARIANTS: tuple[Family, ...] = (CountLog(), GrepTxt(), PointerLog(), CountTo(), GrepTo(), PointerTo(), CopyTo(),
+                                LinesPara(), GrepPara(), PointerPara())
