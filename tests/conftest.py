@@ -34,3 +34,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+_ROOT = Path(__file__).resolve().parent.parent
+_ROOT_ENTRIES = {p.name for p in _ROOT.iterdir()}
+
+
+@pytest.fixture(autouse=True)
+def _no_file_left_in_the_checkout():
+    """Tests write under their own temporary folders: a test that leaves a file in the checkout's root fails."""
+    yield
+    new = sorted({p.name for p in _ROOT.iterdir()} - _ROOT_ENTRIES - {".pytest_cache", ".ruff_cache", ".benchmarks"})
+    assert not new, f"left in the checkout: {new}"

@@ -430,6 +430,30 @@ def test_checkpoints_are_due_by_steps_or_by_time() -> None:
     assert not Checkpointer(0, 0).due(10**6)  # both off: never
 
 
+def test_wait_returns_after_every_checkpoint_is_reported() -> None:
+    """The run's last message (its final weights) must follow every checkpoint's ``checkpoint_done``: waiting
+    for the writes alone returns while a report is still being sent."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from albatross.trainer.checkpoint import Checkpointer
+
+    sent: list[int] = []
+
+    def report(f: Future) -> None:
+        time.sleep(0.3)  # a slow queue
+        sent.append(f.result())
+
+    checkpoints = Checkpointer(1, 0)
+    write: Future = Future()
+    checkpoints.started(1, write)
+    checkpoints.reporting(write, report)
+    threading.Thread(target=write.set_result, args=(7,)).start()
+    checkpoints.wait()
+    assert sent == [7]
+
+
 def _done():
     from concurrent.futures import Future
 

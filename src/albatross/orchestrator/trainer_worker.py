@@ -188,7 +188,7 @@ def _checkpoint(trainer: Any, directory: Path, dtype: str, checkpoints: Any, res
                             "seconds": time.monotonic() - t0})
 
     checkpoints.started(version, write)
-    return str(path), lambda: write.add_done_callback(done)
+    return str(path), lambda: checkpoints.reporting(write, done)
 
 
 def _final_weights(trainer: Any, sender: Any, run_dir: Path, dtype: str) -> str:

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -327,6 +327,7 @@ class Checkpointer:
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.last_step, self.last_time = 0, time.monotonic()
         self.pending: list[Future] = []
+        self.reports: list[Future] = []  # each done once its write's ``checkpoint_done`` message is sent
 
     def due(self, step: int) -> bool:
         from albatross.trainer.distributed import broadcast_object
@@ -339,9 +340,25 @@ class Checkpointer:
         self.last_step, self.last_time = step, time.monotonic()
         self.pending = [f for f in self.pending if not f.done()] + [write]
 
+    def reporting(self, write: Future, report: Callable[[Future], None]) -> None:
+        """Call ``report(write)`` once ``write`` is done; :meth:`wait` also waits for the report, so a message
+        sent after it (the run's last) follows every checkpoint's."""
+        sent: Future = Future()
+
+        def run(f: Future) -> None:
+            try:
+                report(f)
+            finally:
+                sent.set_result(None)
+
+        self.reports = [r for r in self.reports if not r.done()] + [sent]
+        write.add_done_callback(run)
+
     def wait(self) -> None:
-        """Until every write in flight is on disk (their errors are the callers' to report)."""
+        """Until every write in flight is on disk and reported (their errors are the callers' to report)."""
         for f in self.pending:
             f.exception()
-        self.pending = []
+        for r in self.reports:
+            r.result()
+        self.pending, self.reports = [], []
 
