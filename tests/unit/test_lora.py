@@ -142,3 +142,50 @@ def test_bench_lora_counts_the_optimizer_state_of_each_trainer():
         assert r[name]["step_s"] > 0
     assert r["full"]["trainable_parameters"] == sum(p.numel() for p in tiny_causal_lm(VOCAB).parameters())
     assert r["lora"]["optimizer_share_of_full"] == r["lora"]["optimizer_bytes"] / r["full"]["optimizer_bytes"] < 0.2
+
+
+def test_the_builtin_engine_served_adapters_equals_the_merged_weights(tmp_path):
+    """`serve = "adapter"`: each version is only the adapter (PEFT format, `adapters/v*` with LATEST); the built-in
+    engine merges it into the base it holds, so it serves what the merged export serves, and a later version is
+    merged into the base again (never on top of the previous version)."""
+    from albatross.engine.base import SamplingParams
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.trainer.checkpoint import latest_version
+    from albatross.trainer.weights.filesystem import AdapterSender, FilesystemSender
+
+    trainer = lora_trainer()
+    adapters, full = AdapterSender(tmp_path / "adapters"), FilesystemSender(tmp_path / "weights")
+    by_adapter = BuiltinEngine(tiny_causal_lm(VOCAB), fast_forward=False)
+    by_weights = BuiltinEngine(tiny_causal_lm(VOCAB), fast_forward=False)
+    ids = torch.randint(0, VOCAB, (1, 16))
+    base = logits(by_adapter.model, ids)
+    try:
+        for version in (1, 2):
+            trainer.step(batch(version))
+            trainer.step(batch(version + 10))
+            path = adapters.send(trainer.export_view(), version)
+            assert {p.name for p in (tmp_path / "adapters" / f"v{version:06d}").iterdir()} == {
+                "adapter_config.json", "adapter_model.safetensors"}
+            assert latest_version(tmp_path / "adapters") == version
+            by_adapter.update_weights(path, version)
+            by_weights.update_weights(full.send(trainer.export_view(), version), version)
+            torch.testing.assert_close(logits(by_adapter.model, ids), logits(by_weights.model, ids),
+                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits(by_adapter.model, ids), logits(trainer.model, ids), atol=1e-5,
+                                       rtol=1e-5)
+            assert not torch.allclose(logits(by_adapter.model, ids), base)  # the adapter moved it
+            out = by_adapter.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=4, seed=0))[0]
+            assert out.versions == [version] * len(out.token_ids)
+    finally:
+        by_adapter.close()
+        by_weights.close()
+
+
+def test_serving_adapters_is_refused_where_no_engine_route_takes_them(tmp_path):
+    for engine, message in (("type = \"sglang\"", "SGLang"), ("weight_sync = \"nccl\"\ntype = \"vllm\"", "nccl")):
+        path = tmp_path / "run.toml"
+        path.write_text(f"[trainer.lora]\nrank = 8\n[engine]\n{engine}\n")
+        with pytest.raises(LoRAError, match=message):
+            check_run(load_config(path))
+        path.write_text(f"[trainer.lora]\nrank = 8\nserve = \"merged\"\n[engine]\n{engine}\n")
+        check_run(load_config(path))  # the merged weights go through any engine's transport

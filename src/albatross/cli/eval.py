@@ -35,7 +35,8 @@ def register(sub: Any, tasks_sub: Any) -> None:
     p = sub.add_parser("eval", help="evaluate a model (or the tasks' oracle) on tasks: Pass@1, pass@k, "
                        "tokens, cost; resumable")
     p.add_argument("--model", metavar="SPEC", help="a local model directory (served by the config's [engine]: "
-                   "built-in, or vLLM / SGLang servers launched or attached) or the http(s) URL of a vLLM / SGLang "
+                   "built-in, or vLLM / SGLang servers launched or attached), a LoRA adapter directory (a LoRA "
+                   "run's <out>/final: its base served with the adapter) or the http(s) URL of a vLLM / SGLang "
                    "/ OpenAI-compatible server")
     p.add_argument("--agent", choices=AGENTS, default="model", help="model: the training harness driving "
                    "--model; oracle: each task's solution/solve.sh (checks the tasks); noop: submits at once")
@@ -85,6 +86,7 @@ class _Model:
     directory: Path | None = None
     tokenizer: Path | None = None
     remote: Any = None  # a connected remote engine (closed by cmd_eval)
+    adapter: Path | None = None  # a LoRA adapter on ``directory`` (served as weight version 1)
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
@@ -137,9 +139,28 @@ def _resolve_model(args: argparse.Namespace) -> _Model:
     if spec.startswith(("http://", "https://")):
         return _remote_model(args, spec)
     path = Path(spec)
+    if (path / "adapter_config.json").is_file():
+        return _adapter_model(args, path)
     if not (path / "config.json").is_file():
         raise UserError(f"{spec}: not a model directory (no config.json) and not an http(s) URL")
     return _Model(path.resolve().name, str(path.resolve()), path.resolve(), _tokenizer_dir(args.tokenizer or path))
+
+
+def _adapter_model(args: argparse.Namespace, path: Path) -> _Model:
+    """A LoRA adapter directory (a LoRA run's ``<out>/final``): its base model (``base_model_name_or_path``, a local
+    directory) served by the engine with the adapter as weight version 1."""
+    import json
+
+    try:
+        base = Path(json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] or "")
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path / 'adapter_config.json'}: base_model_name_or_path: unreadable ({e})") from None
+    if not (base / "config.json").is_file():
+        raise UserError(f"{path / 'adapter_config.json'}: base_model_name_or_path: {str(base) or '(empty)'} is not a "
+                        "local model directory")
+    tokenizer = _tokenizer_dir(args.tokenizer or (path if any((path / n).is_file() for n in TOKENIZER_FILES)
+                                                  else base))
+    return _Model(path.resolve().name, str(path.resolve()), base.resolve(), tokenizer, adapter=path.resolve())
 
 
 def _tokenizer_dir(directory: str | Path) -> Path:
@@ -284,7 +305,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     todo = sum((t.id, i) not in skip for t in tasks for i in range(args.trials))
     print(f"[eval] {config['label']}: {len(tasks)} tasks x {args.trials} trials, {todo} attempts to run"
           + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
-    backend = _backend(args.sandbox, [out, *args.tasks, *([model.directory] if model.directory else [])],
+    backend = _backend(args.sandbox, [out, *args.tasks, *(p for p in (model.directory, model.adapter) if p)],
                        cfg.sandbox)
     engine = None
     start = time.monotonic()
@@ -339,7 +360,7 @@ def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model, out:
         return _harness_agent(cfg, model.remote, backend, tokenizer), None
     from albatross.pipeline.probe import model_agent
 
-    return model_agent(cfg, backend, model.directory, model.tokenizer, out / "engine")
+    return model_agent(cfg, backend, model.directory, model.tokenizer, out / "engine", adapter=model.adapter)
 
 
 def _load_tokenizer(directory: Path) -> Any:

@@ -70,10 +70,13 @@ def check_engine_config(ec: EngineConfig) -> None:
 
 
 def make_engine(cfg: RunConfig, model_dir: str | Path, run_dir: str | Path,
-                log: Callable[[str], None] = print, trainer_gpus: int | None = None) -> Engine:
+                log: Callable[[str], None] = print, trainer_gpus: int | None = None,
+                adapter_rank: int | None = None) -> Engine:
     """The engine (or ``EnginePool``) of ``cfg.engine``, serving ``model_dir`` at version 0; ``close()`` stops
     everything it started. ``trainer_gpus``: GPUs a trainer holds before the engine's (default: the run's,
-    ``trainer_gpu_count``; 0 for a command without a trainer, such as ``eval`` or ``tasks probe``)."""
+    ``trainer_gpu_count``; 0 for a command without a trainer, such as ``eval`` or ``tasks probe``).
+    ``adapter_rank``: the LoRA rank of adapters the servers must load hot (default: the run's,
+    ``served_adapter_rank``)."""
     ec = cfg.engine
     check_engine_config(ec)
     run_dir = Path(run_dir)
@@ -83,7 +86,7 @@ def make_engine(cfg: RunConfig, model_dir: str | Path, run_dir: str | Path,
     elif ec.type == "builtin":
         return builtin_engine(cfg, model_dir, run_dir, log, first_gpu)
     else:
-        engine = launch_servers(ec, model_dir, run_dir, log, first_gpu=first_gpu)
+        engine = launch_servers(ec, model_dir, run_dir, log, first_gpu=first_gpu, lora_rank=served_adapter_rank(cfg) if adapter_rank is None else adapter_rank)
     write_endpoints(run_dir, ec, engine)
     engine.on_restart = lambda pool: write_endpoints(run_dir, ec, pool)
     return engine
@@ -153,20 +156,26 @@ def read_endpoints(run_dir: str | Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ launching
 
 
+def served_adapter_rank(cfg: RunConfig) -> int:
+    """The LoRA rank the servers must take adapters of (``[trainer.lora] serve = "adapter"``), else 0."""
+    lora = cfg.trainer.lora
+    return lora.r if lora.on and lora.serve == "adapter" else 0
+
+
 def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None],
-                   first_gpu: int = 0) -> Any:
+                   first_gpu: int = 0, lora_rank: int = 0) -> Any:
     """Start ``engine.replicas`` vLLM / SGLang servers of ``model_dir`` and pool them; on CUDA, server ``i`` sees
     only its ``engine.tensor_parallel_size`` GPUs from ``first_gpu + i x tensor_parallel_size`` on (the GPUs after
-    the trainer's)."""
+    the trainer's). ``lora_rank`` > 0: the servers load LoRA adapters of up to that rank hot (vLLM)."""
     from albatross.engine.pool import EnginePool, ServerReplica
 
     python = engine_python(ec.type, ec.python)
     served = served_model_dir(ec.type, Path(model_dir), run_dir)
     cuda = has_cuda()
     build = vllm_command if ec.type == "vllm" else sglang_command
-    env = server_env(ec, cuda)
+    env = server_env(ec, cuda, lora_rank)
     gpus = server_gpus(first_gpu, ec.replicas, per_server=ec.tensor_parallel_size) if cuda else [None] * ec.replicas
-    replicas = [ServerReplica(lambda port: build(ec, served, python, port, cuda), client_factory(ec.type, 5.0),
+    replicas = [ServerReplica(lambda port: build(ec, served, python, port, cuda, lora_rank), client_factory(ec.type, 5.0),
                               run_dir / "logs" / f"{ec.type}-{i}.log",
                               env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}, ec.start_timeout_s)
                 for i, gpu in enumerate(gpus)]
@@ -225,7 +234,11 @@ def _dtype(ec: EngineConfig, cuda: bool) -> str:
     return ec.dtype if ec.dtype != "auto" or cuda else "float32"
 
 
-def vllm_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: int, cuda: bool) -> list[str]:
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts
+
+
+def vllm_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: int, cuda: bool,
+                 lora_rank: int = 0) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` with token-in/token-out generation
     (``--enable-scale-out``), no tokenizer (ids in and out), and the log-probs of the distribution sampled from
     (``--logprobs-mode processed_logprobs``: after temperature, top-k and top-p, as the trainer's importance ratio
@@ -245,12 +258,19 @@ def vllm_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: in
     if ec.speculative != "off":  # vLLM's MTP proposer drafts from the checkpoint's own MTP weights
         spec: dict[str, Any] = {"method": ec.speculative, "num_speculative_tokens": ec.draft_tokens}
         cmd += ["--speculative-config", json.dumps(spec)]
+    if lora_rank:  # adapters as weight versions: two in a batch at once (a version and the next), eight held
+        rank = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), lora_rank)
+        cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2", "--max-cpu-loras", "8"]
     return cmd + list(ec.extra_args)
 
 
-def sglang_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: int, cuda: bool) -> list[str]:
+def sglang_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: int, cuda: bool,
+                   lora_rank: int = 0) -> list[str]:
     """``python -m sglang.launch_server`` with token ids in and out (``--skip-tokenizer-init``) and the weight
-    version 0 (``/update_weights_from_disk`` and ``/update_weights_from_distributed`` set later ones)."""
+    version 0 (``/update_weights_from_disk`` and ``/update_weights_from_distributed`` set later ones). Adapters
+    (``lora_rank``) are refused before a launch (``trainer.lora.check_run``)."""
+    if lora_rank:
+        raise ConfigError("trainer.lora.serve = \"adapter\": not available on SGLang yet; use \"merged\"")
     cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--dtype", _dtype(ec, cuda), "--weight-version", "0"]
     if ec.tensor_parallel_size > 1:
@@ -267,12 +287,15 @@ def sglang_command(ec: EngineConfig, model_dir: Path, python: str | Path, port: 
     return cmd + list(ec.extra_args)
 
 
-def server_env(ec: EngineConfig, cuda: bool) -> dict[str, str]:
-    """The servers' environment: vLLM's weight routes (``VLLM_SERVER_DEV_MODE``), and on CPU a small KV cache
-    and ``engine.threads`` OpenMP threads (vLLM's own thread binding ignores ``OMP_NUM_THREADS``, so it is off)."""
+def server_env(ec: EngineConfig, cuda: bool, lora_rank: int = 0) -> dict[str, str]:
+    """The servers' environment: vLLM's weight routes (``VLLM_SERVER_DEV_MODE``; with ``lora_rank`` its adapter
+    routes), and on CPU a small KV cache and ``engine.threads`` OpenMP threads (vLLM's own thread binding ignores
+    ``OMP_NUM_THREADS``, so it is off)."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if ec.type == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     # SGLang's log-probs are those after temperature unless this asks for the raw model's
     env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
     if not cuda:

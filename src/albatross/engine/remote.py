@@ -206,15 +206,19 @@ class VLLMEngine(RemoteEngine):
 
     kind = "vllm"
 
+    ADAPTERS_KEPT = 8  # LoRA adapters kept registered (older ones are unloaded): the in-flight versions' ones
+
     def __init__(self, base_url: str, *args: Any, untie: bool = False, **kwargs: Any) -> None:
         self.untie = untie
+        self.adapter = ""  # with [trainer.lora] serve = "adapter": the registered name requests are sent to
+        self._adapters: list[str] = []
         super().__init__(base_url, *args, **kwargs)
 
     def _check_compatible(self) -> None:
         _, spec = self.http.call("GET", "/openapi.json", ok_404=True)
         listed = set(spec.get("paths", {})) if isinstance(spec, dict) else set()
         wanted = ("/inference/v1/generate", "/v1/completions", "/pause", "/resume", "/collective_rpc",
-                  "/update_weight_version", "/reset_prefix_cache")
+                  "/update_weight_version", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
         self.routes = {r for r in wanted if r in listed or self.http.probe(r)}
         if "/inference/v1/generate" not in self.routes and "/v1/completions" not in self.routes:
             raise RemoteError(f"{self.http.base_url} is not a vLLM server with token-in generation "
@@ -225,19 +229,22 @@ class VLLMEngine(RemoteEngine):
     """Extra vLLM sampling parameters sent with every request (e.g. ``{"ignore_eos": True}``)."""
 
     def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
-        start_version = self.version
+        with self._lock:  # the adapter and its version together
+            start_version, adapter = self.version, self.adapter
+        model = adapter or self.model
         sampling = {**vllm_sampling(params), **self.extra_sampling}
         if self.tokens_api:
-            body = {"model": self.model, "token_ids": prompt, "sampling_params": sampling,
-                    "output_mode": "tokens"}
+            body = {"model": model, "token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
             _, out = self.http.call("POST", "/inference/v1/generate", body)
             choice = out["choices"][0]
             ids = list(choice.get("token_ids") or [])
             content = (choice.get("logprobs") or {}).get("content") or []
             logprobs = [float(c["logprob"]) for c in content]
-            versions = spans_to_versions(choice.get("weight_versions"), len(ids), start_version)
+            # an adapter never changes under a request: every token is its start version's
+            versions = ([start_version] * len(ids) if adapter
+                        else spans_to_versions(choice.get("weight_versions"), len(ids), start_version))
         else:
-            body = {"model": self.model, "prompt": prompt, "return_token_ids": True, **sampling}
+            body = {"model": model, "prompt": prompt, "return_token_ids": True, **sampling}
             _, out = self.http.call("POST", "/v1/completions", body)
             choice = out["choices"][0]
             ids = list(choice.get("token_ids") or [])
@@ -269,9 +276,15 @@ class VLLMEngine(RemoteEngine):
             raise RemoteError(f"vLLM at {self.http.base_url} could not reset its prefix cache")
 
     def update_weights(self, path: str, version: int) -> None:
-        """Reload the checkpoint directory ``path`` in place and label later tokens ``version``."""
+        """Reload the checkpoint directory ``path`` in place and label later tokens ``version``; a PEFT adapter
+        directory is loaded hot instead (``load_adapter``)."""
+        from albatross.engine.adapter import is_adapter_dir
+
         if not Path(path).is_dir():
             raise FileNotFoundError(f"weights directory not found: {path}")
+        if is_adapter_dir(path):
+            self.load_adapter(path, version)
+            return
         if tied_without_lm_head(path) and self.untie:
             add_lm_head(path)
         if tied_without_lm_head(path):
@@ -290,10 +303,29 @@ class VLLMEngine(RemoteEngine):
             self.http.call("POST", "/update_weight_version", {"new_version": str(version)})
             if "/reset_prefix_cache" in self.routes:  # the frozen requests recompute their KV with the new weights
                 self.reset_prefix_cache()
-            self.version = version
+            with self._lock:  # later requests go to the reloaded model, not to an adapter
+                self.adapter, self.version = "", version
         finally:
             if paused:
                 self.resume()
+
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Register the LoRA adapter in ``path`` as ``v<version>`` (``/v1/load_lora_adapter``) and send later
+        requests to it; requests already running finish on the adapter they started with. Adapters older than
+        the newest ``ADAPTERS_KEPT`` are unloaded. Needs a server started with ``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`` (``engine/launch.py`` does both under ``[trainer.lora]``)."""
+        if "/v1/load_lora_adapter" not in self.routes:
+            raise RemoteError(f"vLLM server at {self.http.base_url} has no /v1/load_lora_adapter: start it with "
+                              "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true")
+        name = f"v{version}"
+        if name not in self._adapters:
+            self.http.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(path).resolve())})
+            self._adapters.append(name)
+        with self._lock:
+            self.adapter, self.version = name, version
+        while len(self._adapters) > self.ADAPTERS_KEPT:
+            self.http.call("POST", "/v1/unload_lora_adapter", {"lora_name": self._adapters.pop(0)}, ok_404=True)
 
 
 def _safetensors_keys(path: Path) -> set[str]:

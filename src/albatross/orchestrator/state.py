@@ -128,9 +128,9 @@ def prune_before(run_dir: Path, version: int, keep_weights: int) -> None:
 
 
 def prune_weights(run_dir: Path, version: int, keep_weights: int) -> None:
-    """Delete exported weight versions older than the newest ``keep_weights`` up to ``version`` (run after every
-    step: a resume does not need them, the trainer sends its checkpoint's weights)."""
-    for wdir in (run_dir / "weights").glob("v*"):
+    """Delete exported weight (and LoRA adapter) versions older than the newest ``keep_weights`` up to ``version``
+    (run after every step: a resume does not need them, the trainer sends its checkpoint's weights)."""
+    for wdir in [*(run_dir / "weights").glob("v*"), *(run_dir / "adapters").glob("v*")]:
         if wdir.is_dir() and wdir.name[1:].isdigit() and int(wdir.name[1:]) <= version - keep_weights:
             shutil.rmtree(wdir, ignore_errors=True)
 

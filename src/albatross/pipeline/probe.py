@@ -41,9 +41,11 @@ def probe(agent: Any, tasks: list[Task], attempts: int, scorer: Any, retries: in
 
 
 def model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path, run_dir: Path,
-                log: Callable[[str], None] = print) -> tuple[Any, Any]:
+                log: Callable[[str], None] = print, adapter: Path | None = None) -> tuple[Any, Any]:
     """The training harness around ``model_dir`` served by ``[engine]`` (``make_engine``, with no trainer holding
-    GPUs: servers from GPU 0 on; logs in ``run_dir/logs``), and that engine, which the caller closes."""
+    GPUs: servers from GPU 0 on; logs in ``run_dir/logs``), and that engine, which the caller closes. ``adapter``:
+    a LoRA adapter directory (PEFT format) on ``model_dir``, served as weight version 1 (vLLM loads it hot, the
+    built-in engine merges it)."""
     import torch
 
     from albatross.engine.launch import make_engine
@@ -54,8 +56,16 @@ def model_agent(cfg: Any, backend: Any, model_dir: Path, tokenizer_dir: Path, ru
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir / 'config.json'}: missing (--model must be a model directory)")
     torch.set_num_threads(cfg.engine.threads)
-    engine = make_engine(cfg, model_dir, run_dir, log, trainer_gpus=0)
+    rank = None
+    if adapter is not None:
+        from albatross.engine.adapter import adapter_rank
+
+        rank = adapter_rank(adapter)
+    engine = make_engine(cfg, model_dir, run_dir, log, trainer_gpus=0, adapter_rank=rank)
     try:
+        if adapter is not None:
+            engine.update_weights(str(adapter), 1)
+            log(f"[engine] LoRA adapter {adapter} (rank {rank}) on {model_dir}")
         return build_agent(cfg, engine, backend, tokenizer), engine
     except BaseException:
         engine.close()

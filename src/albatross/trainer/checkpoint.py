@@ -64,7 +64,7 @@ def _fsync_tree(root: Path) -> None:
     _fsync_path(root)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("w") as f:
         f.write(text)
@@ -153,7 +153,7 @@ def export_weights(model: nn.Module, out_root: str | Path, version: int, keep: i
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_path(root)
-    _write_text_atomic(root / LATEST_NAME, f"{version}\n")
+    write_text_atomic(root / LATEST_NAME, f"{version}\n")
     prune_versions(root, keep)
     return final
 

@@ -141,13 +141,18 @@ def _merged_weight(layer: Any) -> torch.Tensor:
 
 class MergedView(nn.Module):
     """What the weight transports export for a LoRA model: its ``config`` and ``state_dict()`` with the adapters
-    merged under the base names (computed once per view; make one per send)."""
+    merged under the base names (computed once per view; make one per send). ``save_adapter(directory)`` writes
+    the adapter alone instead (``serve = "adapter"``)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, lora_config: Any) -> None:
         super().__init__()
         self.config = model.config
         self._model = [model]  # a list: not registered as a submodule
+        self._lora_config = lora_config
         self._state: dict[str, torch.Tensor] | None = None
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        return save_adapter(self._model[0], self._lora_config, directory)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         if self._state is None:
@@ -205,3 +210,9 @@ def check_run(cfg: Any) -> None:
     if tc.mtp == "train":
         raise LoRAError("trainer.lora with trainer.mtp = \"train\" is not supported: the MTP head would train in "
                         "full beside the adapters; use trainer.mtp = \"frozen\" or \"off\"")
+    if lora.serve == "adapter" and cfg.engine.type == "sglang":
+        raise LoRAError("trainer.lora.serve = \"adapter\": SGLang's adapter routes are not wired yet; use "
+                        "trainer.lora.serve = \"merged\" (the merged weights, any engine)")
+    if lora.serve == "adapter" and cfg.engine.weight_sync != "filesystem":
+        raise LoRAError("trainer.lora.serve = \"adapter\" sends adapter files: it needs engine.weight_sync = "
+                        "\"filesystem\"; use trainer.lora.serve = \"merged\" with nccl")

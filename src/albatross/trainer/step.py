@@ -276,7 +276,7 @@ class Trainer:
             return self.model
         from albatross.trainer.lora import MergedView
 
-        return MergedView(self.model)
+        return MergedView(self.model, self.lora)
 
     def parameter_counts(self) -> dict[str, int]:
         """``parameters`` and ``trainable_parameters`` (with gradients and optimizer state)."""

@@ -131,6 +131,7 @@ class BuiltinEngine(SingleEngine):
         else:
             self.runner = ModelRunner(module, device, version, prefix_cache_tokens, spec, decode, fast_forward)
         self.scheduler = Scheduler(self.runner, max_batch_size, max_prefill_tokens)
+        self._adapter_base: dict[str, torch.Tensor] = {}  # the base of the weights adapters touch (serve = adapter)
 
     @property
     def stats(self) -> Stats:
@@ -166,8 +167,22 @@ class BuiltinEngine(SingleEngine):
         return self.scheduler.busy_s
 
     def update_weights(self, path: str, version: int) -> None:
-        """Load the safetensors checkpoint in directory ``path``; tokens after the swap carry ``version``."""
-        self.update_weights_from_state_dict(read_safetensors_dir(path), version)
+        """Load the safetensors checkpoint in directory ``path``; tokens after the swap carry ``version``. A PEFT
+        adapter directory (``[trainer.lora] serve = "adapter"``) is merged into the base this engine holds: the
+        weights it loaded last from a full checkpoint (its model at first)."""
+        from albatross.engine.adapter import is_adapter_dir, merged_weights, read_adapter
+
+        if not is_adapter_dir(path):
+            self.update_weights_from_state_dict(read_safetensors_dir(path), version)
+            self._adapter_base = {}
+            return
+        pairs, scale = read_adapter(path)
+        current = self.runner.model.state_dict()
+        for name in pairs:  # a weight no adapter touched yet is still the base
+            if name not in self._adapter_base and name in current:
+                self._adapter_base[name] = current[name].detach().clone()
+        merged = merged_weights(self._adapter_base, pairs, scale, path)
+        self.update_weights_from_state_dict({**current, **merged}, version)
 
     def update_weights_from_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Check ``state_dict`` (names, shapes), then swap it in between two decode steps; blocks until done.

@@ -173,7 +173,8 @@ class ModelRunner:
         targets = check_state_dict(self.model, state_dict)
         with torch.no_grad():
             for name, tensor in state_dict.items():
-                targets[name].copy_(tensor)
+                if tensor.data_ptr() != targets[name].data_ptr():  # the model's own tensor: nothing to copy
+                    targets[name].copy_(tensor)
         self.version = version
         self.prefix_cache.clear()
 

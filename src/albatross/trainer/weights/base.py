@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 from albatross.config import RunConfig
 
+ADAPTERS_DIR = "adapters"  # beside the run's ``weights``: one PEFT adapter per version (serve = "adapter")
+
 
 class WeightSender(Protocol):
     name: str
@@ -31,7 +33,8 @@ def make_weight_sender(cfg: RunConfig, weights_dir: str | Path, engine_dir: str 
     """The sender of ``cfg.engine.weight_sync`` for trainer rank ``rank``: ``filesystem`` exports into
     ``weights_dir`` (``v{version:06d}``, ``LATEST``) in the dtype ``model_dir`` declares; ``nccl`` reaches the
     servers listed in ``<engine_dir>/engines.json`` (the ``run_dir`` given to ``make_engine``) and sends in the
-    servers' dtype (``engine.dtype``, else the checkpoint's). vLLM is sent tied aliases too (``lm_head.weight``)."""
+    servers' dtype (``engine.dtype``, else the checkpoint's). vLLM is sent tied aliases too (``lm_head.weight``).
+    With ``[trainer.lora] serve = "adapter"`` only the adapter goes, to ``adapters`` beside ``weights_dir``."""
     from albatross.trainer.weights.tensors import declared_dtype, transfer_dtype
 
     names = "served" if cfg.engine.type == "vllm" else "unique"
@@ -42,6 +45,8 @@ def make_weight_sender(cfg: RunConfig, weights_dir: str | Path, engine_dir: str 
         check_engine_config(cfg.engine)
         return NCCLSender(cfg.engine.type, Path(engine_dir), rank, dtype=transfer_dtype(cfg.engine.dtype, model_dir),
                           names=names)
-    from albatross.trainer.weights.filesystem import FilesystemSender
+    from albatross.trainer.weights.filesystem import AdapterSender, FilesystemSender
 
+    if cfg.trainer.lora.on and cfg.trainer.lora.serve == "adapter":
+        return AdapterSender(Path(weights_dir).with_name(ADAPTERS_DIR))
     return FilesystemSender(Path(weights_dir), keep=0, rank=rank, dtype=declared_dtype(model_dir), names=names)

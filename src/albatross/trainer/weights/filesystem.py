@@ -33,3 +33,26 @@ class FilesystemSender:
 
     def close(self) -> None:
         pass
+
+
+class AdapterSender:
+    """``[trainer.lora] serve = "adapter"``: each version is the adapter alone, in PEFT's format, written to
+    ``<root>/v{version:06d}`` (atomically); vLLM loads it hot, the built-in engine merges it into its base. It
+    exports no full weights (``exports`` False: the run's final merged weights are written at its end)."""
+
+    name = "adapter"
+    exports = False
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def send(self, model: Any, version: int) -> str:
+        """``model``: the trainer's ``export_view()`` of a LoRA model (``lora.MergedView``)."""
+        from albatross.trainer.checkpoint import LATEST_NAME, version_dir, write_text_atomic
+
+        path = model.save_adapter(version_dir(self.root, version))
+        write_text_atomic(self.root / LATEST_NAME, f"{version}\n")  # a restarted engine starts from it
+        return str(path)
+
+    def close(self) -> None:
+        pass
