@@ -51,6 +51,7 @@ import resource
 import select
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -373,6 +374,7 @@ class DockerAttempt:
                 input=data,
                 capture_output=True,
                 timeout=ENGINE_TIMEOUT_S,
+                cwd=self._backend.scratch,
             )
         except (OSError, subprocess.TimeoutExpired) as err:
             raise SandboxError(f"attempt {self.id}: {err}") from err
@@ -452,6 +454,7 @@ class DockerAttempt:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
+                cwd=self._backend.scratch,
             )
         except OSError as err:
             raise SandboxError(f"attempt {self.id}: cannot run {self._engine[0]}: {err}") from err
@@ -546,6 +549,7 @@ class DockerAttempt:
                     stdin=subprocess.DEVNULL,
                     capture_output=True,
                     timeout=ENGINE_TIMEOUT_S,
+                    cwd=self._backend.scratch,
                 )
             except (OSError, subprocess.TimeoutExpired) as err:
                 raise SandboxError(f"attempt {self.id}: {err}") from err
@@ -629,6 +633,9 @@ class DockerBackend:
         del hide_paths
         self.engine = find_engine(engine)
         self.engine_argv = engine_argv(self.engine)
+        # the working directory of every engine command: Podman's conmon writes files (an ``oom`` marker when a
+        # container's command is OOM-killed) into the directory it was started from, which is ours, not the caller's
+        self.scratch = tempfile.mkdtemp(prefix="albatross-engine-")
         self.build_timeout_s = build_timeout_s
         self.images_dir = Path(images_dir) if images_dir else None
         self.faults = FaultInjector(fail_rate, fault_seed)
@@ -658,6 +665,7 @@ class DockerBackend:
                 text=True,
                 errors="replace",
                 timeout=timeout_s,
+                cwd=self.scratch,
             )
         except (OSError, subprocess.TimeoutExpired) as err:
             raise SandboxError(f"{self.engine} {args[0]}: {err}") from err
@@ -753,6 +761,7 @@ class DockerBackend:
                 capture_output=True,
                 text=True,
                 timeout=self.build_timeout_s,
+                cwd=self.scratch,
             )
         finally:
             assert tar.stdout is not None
@@ -890,6 +899,7 @@ class DockerBackend:
             self._parents.clear()
         for attempt in attempts:
             attempt.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
         _LIVE.discard(self)
 
 
