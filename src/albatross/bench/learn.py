@@ -13,8 +13,7 @@ A row learns when its pass rate (sampled at the training temperature, over fresh
 ``LEARNED`` (0.8). ``all_on_policy`` checks the importance ratio: the largest per-step mismatch KL between the
 engine's and the trainer's log-probs of the same tokens at equal weights stays under ``ON_POLICY_KL`` (a trainer
 scoring tokens at another temperature than the sampler's shows here). The JSON's keys: ``rows`` (``name``,
-``loss``, ``advantage``, ``lora_rank``, ``start_pass``, ``end_pass``, ``steps``, ``seconds``, ``mismatch_kl``),
-``all_learn``
+``loss``, ``advantage``, ``start_pass``, ``end_pass``, ``steps``, ``seconds``, ``mismatch_kl``), ``all_learn``
 (every row ends >= 0.8), ``all_on_policy``.
 """
 
@@ -31,15 +30,9 @@ ANSWERS = ("apple", "mango", "kiwi", "lemon", "grape", "peach")
 KEYS = ("salt", "pepper")  # key i's right answer: ANSWERS[i]
 LEARNED = 0.8
 ON_POLICY_KL = 1e-3
-LORA_RANK = 8
-ROWS: tuple[tuple[str, str, int], ...] = (  # (loss, advantage, LoRA rank: 0 trains the whole model)
-    ("tis", "grpo", 0), ("ppo_clip", "grpo", 0), ("masked_is", "grpo", 0), ("cispo", "grpo", 0), ("tis", "rloo", 0),
-    ("tis", "topk", 0), ("tis", "grpo", LORA_RANK),
+ROWS: tuple[tuple[str, str], ...] = (  # (loss, advantage)
+    ("tis", "grpo"), ("ppo_clip", "grpo"), ("masked_is", "grpo"), ("cispo", "grpo"), ("tis", "rloo"), ("tis", "topk"),
 )
-
-
-def row_name(loss: str, advantage: str, lora: int) -> str:
-    return f"{loss}/{advantage}" + (f" lora r{lora}" if lora else "")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,23 +143,19 @@ def rollout_groups(engine: Any, work: Workload, rng: random.Random, cfg: Any, n_
     return groups
 
 
-def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, steps: int,
-            lora: int = 0) -> dict[str, Any]:
-    """Train a copy of the warm-started model with one loss and advantage (with ``lora`` > 0: LoRA adapters of that
-    rank, each version sent to the engine as the adapter alone, which it merges into its base); the row's figures."""
+def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, steps: int) -> dict[str, Any]:
+    """Train a copy of the warm-started model with one loss and advantage; the row's figures."""
     import copy
-    import tempfile
 
     from albatross.config import load_config
     from albatross.engine.builtin import BuiltinEngine
     from albatross.orchestrator.buffer import make_batch
     from albatross.rl.scoring import GroupScorer
     from albatross.trainer.step import Trainer
-    from albatross.trainer.weights.filesystem import AdapterSender
 
     cfg = load_config(None, [f"rl.loss={loss}", f"rl.advantage={advantage}", f"sampling.temperature={args.temperature}",
                              f"trainer.lr={args.lr}", "orchestrator.group_size=8", "rl.efficiency_lambda=0",
-                             "rl.credit=divergence", f"seed={args.seed}", f"trainer.lora.rank={lora}"])
+                             "rl.credit=divergence", f"seed={args.seed}"])
     work = copy.copy(base)
     work.model = copy.deepcopy(base.model)
     rng = random.Random(args.seed + 1)
@@ -174,8 +163,7 @@ def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, step
     trainer = Trainer.from_config(work.model.train(), cfg)
     scorer = GroupScorer(cfg.rl)
     kls: list[float] = []
-    adapters = tempfile.TemporaryDirectory(prefix="albatross-learn-")
-    with adapters, BuiltinEngine(copy.deepcopy(base.model).eval(), max_batch_size=128) as engine:
+    with BuiltinEngine(copy.deepcopy(work.model).eval(), max_batch_size=128) as engine:
         start = pass_rate(engine, work, args.temperature, args.seed + 2)
         for _ in range(steps):
             groups = [scorer.score_group(g) for g in rollout_groups(engine, work, rng, cfg, 8)]
@@ -183,20 +171,15 @@ def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, step
             if not kept:
                 continue
             kls.append(trainer.step(make_batch(kept, cfg.rl.credit))["mismatch_kl"])
-            if lora:
-                engine.update_weights(AdapterSender(adapters.name).send(trainer.export_view(), trainer.version),
-                                      trainer.version)
-            else:
-                weights = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
-                engine.update_weights_from_state_dict(weights, trainer.version)
+            weights = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
+            engine.update_weights_from_state_dict(weights, trainer.version)
         end = pass_rate(engine, work, args.temperature, args.seed + 2)
-    return {"name": row_name(loss, advantage, lora), "loss": loss, "advantage": advantage, "lora_rank": lora,
-            "start_pass": round(start, 4),
+    return {"name": f"{loss}/{advantage}", "loss": loss, "advantage": advantage, "start_pass": round(start, 4),
             "end_pass": round(end, 4), "steps": steps, "seconds": round(time.monotonic() - t0, 1),
             "mismatch_kl": round(max(kls), 6) if kls else 0.0}
 
 
-def measure(args: argparse.Namespace, rows: tuple[tuple[str, str, int], ...] = ROWS,
+def measure(args: argparse.Namespace, rows: tuple[tuple[str, str], ...] = ROWS,
             base: Workload | None = None) -> dict[str, Any]:
     """Warm-start the family's model (unless ``base`` is given), then train one copy per row."""
     import torch
@@ -208,8 +191,8 @@ def measure(args: argparse.Namespace, rows: tuple[tuple[str, str, int], ...] = R
         base = Workload(args.seed)
         warm_start(base, random.Random(args.seed))
     out = []
-    for loss, advantage, lora in rows:
-        row = run_row(loss, advantage, args, base, steps, lora)
+    for loss, advantage in rows:
+        row = run_row(loss, advantage, args, base, steps)
         print(f"[learn] {row['name']:<18} pass {row['start_pass']:.2f} -> {row['end_pass']:.2f}  "
               f"({row['steps']} steps, {row['seconds']:.0f}s, max on-policy KL {row['mismatch_kl']:.1e})", flush=True)
         out.append(row)
