@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training tasks probed for the zero-signal and fault figures (default 96; --quick: 24)")
     p.add_argument("--fault-rate", type=float, default=0.1, help="share of sandbox forks made to fail")
     p.add_argument("--loop-minutes", type=float, default=None,
-                   help="budget per mode of the `bench loop` part (default: bench loop's own)")
+                   help="budget per mode of the `bench loop` part (default: bench loop's own; 0: skip that part, "
+                   "`albatross bench loop` measures it alone)")
     p.add_argument("--out", help="keep the run directories here (default: a temporary directory, removed)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the demo config, e.g. orchestrator.group_size=8")
@@ -743,7 +744,10 @@ def measure(args: argparse.Namespace, root: Path, minutes: float, seeds: int) ->
         data["config"] = _config_meta(w)
     finally:
         w.backend.close()
-    data.update(parts.get("loop", {"loop_minutes": args.loop_minutes}, lambda: loop_figure(args)))
+    if args.loop_minutes != 0:
+        data.update(parts.get("loop", {"loop_minutes": args.loop_minutes}, lambda: loop_figure(args)))
+    else:
+        data.update(async_vs_sync_steps_per_hour=None, loop={})
     data["notes"] = notes(data)
     return data
 
@@ -837,7 +841,10 @@ def notes(data: dict[str, Any]) -> list[str]:
     infra = data.get("infra", {}).get("with", {})
     if infra.get("groups"):
         out.append(f"infra group loss: {infra['groups']} groups per setting (resolution {1 / infra['groups']:.1%})")
-    out.append("async_vs_sync_steps_per_hour: bench loop's own runs (long-tail command delays), see bench loop")
+    if data.get("loop"):
+        out.append("async_vs_sync_steps_per_hour: bench loop's own runs (long-tail command delays), see bench loop")
+    else:
+        out.append("async_vs_sync_steps_per_hour: not measured here (--loop-minutes 0): run albatross bench loop")
     return out
 
 
