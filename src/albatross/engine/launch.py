@@ -86,7 +86,8 @@ def make_engine(cfg: RunConfig, model_dir: str | Path, run_dir: str | Path,
     elif ec.type == "builtin":
         return builtin_engine(cfg, model_dir, run_dir, log, first_gpu)
     else:
-        engine = launch_servers(ec, model_dir, run_dir, log, first_gpu=first_gpu, lora_rank=served_adapter_rank(cfg) if adapter_rank is None else adapter_rank)
+        rank = served_adapter_rank(cfg) if adapter_rank is None else adapter_rank
+        engine = launch_servers(ec, model_dir, run_dir, log, first_gpu=first_gpu, lora_rank=rank)
     write_endpoints(run_dir, ec, engine)
     engine.on_restart = lambda pool: write_endpoints(run_dir, ec, pool)
     return engine
@@ -175,7 +176,8 @@ def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: 
     build = vllm_command if ec.type == "vllm" else sglang_command
     env = server_env(ec, cuda, lora_rank)
     gpus = server_gpus(first_gpu, ec.replicas, per_server=ec.tensor_parallel_size) if cuda else [None] * ec.replicas
-    replicas = [ServerReplica(lambda port: build(ec, served, python, port, cuda, lora_rank), client_factory(ec.type, 5.0),
+    replicas = [ServerReplica(lambda port: build(ec, served, python, port, cuda, lora_rank),
+                              client_factory(ec.type, 5.0),
                               run_dir / "logs" / f"{ec.type}-{i}.log",
                               env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}, ec.start_timeout_s)
                 for i, gpu in enumerate(gpus)]
