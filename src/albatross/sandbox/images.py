@@ -328,6 +328,25 @@ def bootstrap_tool() -> str:
     return next((tool for tool in ("mmdebstrap", "debootstrap") if shutil.which(tool)), "")
 
 
+MMDEBSTRAP_MINBASE = ("mmdebstrap", "--variant=minbase", "--mode=root", "--format=directory",
+                      "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+                      "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+                      "--dpkgopt=path-exclude=/usr/share/locale/*")
+
+
+def run_bootstrapper(argv: list[str], what: str, log: Callable[[str], None]) -> None:
+    """Run a bootstrapper (``mmdebstrap`` / ``debootstrap`` ``argv``) in its own mount namespace where ``unshare``
+    exists, so its mounts (/proc, /dev of the new root) stay out of the host's table; a failure is
+    ``BaseUnavailable`` naming ``what`` with the tail of its output."""
+    if shutil.which("unshare"):
+        argv = ["unshare", "--mount", "--propagation", "private", *argv]
+    log(f"{' '.join(argv)} (a minute or two, once per base)")
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+        raise rootfs.BaseUnavailable(f"{what} failed (exit {proc.returncode}): {tail}")
+
+
 def _bootstrap(recipe: Recipe, tmp: Path, log: Callable[[str], None]) -> dict[str, Any]:
     if os.geteuid() != 0:
         raise rootfs.BaseUnavailable("building a base image needs root")
@@ -335,24 +354,10 @@ def _bootstrap(recipe: Recipe, tmp: Path, log: Callable[[str], None]) -> dict[st
     if not tool:
         raise rootfs.BaseUnavailable("neither mmdebstrap nor debootstrap is installed (apt-get install mmdebstrap)")
     include = ",".join(recipe.packages)
-    if tool == "mmdebstrap":
-        argv = ["mmdebstrap", "--variant=minbase", "--mode=root", "--format=directory",
-                "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
-                "--dpkgopt=path-include=/usr/share/doc/*/copyright", "--dpkgopt=path-exclude=/usr/share/locale/*"]
-        argv += [f"--include={include}"] if include else []
-        argv += [recipe.release, str(tmp), recipe.mirror]
-    else:
-        argv = ["debootstrap", "--variant=minbase", *([f"--include={include}"] if include else []),
-                recipe.release, str(tmp), recipe.mirror]
-    if shutil.which("unshare"):  # its mounts (/proc, /dev of the new root) stay out of the host's table
-        argv = ["unshare", "--mount", "--propagation", "private", *argv]
-    log(f"{' '.join(argv)} (a minute or two, once per base)")
+    head = list(MMDEBSTRAP_MINBASE) if tool == "mmdebstrap" else ["debootstrap", "--variant=minbase"]
+    argv = [*head, *([f"--include={include}"] if include else []), recipe.release, str(tmp), recipe.mirror]
     start = time.monotonic()
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
-        raise rootfs.BaseUnavailable(f"{tool} {recipe.release} from {recipe.mirror} failed "
-                                     f"(exit {proc.returncode}): {tail}")
+    run_bootstrapper(argv, f"{tool} {recipe.release} from {recipe.mirror}", log)
     _finish_root(tmp, recipe)
     seconds = round(time.monotonic() - start, 1)
     log(f"base {recipe.release} {include} built in {seconds} s")

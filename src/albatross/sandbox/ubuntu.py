@@ -87,26 +87,22 @@ def sources(release: str, mirror: str) -> list[str]:
 
 def bootstrap_ubuntu(recipe: Any, tmp: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Build the Ubuntu base of ``recipe`` (an ``images.Recipe`` with ``distro="ubuntu"``) into ``tmp``."""
-    from albatross.sandbox.images import _finish_root, bootstrap_tool, images_dir
+    from albatross.sandbox.images import (
+        MMDEBSTRAP_MINBASE,
+        _finish_root,
+        bootstrap_tool,
+        images_dir,
+        run_bootstrapper,
+    )
 
     if bootstrap_tool() != "mmdebstrap":
         raise BaseUnavailable("Ubuntu bases need mmdebstrap (apt-get install mmdebstrap)")
     keys = keyring(recipe.mirror, images_dir() / "keyrings")
     include = ",".join(recipe.packages)
-    argv = ["mmdebstrap", "--variant=minbase", "--mode=root", "--format=directory", f"--keyring={keys}",
-            "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
-            "--dpkgopt=path-include=/usr/share/doc/*/copyright", "--dpkgopt=path-exclude=/usr/share/locale/*",
-            *([f"--include={include}"] if include else []), recipe.release, str(tmp),
-            *sources(recipe.release, recipe.mirror)]
-    if shutil.which("unshare"):
-        argv = ["unshare", "--mount", "--propagation", "private", *argv]
-    log(f"{' '.join(argv)} (a minute or two, once per base)")
+    argv = [*MMDEBSTRAP_MINBASE, f"--keyring={keys}", *([f"--include={include}"] if include else []),
+            recipe.release, str(tmp), *sources(recipe.release, recipe.mirror)]
     start = time.monotonic()
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
-        raise BaseUnavailable(f"mmdebstrap Ubuntu {recipe.release} from {recipe.mirror} failed "
-                              f"(exit {proc.returncode}): {tail}")
+    run_bootstrapper(argv, f"mmdebstrap Ubuntu {recipe.release} from {recipe.mirror}", log)
     _finish_root(tmp, recipe)
     if recipe.release in USER_SINCE:
         add_default_user(tmp)
