@@ -334,6 +334,11 @@ class LoRAConfig(_Section):
         return self.enabled or self.rank > 0
 
     @property
+    def sends_adapter(self) -> bool:
+        """Whether each weight version the engines get is the adapter alone (LoRA on, ``serve = "adapter"``)."""
+        return self.on and self.serve == "adapter"
+
+    @property
     def r(self) -> int:
         """The rank in use: ``rank``, or 16 when only ``enabled`` is set."""
         return self.rank or 16

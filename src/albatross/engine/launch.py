@@ -160,7 +160,7 @@ def read_endpoints(run_dir: str | Path) -> dict[str, Any]:
 def served_adapter_rank(cfg: RunConfig) -> int:
     """The LoRA rank the servers must take adapters of (``[trainer.lora] serve = "adapter"``), else 0."""
     lora = cfg.trainer.lora
-    return lora.r if lora.on and lora.serve == "adapter" else 0
+    return lora.r if lora.sends_adapter else 0
 
 
 def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None],

@@ -263,7 +263,6 @@ class RayRun:
         log(f"[ray] cluster: {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs, "
             f"{len(ray.nodes())} node(s)")
         check_resources(cfg, resources)
-        from albatross.engine.launch import served_adapter_rank
         from albatross.trainer.weights.base import ADAPTERS_DIR
 
         ec = cfg.engine
@@ -271,7 +270,7 @@ class RayRun:
             num_cpus=rc.engine_cpus, num_gpus=rc.engine_gpus, max_restarts=-1, max_task_retries=0,
             max_concurrency=max(8, cfg.orchestrator.rollout_workers))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        weights = str(self.run_dir / (ADAPTERS_DIR if served_adapter_rank(cfg) else "weights"))
+        weights = str(self.run_dir / (ADAPTERS_DIR if cfg.trainer.lora.sends_adapter else "weights"))
         self.engines = [engine_cls.remote(str(model_dir), weights, ec.max_batch_size, ec.threads)
                         for _ in range(ec.replicas)]
         self.engine_pids = ray.get([e.pid.remote() for e in self.engines])

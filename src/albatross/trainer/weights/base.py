@@ -47,6 +47,6 @@ def make_weight_sender(cfg: RunConfig, weights_dir: str | Path, engine_dir: str 
                           names=names)
     from albatross.trainer.weights.filesystem import AdapterSender, FilesystemSender
 
-    if cfg.trainer.lora.on and cfg.trainer.lora.serve == "adapter":
+    if cfg.trainer.lora.sends_adapter:
         return AdapterSender(Path(weights_dir).with_name(ADAPTERS_DIR))
     return FilesystemSender(Path(weights_dir), keep=0, rank=rank, dtype=declared_dtype(model_dir), names=names)
