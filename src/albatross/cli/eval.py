@@ -149,10 +149,10 @@ def _resolve_model(args: argparse.Namespace) -> _Model:
 def _adapter_model(args: argparse.Namespace, path: Path) -> _Model:
     """A LoRA adapter directory (a LoRA run's ``<out>/final``): its base model (``base_model_name_or_path``, a local
     directory) served by the engine with the adapter as weight version 1."""
-    import json
+    from albatross.engine.adapter import adapter_config
 
     try:
-        base = Path(json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] or "")
+        base = Path(adapter_config(path)["base_model_name_or_path"] or "")
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path / 'adapter_config.json'}: base_model_name_or_path: unreadable ({e})") from None
     if not (base / "config.json").is_file():
