@@ -56,14 +56,19 @@ def alone(model: torch.nn.Module, prompt: list[int], params: SamplingParams) -> 
 
 
 class StepGate:
-    """A step hook that counts forward passes and can run an action once at a given pass."""
+    """A step hook that counts forward passes, can signal once at a given pass and can park the engine there."""
 
     def __init__(self) -> None:
         self.passes = 0
         self.at: dict[int, threading.Event] = {}
+        self.held: dict[int, threading.Event] = {}
 
     def event(self, n: int) -> threading.Event:
         return self.at.setdefault(n, threading.Event())
+
+    def hold(self, n: int) -> threading.Event:
+        """Park the engine's worker at pass ``n`` until the returned event is set."""
+        return self.held.setdefault(n, threading.Event())
 
     def reached(self, n: int, futures: list, timeout: float = 30) -> bool:
         """Wait for pass ``n``, or until every request so far is done (the engine then makes no more
@@ -78,19 +83,26 @@ class StepGate:
         self.passes += 1
         if self.passes in self.at:
             self.at[self.passes].set()
+        if self.passes in self.held:
+            self.held[self.passes].wait(timeout=30)
 
 
 def test_short_request_leaves_before_the_long_one_it_joined(model) -> None:
     with BuiltinEngine(model) as eng:
         gate = StepGate()
         eng.scheduler.step_hook = gate
-        started = gate.event(3)
+        started, release = gate.event(3), gate.hold(3)
         long = eng.submit(PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=300, seed=0))
         assert started.wait(timeout=30)
-        passes_at_submit = gate.passes  # the engine keeps decoding the long request while this thread wakes up
+        # both ends counted by the engine itself: the submit while it is parked at pass 3, the end in its own thread
+        # (a count read by this thread after waking up would include the long request's passes meanwhile)
+        passes_at_submit = gate.passes
         short = eng.submit(PROMPTS[0], greedy(5))
+        done_at: list[int] = []
+        short.add_done_callback(lambda _f: done_at.append(gate.passes))
+        release.set()
         got = short.result(timeout=30)
-        passes_when_short_done = gate.passes
+        passes_when_short_done = done_at[0]
         assert not long.done(), "the short request waited for the long one"
         # joined at the next step, one pass per token (counted from the submit, not from pass 3)
         assert passes_when_short_done - passes_at_submit <= 1 + 5 + 2
