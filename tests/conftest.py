@@ -4,6 +4,17 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    """The isolated sandbox, no warm pool, the tests' temporary files hidden from attempts. Modules that need
+    another backend (a container engine, a warm pool, a private cache) define their own ``backend``."""
+    from albatross.sandbox.local import LocalBackend
+
+    b = LocalBackend(warm=0, hide_paths=[tmp_path_factory.getbasetemp()])
+    yield b
+    b.close()
+
+
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory) -> Path:
     """One cache of warm-started demo models shared by the tests that run the quick demo."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ from sandbox_util import task_env
 needs_local = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroups, namespaces")
 pytestmark = needs_local
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def backend() -> Iterator[LocalBackend]:
-    b = LocalBackend(warm=0)
-    yield b
-    b.close()
 
 
 def test_default_backend_base_is_the_image(backend: LocalBackend) -> None:

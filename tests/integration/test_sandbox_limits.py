@@ -4,7 +4,6 @@ usable, and nothing spills over to the host."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,6 @@ from albatross.sandbox.local import LocalAttempt
 pytestmark = pytest.mark.skipif(
     not local_available(), reason="the local sandbox needs root, cgroup v1 memory+pids, namespaces, overlayfs"
 )
-
-
-@pytest.fixture(scope="module")
-def backend() -> Iterator[LocalBackend]:
-    b = LocalBackend(warm=0)
-    yield b
-    b.close()
 
 
 def fork(backend: LocalBackend, **limits: object) -> LocalAttempt:

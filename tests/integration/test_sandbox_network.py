@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,6 @@ from sandbox_util import ok_output, task_env
 pytestmark = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroups, namespaces")
 FETCH = ("python3 -c \"import sys, urllib.request\ntry:\n    print(urllib.request.urlopen(sys.argv[1], "
          "timeout=30).status)\nexcept Exception as e:\n    print(e)\" ")
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBackend]:
-    backend = LocalBackend(warm=0, hide_paths=[tmp_path_factory.getbasetemp()])
-    yield backend
-    backend.close()
 
 
 @pytest.fixture(scope="module")

@@ -57,13 +57,6 @@ def host_address() -> str:
     return ""
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBackend]:
-    backend = LocalBackend(warm=0, hide_paths=[tmp_path_factory.getbasetemp()])
-    yield backend
-    backend.close()
-
-
 FETCH = {  # how a RUN step tries to read the host's server (writes what it got to /got.txt)
     "urllib": "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://{host}:{port}/s', "
               "timeout=5).read().decode())\"",

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
 
 import pytest
 from _probes import SYSCALL, needs_local, py
 
-from albatross.sandbox import LocalBackend
-
 pytestmark = needs_local
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBackend]:
-    backend = LocalBackend(warm=0, hide_paths=[tmp_path_factory.getbasetemp()])
-    yield backend
-    backend.close()
 
 
 ADD_USER_KEY = SYSCALL + "print(*sc(248, b'user', b'albatross-probe', b'secret-42', 9, -4))"  # add_key to @u

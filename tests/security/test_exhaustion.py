@@ -4,7 +4,6 @@ from Pass@1 and its group; on the model path (``verify_attempt``) and on ``eval 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,6 @@ FILL_MEMORY = "dd if=/dev/zero of=/dev/shm/fill bs=1M count=1024 2>/dev/null; tr
 LIMITS = {"disk": Limits(disk_mb=16, command_timeout_s=60), "files": Limits(disk_mb=16, command_timeout_s=60),
           "memory": Limits(memory_mb=96, disk_mb=512, command_timeout_s=60)}
 COMMANDS = {"disk": FILL_DISK, "files": FILL_FILES, "memory": FILL_MEMORY}
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBackend]:
-    backend = LocalBackend(warm=0, hide_paths=[tmp_path_factory.getbasetemp()])
-    yield backend
-    backend.close()
 
 
 @pytest.fixture(scope="module")

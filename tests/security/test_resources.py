@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,13 +39,6 @@ def test_invalid_limits_are_refused(field: str, value: float) -> None:
 def test_invalid_sandbox_config_is_a_config_error(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SandboxConfig(**{field: value})
-
-
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBackend]:
-    backend = LocalBackend(warm=0, hide_paths=[tmp_path_factory.getbasetemp()])
-    yield backend
-    backend.close()
 
 
 def busy_loop(backend: LocalBackend, cpus: float) -> tuple[float, int]:

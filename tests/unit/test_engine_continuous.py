@@ -10,19 +10,9 @@ import torch
 
 from albatross.engine import BuiltinEngine, Completion, SamplingParams
 from albatross.engine.builtin.kvcache import Grid, PrefixCache, cache_from_kv, cache_kv
-
-transformers = pytest.importorskip("transformers")
+from tiny_models import tiny_qwen2 as tiny_model
 
 PROMPTS = [[5, 17, 33, 2], [9], [250, 3, 3, 41, 77, 120, 8, 19, 64], [1, 2, 3, 4, 5, 6]]
-
-
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
-    )
-    return transformers.Qwen2ForCausalLM(config).eval()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

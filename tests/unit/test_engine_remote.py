@@ -22,17 +22,7 @@ from safetensors.torch import save_file
 
 from albatross.engine import BuiltinEngine, SamplingParams
 from albatross.engine.remote import HTTPClient, RemoteError, SGLangEngine, VLLMEngine, spans_to_versions
-
-transformers = pytest.importorskip("transformers")
-
-
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
-    )
-    return transformers.Qwen2ForCausalLM(config).eval()
+from tiny_models import tiny_qwen2 as tiny_model
 
 
 class FakeSGLang:

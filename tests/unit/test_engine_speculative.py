@@ -10,8 +10,7 @@ import torch
 from albatross.engine import BuiltinEngine, SamplingParams
 from albatross.engine.builtin.sampling import build_sampling_tensors
 from albatross.engine.builtin.speculative import NgramIndex, verify
-
-transformers = pytest.importorskip("transformers")
+from tiny_models import tiny_qwen2 as tiny_model
 
 # prompts that repeat themselves, as agent contexts do (file names, commands)
 PROMPTS = [
@@ -19,15 +18,6 @@ PROMPTS = [
     [9, 8, 7, 6, 9, 8, 7, 6, 9, 8],
     [250, 3, 3, 41, 77, 120, 8, 19, 64, 250, 3, 3, 41],
 ]
-
-
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
-    )
-    return transformers.Qwen2ForCausalLM(config).eval()
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

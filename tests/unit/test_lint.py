@@ -11,3 +11,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ruff_clean():
     r = subprocess.run(["ruff", "check", "src", "tests"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("mypy") is None, reason="mypy not installed (pip install -e '.[dev]')")
+def test_mypy_strict_clean(tmp_path):
+    """The type checker, strict on src/albatross as pyproject.toml configures it, finds nothing."""
+    r = subprocess.run(["mypy", "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert "Success: no issues found" in r.stdout

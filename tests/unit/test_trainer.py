@@ -21,24 +21,11 @@ from albatross.trainer.logprobs import chunked_logprobs
 from albatross.trainer.model import tiny_causal_lm
 from albatross.trainer.packing import block_causal_mask, first_fit_decreasing, pack
 from albatross.trainer.step import Trainer, merge_metrics
-
-VOCAB = 300
+from tiny_models import VOCAB, tiny_qwen2
 
 
 def tiny_model(attn: str = "sdpa", seed: int = 0) -> transformers.PreTrainedModel:
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        attn_implementation=attn,
-    )
-    return transformers.Qwen2ForCausalLM(config)
+    return tiny_qwen2(seed, attn, initializer_range=0.02, eval_mode=False)  # transformers' default init
 
 
 def make_sample(rng: random.Random, n: int, prompt: int = 3, version: int = 0) -> Sample:
