@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from albatross.models import CausalLM
+from albatross.models.indexer import FAST_INDEXER
 
 LAYER_CLASSES = ("Qwen4ExpTextDecoderLayer",)
 RESIDUAL_CLASSES = ("Qwen4ExpTextGatedResidual",)
@@ -96,8 +97,7 @@ def write_back(streams: Tensor, block_out: Tensor, weights: Tensor) -> Tensor:
 
 def _attention_apart(layer: DecoderLayer) -> bool:
     """Checkpointing this layer leaves its attention out: the fast indexer's, which keeps little for its backward."""
-    # the flag is ours (models/indexer.py), set on a transformers module that may not carry it
-    return layer.layer_type != "linear_attention" and bool(getattr(layer.self_attn, "_albatross_fast_indexer", False))
+    return layer.layer_type != "linear_attention" and bool(layer.self_attn.__dict__.get(FAST_INDEXER, False))
 
 
 def _checkpointing(layer: object) -> bool:
@@ -163,7 +163,7 @@ def fused_class(cls: type) -> type:
     activation checkpointing (``GradientCheckpointingLayer.__init_subclass__``), which an instance attribute
     would bypass, so the layers would keep every activation however ``activation_checkpointing`` is set.
     """
-    if getattr(cls, "_albatross_fused", False):
+    if cls in _FUSED_CLASSES.values():
         return cls
     if cls not in _FUSED_CLASSES:
         _FUSED_CLASSES[cls] = type(cls.__name__, (cls,), {

@@ -94,6 +94,7 @@ class _Decays(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
+        decay: Tensor
         (decay,) = ctx.saved_tensors
         weighted = grad * decay
         return weighted.sum(3) - weighted.sum(2)
@@ -122,8 +123,8 @@ def unit_lower_inverse(t: Tensor) -> Tensor:
     b = 1
     while b < c:  # the diagonal blocks of size b are inverted; fill the lower-left block of each 2b block
         nb = c // (2 * b)
-        t_blocks = torch.diagonal(t.unflatten(-2, (nb, 2 * b)).unflatten(-1, (nb, 2 * b)), dim1=-4, dim2=-2)
-        x_blocks = torch.diagonal(x.unflatten(-2, (nb, 2 * b)).unflatten(-1, (nb, 2 * b)), dim1=-4, dim2=-2)
+        t_blocks = torch.diagonal(_blocks(t, nb, 2 * b), dim1=-4, dim2=-2)
+        x_blocks = torch.diagonal(_blocks(x, nb, 2 * b), dim1=-4, dim2=-2)
         if b == 1:  # X11 = X22 = 1
             x_blocks[..., 1:, :1, :] = -t_blocks[..., 1:, :1, :]
         else:  # [..., 2b, 2b, nb] views; blocks moved to [..., nb, b, b] for the matmuls
@@ -132,6 +133,11 @@ def unit_lower_inverse(t: Tensor) -> Tensor:
             x_blocks[..., b:, :b, :] = (-(x22 @ lower) @ x11).movedim(-3, -1)
         b *= 2
     return x
+
+
+def _blocks(t: Tensor, n: int, size: int) -> Tensor:
+    """[..., n x size, n x size] viewed as [..., n, size, n, size]."""
+    return torch.unflatten(torch.unflatten(t, -2, (n, size)), -1, (n, size))
 
 
 class UnitLowerSolve(torch.autograd.Function):
@@ -157,13 +163,14 @@ class UnitLowerSolve(torch.autograd.Function):
 def _intra_chunk(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
     """Per-chunk quantities of the chunked form, every chunk at once ([H, N, C, ...])."""
     per_channel = gamma.dim() == k.dim()
-    decay = _Decays.apply(gamma)
+    decay: Tensor = _Decays.apply(gamma)  # type: ignore[no-untyped-call]  # torch's Function.apply is unannotated
     # I + A with A_ij = beta_i decay_ij k_i . k_j below the diagonal; the solve reads only that strictly lower
     # part, so the diagonal and the (zero) upper triangle are left as they come
     system = beta[..., :, None] * _pairs(k, k, decay, per_channel)
     rise = gamma.exp() if per_channel else gamma.exp()[..., None]
     rhs = beta[..., None] * torch.cat([v, rise * k], dim=-1)  # one solve for both right-hand sides
-    u, w = UnitLowerSolve.apply(system, rhs).split([v.shape[-1], k.shape[-1]], dim=-1)
+    solved: Tensor = UnitLowerSolve.apply(system, rhs)  # type: ignore[no-untyped-call]  # torch's Function.apply is unannotated
+    u, w = torch.split(solved, [v.shape[-1], k.shape[-1]], dim=-1)
     return u, w, _pairs(q, k, decay, per_channel), rise
 
 
@@ -176,7 +183,7 @@ def _scan(u: Tensor, w: Tensor, carried_T: Tensor, keep: Tensor, active: list[in
     h, dk, dv = u.shape[0], w.shape[-1], u.shape[-1]
     state = u.new_zeros(h, active[0] if active else 0, dk, dv)
     states, deltas = [], []
-    steps = zip(active, *(x.split(active, dim=1) for x in (u, w, carried_T, keep)), strict=True)
+    steps = zip(active, *(torch.split(x, active, dim=1) for x in (u, w, carried_T, keep)), strict=True)
     for n, u_m, w_m, c_m, keep_m in steps:
         state = state[:, :n] if n < state.shape[1] else state
         delta = u_m - w_m @ state
@@ -249,7 +256,8 @@ def gated_delta_net_forward(module: Any, lengths: Sequence[int], hidden_states: 
     g = -module.A_log.float().exp() * F.softplus(a[0].float() + module.dt_bias)
     core = gated_delta_rule_packed(q, k, v, g, b[0].sigmoid(), lengths).to(hidden_states.dtype)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(1, hidden_states.shape[1], -1))
+    out: Tensor = module.out_proj(core.reshape(1, hidden_states.shape[1], -1))
+    return out
 
 
 def kda_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, cache: Any = None,
@@ -270,6 +278,7 @@ def kda_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, cach
     beta = torch.sigmoid(module.b_proj(hidden_states))[0]
     core = gated_delta_rule_packed(q, k, v, g, beta, lengths).to(hidden_states.dtype)
     gate = module.g_b_proj(module.g_a_proj(hidden_states)).view(1, t, *heads)
-    return module.o_proj(module.o_norm(core[None], gate).reshape(1, t, -1))
+    out: Tensor = module.o_proj(module.o_norm(core[None], gate).reshape(1, t, -1))
+    return out
 
 

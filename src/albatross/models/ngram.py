@@ -68,4 +68,5 @@ def ple_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, inpu
         gated, normed = (x * conv_mask[:, :, None].to(x.dtype) for x in (gated, normed))
     conv = causal_conv1d_packed(normed.transpose(1, 2), module.conv1d.weight.squeeze(1), module.conv1d.bias,
                                 lengths, dilation=module.conv1d.dilation[0])
-    return gated + F.silu(conv).to(gated.dtype).transpose(1, 2)
+    out: Tensor = gated + F.silu(conv).to(gated.dtype).transpose(1, 2)
+    return out
