@@ -102,7 +102,7 @@ def prepare_for_packing(model: Any) -> Any:
     layout = track_layout(model.get_decoder())
     for layer in decoder_layers(model):
         for attr in parts:
-            module = getattr(layer, attr, None)
+            module = getattr(layer, attr, None)  # a transformers layer's token mixer (None where it has none)
             if module is None:
                 continue
             packed = packed_forwards().get(type(module).__name__)

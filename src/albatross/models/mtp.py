@@ -175,7 +175,7 @@ class Mtp(nn.Module):
 
 def _norm_class(decoder: nn.Module, dim: int) -> type[nn.Module]:
     """The family's RMSNorm class (its final norm's, else one over ``dim`` channels, else its first)."""
-    norm = getattr(decoder, "norm", None)
+    norm = getattr(decoder, "norm", None)  # transformers' decoder: its final norm, where it has one
     if norm is not None:
         return type(norm)
     norms = [m for m in decoder.modules() if type(m).__name__.endswith("RMSNorm")]
@@ -188,7 +188,7 @@ def _norm_class(decoder: nn.Module, dim: int) -> type[nn.Module]:
 
 
 def get_mtp(model: Any) -> Mtp | None:
-    mtp = getattr(model, "mtp", None)
+    mtp = getattr(model, "mtp", None)  # a transformers model; an ``mtp`` of its own is not an ``Mtp``
     return mtp if isinstance(mtp, Mtp) else None
 
 
