@@ -167,7 +167,7 @@ def fused_class(cls: type) -> type:
         return cls
     if cls not in _FUSED_CLASSES:
         _FUSED_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": fused_layer_forward, "_albatross_fused": True, "__module__": cls.__module__,
+            "forward": fused_layer_forward, "__module__": cls.__module__,
             "gradient_checkpointing": property(_layer_checkpointed, _set_checkpointing),
             "__qualname__": cls.__qualname__, "__doc__": fused_layer_forward.__doc__})
     return _FUSED_CLASSES[cls]

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from albatross.models.conv import causal_conv1d_packed, positions_in_documents
 
@@ -224,19 +224,78 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _projections(module: Any, h_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+class GatedDeltaNet(Protocol):
+    """The members of transformers' GatedDeltaNet layers (``qwen3_next``, ``qwen4_exp``) read here, besides
+    their input projections (``InterleavedProjections`` or ``SplitProjections``)."""
+
+    activation: str
+    key_dim: int
+    value_dim: int
+    head_k_dim: int
+    head_v_dim: int
+    num_k_heads: int
+    num_v_heads: int
+    A_log: Tensor
+    dt_bias: Tensor
+    conv1d: nn.Conv1d
+    norm: nn.Module
+    out_proj: nn.Module
+
+
+class InterleavedProjections(Protocol):
+    """``qwen3_next``'s input projections: q, k, v, z and b, a interleaved per key-head group."""
+
+    in_proj_qkvz: nn.Module
+    in_proj_ba: nn.Module
+
+    def fix_query_key_value_ordering(self, qkvz: Tensor, ba: Tensor) -> tuple[Tensor, ...]: ...
+
+
+class SplitProjections(Protocol):
+    """The other GatedDeltaNet layout: one projection each for qkv, z, b and a."""
+
+    in_proj_qkv: nn.Module
+    in_proj_z: nn.Module
+    in_proj_b: nn.Module
+    in_proj_a: nn.Module
+
+
+class KimiDeltaAttention(Protocol):
+    """The members of transformers' KDA layer (``Glm5NextTextLinearAttention``) read here."""
+
+    activation: str
+    head_dim: int
+    qkv_dim: int
+    conv1d: nn.Conv1d
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    b_proj: nn.Module
+    forget_gate: nn.Module
+    g_a_proj: nn.Module
+    g_b_proj: nn.Module
+    o_norm: nn.Module
+    o_proj: nn.Module
+
+
+def _interleaved(module: object) -> TypeGuard[InterleavedProjections]:
+    return hasattr(module, "in_proj_qkvz")  # a transformers layer: which of the two layouts
+
+
+def _projections(module: GatedDeltaNet, h_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(conv input [B, T, conv_dim], z [B, T, Hv, dv], b, a [B, T, Hv]) for both GatedDeltaNet layouts."""
     bsz, t, _ = h_BTD.shape
-    if hasattr(module, "in_proj_qkvz"):  # qwen3_next: interleaved per key-head group
+    if _interleaved(module):  # qwen3_next: interleaved per key-head group
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(h_BTD), module.in_proj_ba(h_BTD))
         mixed = torch.cat([x.reshape(bsz, t, -1) for x in (q, k, v)], dim=-1)
         return mixed, z, b, a
-    z = module.in_proj_z(h_BTD).reshape(bsz, t, -1, module.head_v_dim)
-    return module.in_proj_qkv(h_BTD), z, module.in_proj_b(h_BTD), module.in_proj_a(h_BTD)
+    split = cast(SplitProjections, module)  # not interleaved: the split layout
+    z = split.in_proj_z(h_BTD).reshape(bsz, t, -1, module.head_v_dim)
+    return split.in_proj_qkv(h_BTD), z, split.in_proj_b(h_BTD), split.in_proj_a(h_BTD)
 
 
-def gated_delta_net_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, cache: Any = None,
-                            attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+def gated_delta_net_forward(module: GatedDeltaNet, lengths: Sequence[int], hidden_states: Tensor,
+                            cache: object = None, attention_mask: Tensor | None = None, **kwargs: object) -> Tensor:
     """A transformers GatedDeltaNet's training forward on a packed row (batch 1), documents kept apart."""
     from transformers.activations import ACT2FN
 
@@ -260,8 +319,8 @@ def gated_delta_net_forward(module: Any, lengths: Sequence[int], hidden_states: 
     return out
 
 
-def kda_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, cache: Any = None,
-                attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+def kda_forward(module: KimiDeltaAttention, lengths: Sequence[int], hidden_states: Tensor, cache: object = None,
+                attention_mask: Tensor | None = None, **kwargs: object) -> Tensor:
     """A transformers KDA layer's (``glm5_next`` linear attention) training forward on a packed row."""
     from transformers.activations import ACT2FN
 
