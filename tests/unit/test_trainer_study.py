@@ -19,6 +19,7 @@ from albatross.models import experts as ex
 from albatross.models import hyper as hx
 from albatross.models import indexer as ix
 from albatross.models.masks import select_keys
+from albatross.models.segments import is_segmented
 from albatross.models.tiny import TEXT_VOCAB, tiny_model
 from albatross.records import Sample, TrainSample
 from albatross.trainer.logprobs import TokenLogprobs
@@ -144,7 +145,7 @@ def test_options_change_the_computation():
     assert type(layer).forward is hx.fused_class(type(layer)).forward
     assert type(layer).__name__ == "Qwen4ExpTextDecoderLayer" and type(layer).__mro__[1].__name__ == type(layer).__name__
     assert layer.mlp.experts.forward.func is ex.grouped_experts_forward
-    assert getattr(layer.self_attn, "_albatross_segmented", False)
+    assert is_segmented(layer.self_attn)
 
 
 def _experts_case(seed: int):

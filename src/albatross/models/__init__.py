@@ -12,7 +12,29 @@ their names, so ``save_pretrained`` / ``from_pretrained`` are unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+
+class CausalLM(Protocol):
+    """The members of a transformers causal LM (``PreTrainedModel``) that the model patches here use."""
+
+    def get_decoder(self) -> nn.Module: ...
+
+    def get_input_embeddings(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> nn.Module | None: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
 
 # decoder-layer attributes whose module mixes tokens beyond attention masking, per family
 PACKED_PARTS: dict[str, tuple[str, ...]] = {
@@ -80,7 +102,7 @@ def prepare_for_packing(model: Any) -> Any:
     layout = track_layout(model.get_decoder())
     for layer in decoder_layers(model):
         for attr in parts:
-            module = getattr(layer, attr, None)
+            module = getattr(layer, attr, None)  # a transformers layer's token mixer (None where it has none)
             if module is None:
                 continue
             packed = packed_forwards().get(type(module).__name__)

@@ -20,10 +20,12 @@ gathered per-pair weights) behind ``config._experts_implementation``; the study 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
+
+from albatross.models import CausalLM
 
 EXPERT_CLASSES = ("Experts",)  # class-name suffix of transformers' 3D-weight expert collections
 
@@ -35,7 +37,7 @@ def _aligned(*tensors: Tensor) -> bool:
 
 
 def _use_grouped_mm(x: Tensor, w: Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:  # a torch version boundary
         return False
     if x.device.type == "cuda":
         return w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
@@ -126,15 +128,31 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tenso
     return position, order // top_k_index.shape[-1], torch.cumsum(counts, 0).to(torch.int32)
 
 
-def grouped_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+class Experts(Protocol):
+    """The members of transformers' 3D-weight expert collections (``*Experts``) read here."""
+
+    num_experts: int
+    gate_up_proj: Tensor  # [E, 2 x I, H]
+    down_proj: Tensor  # [E, H, I]
+
+    def _apply_gate(self, gate_up: Tensor) -> Tensor: ...
+
+
+def _grouped_linear(x_SI: Tensor, weight_EOI: Tensor, offsets: Tensor) -> Tensor:
+    out: Tensor = GroupedLinear.apply(x_SI, weight_EOI, offsets)  # type: ignore[no-untyped-call]  # torch's Function.apply is unannotated
+    return out
+
+
+def grouped_experts_forward(module: Experts, hidden_states: Tensor, top_k_index: Tensor,
                             top_k_weights: Tensor) -> Tensor:
     """The experts' output [N, H] for tokens [N, H] routed to ``top_k_index`` [N, k] with ``top_k_weights``."""
     n, k = top_k_index.shape
     position, tokens, offsets = sort_by_expert(top_k_index, module.num_experts)
     dtype = _compute_dtype(hidden_states, module.gate_up_proj)
-    x_SH = Dispatch.apply(hidden_states, tokens, position, k).to(dtype)
-    gate_up = GroupedLinear.apply(x_SH, module.gate_up_proj.to(dtype), offsets)
-    y_SH = GroupedLinear.apply(module._apply_gate(gate_up), module.down_proj.to(dtype), offsets)
+    dispatched: Tensor = Dispatch.apply(hidden_states, tokens, position, k)  # type: ignore[no-untyped-call]  # torch's Function.apply is unannotated
+    x_SH = dispatched.to(dtype)
+    gate_up = _grouped_linear(x_SH, module.gate_up_proj.to(dtype), offsets)
+    y_SH = _grouped_linear(module._apply_gate(gate_up), module.down_proj.to(dtype), offsets)
     unsorted = y_SH.index_select(0, position).view(n, k, -1)  # back to (token, slot) order
     # the routing-weighted sum over the k slots as one batched [1, k] x [k, H] product per token
     return torch.bmm(top_k_weights[:, None, :].to(y_SH.dtype), unsorted)[:, 0].to(hidden_states.dtype)
@@ -143,19 +161,21 @@ def grouped_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_inde
 def _check(module: nn.Module) -> None:
     unsupported = [flag for flag, bad in (("is_transposed", True), ("has_bias", True), ("has_gate", False),
                                           ("has_post_expert_norm", True), ("is_concatenated", False))
-                   if getattr(module, flag, not bad) == bad]
-    if unsupported or getattr(module, "gate_up_proj", None) is None or module.gate_up_proj.dim() != 3:
+                   if getattr(module, flag, not bad) == bad]  # transformers' layout flags (absent: the default)
+    weight = getattr(module, "gate_up_proj", None)
+    if unsupported or not isinstance(weight, Tensor) or weight.dim() != 3:
         raise NotImplementedError(f"grouped experts: {type(module).__name__} has a weight layout albatross does not "
                                   f"group ({', '.join(unsupported) or 'no 3D gate_up_proj'})")
 
 
-def expert_modules(model: nn.Module) -> list[nn.Module]:
+def expert_modules(model: CausalLM) -> list[nn.Module]:
     """transformers' 3D-weight expert collections of ``model`` (``*Experts`` with ``gate_up_proj``)."""
+    # transformers modules: hasattr tells the 3D-weight collections from per-expert module lists
     return [m for m in model.modules()
             if type(m).__name__.endswith(EXPERT_CLASSES) and hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
 
 
-def install_grouped_experts(model: nn.Module) -> int:
+def install_grouped_experts(model: CausalLM) -> int:
     """Run every expert collection of ``model`` through ``grouped_experts_forward``; returns how many.
 
     Parameters are untouched (names, shapes, checkpoints); generation takes the same path.
@@ -163,5 +183,6 @@ def install_grouped_experts(model: nn.Module) -> int:
     modules = expert_modules(model)
     for module in modules:
         _check(module)
-        module.forward = functools.partial(grouped_experts_forward, module)
+        # matched by class name and weights (``expert_modules``): a transformers ``*Experts``
+        module.forward = functools.partial(grouped_experts_forward, cast(Experts, module))
     return len(modules)

@@ -26,18 +26,46 @@ memory-bound elementwise kernels, fewer passes over the [T, hc x H] streams is w
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from albatross.models import CausalLM
+from albatross.models.indexer import FAST_INDEXER
+
 LAYER_CLASSES = ("Qwen4ExpTextDecoderLayer",)
 RESIDUAL_CLASSES = ("Qwen4ExpTextGatedResidual",)
 
 
-def gated_residual(hc: nn.Module, streams: Tensor) -> Tensor | tuple[Tensor, Tensor, Tensor]:
-    """``Qwen4ExpTextGatedResidual.forward``: (block input, streams, injection weights), or the input alone."""
+class GatedResidual(Protocol):
+    """The members of transformers' ``Qwen4ExpTextGatedResidual`` read here (matched by class name)."""
+
+    hc_count: int
+    hidden_size: int
+    hc_norm: nn.Module
+    input_mix_weight_down: nn.Linear
+    input_mix_weight_up: nn.Linear
+    block_inject_weight: nn.Linear | None  # None on the final stream mixer
+
+
+class DecoderLayer(Protocol):
+    """The members of transformers' ``Qwen4ExpTextDecoderLayer`` read here (matched by class name)."""
+
+    training: bool
+    layer_type: str
+    ple: nn.Module | None
+    attn_hyper_connection: GatedResidual
+    mlp_hyper_connection: GatedResidual
+    self_attn: nn.Module
+    linear_attn: nn.Module
+    mlp: nn.Module
+
+
+def _mixed(hc: GatedResidual, streams: Tensor) -> tuple[Tensor, Tensor, int]:
+    """(block input, the normalised streams' projections z, the mix-down rows of z)."""
     n, h = hc.hc_count, hc.hidden_size
     normed = hc.hc_norm(streams)
     down = hc.input_mix_weight_down.weight
@@ -45,63 +73,73 @@ def gated_residual(hc: nn.Module, streams: Tensor) -> Tensor | tuple[Tensor, Ten
     weight = down if inject is None else torch.cat([down, inject.weight])
     z = F.linear(normed, weight) / n
     mix = torch.sigmoid(hc.input_mix_weight_up(F.silu(z[..., : down.shape[0]])))
-    mixed = (mix * normed).unflatten(-1, (n, h)).mean(dim=-2)
-    if inject is None:
-        return mixed
-    return mixed, streams, 2 * torch.sigmoid(z[..., down.shape[0]:])
+    return torch.unflatten(mix * normed, -1, (n, h)).mean(dim=-2), z, down.shape[0]
+
+
+def gated_residual(hc: GatedResidual, streams: Tensor) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """``Qwen4ExpTextGatedResidual.forward``: (block input, streams, injection weights), or the input alone."""
+    if hc.block_inject_weight is None:
+        return _mixed(hc, streams)[0]
+    return block_residual(hc, streams)
+
+
+def block_residual(hc: GatedResidual, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's gated residual (one with injection weights): (block input, streams, injection weights)."""
+    mixed, z, rows = _mixed(hc, streams)
+    return mixed, streams, 2 * torch.sigmoid(z[..., rows:])
 
 
 def write_back(streams: Tensor, block_out: Tensor, weights: Tensor) -> Tensor:
     """streams + block output x per-stream injection weight, in one op: [..., hc x H]."""
-    return torch.addcmul(streams.unflatten(-1, (weights.shape[-1], -1)), block_out.unsqueeze(-2),
+    return torch.addcmul(torch.unflatten(streams, -1, (weights.shape[-1], -1)), block_out.unsqueeze(-2),
                          weights.unsqueeze(-1)).flatten(-2)
 
 
-def _attention_apart(layer: nn.Module) -> bool:
+def _attention_apart(layer: DecoderLayer) -> bool:
     """Checkpointing this layer leaves its attention out: the fast indexer's, which keeps little for its backward."""
-    return layer.layer_type != "linear_attention" and getattr(layer.self_attn, "_albatross_fast_indexer", False)
+    return layer.layer_type != "linear_attention" and bool(layer.self_attn.__dict__.get(FAST_INDEXER, False))
 
 
-def _checkpointing(layer: nn.Module) -> bool:
+def _checkpointing(layer: object) -> bool:
     """transformers' ``gradient_checkpointing`` flag as set on the layer (``set_gradient_checkpointing``)."""
     return bool(layer.__dict__.get("_albatross_checkpointing", False))
 
 
-def _set_checkpointing(layer: nn.Module, value: bool) -> None:
+def _set_checkpointing(layer: object, value: bool) -> None:
     layer.__dict__["_albatross_checkpointing"] = value
 
 
-def _layer_checkpointed(layer: nn.Module) -> bool:
+def _layer_checkpointed(layer: DecoderLayer) -> bool:
     """What transformers' wrapper reads: checkpoint the whole layer, unless it checkpoints around its attention."""
     return _checkpointing(layer) and not _attention_apart(layer)
 
 
-def _before_mixer(layer: nn.Module, hidden_states: Tensor, ple_input_ids: Any, cache: Any,
-                  conv_mask: Any) -> tuple[Tensor, Tensor, Tensor]:
+def _before_mixer(layer: DecoderLayer, hidden_states: Tensor, ple_input_ids: Tensor | None, cache: object,
+                  conv_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """PLE, then the token mixer's gated residual: (mixer input, streams, injection weights)."""
     if layer.ple is not None:
         hidden_states = hidden_states + layer.ple(hidden_states, ple_input_ids, cache, conv_mask=conv_mask)
-    return gated_residual(layer.attn_hyper_connection, hidden_states)
+    return block_residual(layer.attn_hyper_connection, hidden_states)
 
 
-def _after_mixer(layer: nn.Module, streams: Tensor, x: Tensor, weights: Tensor) -> Tensor:
+def _after_mixer(layer: DecoderLayer, streams: Tensor, x: Tensor, weights: Tensor) -> Tensor:
     """The mixer's write-back, then the MLP with its gated residual."""
-    x, streams, weights = gated_residual(layer.mlp_hyper_connection, write_back(streams, x, weights))
+    x, streams, weights = block_residual(layer.mlp_hyper_connection, write_back(streams, x, weights))
     return write_back(streams, layer.mlp(x), weights)
 
 
-def _run(fn: Any, *args: Any) -> Any:
+def _run(fn: Callable[..., Any], *args: object) -> Any:
     return fn(*args)
 
 
-def fused_layer_forward(layer: nn.Module, hidden_states: Tensor, position_embeddings: Any,
-                        attention_mask: Any = None, conv_mask: Any = None, cache: Any = None,
-                        ple_input_ids: Any = None, **kwargs: Any) -> Tensor:
+def fused_layer_forward(layer: DecoderLayer, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                        attention_mask: Tensor | None = None, conv_mask: Tensor | None = None, cache: object = None,
+                        ple_input_ids: Tensor | None = None, **kwargs: Any) -> Tensor:
     """``Qwen4ExpTextDecoderLayer.forward`` with the fused residual ops (its submodules called as shipped).
 
     A layer checkpointed around its attention (``_attention_apart``) checkpoints the parts before and after
     the attention and runs the attention as it is."""
-    run: Any = _run
+    run: Callable[..., Any] = _run  # or the checkpoint of each part
     if _checkpointing(layer) and _attention_apart(layer) and layer.training and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
 
@@ -111,7 +149,8 @@ def fused_layer_forward(layer: nn.Module, hidden_states: Tensor, position_embedd
         x = layer.linear_attn(x, cache=cache, attention_mask=conv_mask, **kwargs)
     else:
         x, _ = layer.self_attn(x, position_embeddings, attention_mask=attention_mask, cache=cache, **kwargs)
-    return run(_after_mixer, layer, streams, x, weights)
+    out: Tensor = run(_after_mixer, layer, streams, x, weights)
+    return out
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -124,17 +163,17 @@ def fused_class(cls: type) -> type:
     activation checkpointing (``GradientCheckpointingLayer.__init_subclass__``), which an instance attribute
     would bypass, so the layers would keep every activation however ``activation_checkpointing`` is set.
     """
-    if getattr(cls, "_albatross_fused", False):
+    if cls in _FUSED_CLASSES.values():
         return cls
     if cls not in _FUSED_CLASSES:
         _FUSED_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": fused_layer_forward, "_albatross_fused": True, "__module__": cls.__module__,
+            "forward": fused_layer_forward, "__module__": cls.__module__,
             "gradient_checkpointing": property(_layer_checkpointed, _set_checkpointing),
             "__qualname__": cls.__qualname__, "__doc__": fused_layer_forward.__doc__})
     return _FUSED_CLASSES[cls]
 
 
-def install_fused_hyper(model: nn.Module) -> int:
+def install_fused_hyper(model: CausalLM) -> int:
     """Swap the ``qwen4_exp`` decoder layers' and final mixer's forwards for the fused ones; returns how many
     modules changed (0: the model has no such hyper-connections). An MTP head is left as it is."""
     count = 0
@@ -146,7 +185,9 @@ def install_fused_hyper(model: nn.Module) -> int:
             if flag is not None:
                 module.gradient_checkpointing = flag
             count += 1
-        elif name in RESIDUAL_CLASSES and module.block_inject_weight is None:  # the final stream mixer
-            module.forward = functools.partial(gated_residual, module)
-            count += 1
+        elif name in RESIDUAL_CLASSES:
+            hc = cast(GatedResidual, module)  # matched by class name: a transformers ``Qwen4ExpTextGatedResidual``
+            if hc.block_inject_weight is None:  # the final stream mixer
+                module.forward = functools.partial(gated_residual, hc)
+                count += 1
     return count

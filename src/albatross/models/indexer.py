@@ -31,32 +31,65 @@ import functools
 import math
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from albatross.models.segments import Layout, lengths_from, replaced, track_layout
+from albatross.models import CausalLM
+from albatross.models.segments import Layout, is_segmented, lengths_from, replaced, track_layout
 
 QUERY_CHUNK = 512  # queries scored / attended at once (bounds the [chunk, width] gathers)
+FAST_INDEXER = "_albatross_fast_indexer"  # flag on an attention module run by ``qsa_attention_forward``
+_SPARSE_MASKS = "_albatross_sparse_masks"  # flag on a decoder that skips the dense masks
 DENSE_KEYS = 4096  # up to this many visible keys, a query chunk scores them all under a selection mask
 ATTENTION_CLASSES = ("Qwen4ExpTextAttention",)
 
 
-def _rope(module: nn.Module) -> Callable[..., Any]:
+class QSAIndexer(Protocol):
+    """The members of transformers' ``Qwen4ExpTextQSAIndexer`` read here."""
+
+    compress_ratio: int
+    block_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    index_kv_heads: int
+    index_qk_proj: nn.Module
+    q_layernorm: nn.Module
+    k_layernorm: nn.Module
+
+
+class QSAAttention(Protocol):
+    """The members of transformers' ``Qwen4ExpTextAttention`` read here (matched by class name)."""
+
+    head_dim: int
+    scaling: float
+    attention_dropout: float
+    indexer: QSAIndexer
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    q_norm: nn.Module
+    k_norm: nn.Module
+
+
+def _rope(module: object) -> Callable[..., Any]:
     """The modeling file's own ``apply_rotary_pos_emb`` (partial rotary and all), for bit-equal keys."""
-    return sys.modules[type(module).__module__].apply_rotary_pos_emb
+    rope: Callable[..., Any] = sys.modules[type(module).__module__].apply_rotary_pos_emb  # transformers' module
+    return rope
 
 
-def block_keys(indexer: nn.Module, raw_keys_ND: Tensor, cos_NR: Tensor, sin_NR: Tensor) -> Tensor:
+def block_keys(indexer: QSAIndexer, raw_keys_ND: Tensor, cos_NR: Tensor, sin_NR: Tensor) -> Tensor:
     """Pooled, normalised, roped keys of a document's complete blocks, [n // ratio, d] (as transformers)."""
     r, d = indexer.compress_ratio, indexer.index_head_dim
     nb = raw_keys_ND.shape[0] // r
     pooled = raw_keys_ND[: nb * r].view(nb, r, d).float().mean(dim=1).to(raw_keys_ND.dtype)
     pooled = indexer.k_layernorm(pooled)
-    return _rope(indexer)(pooled.unsqueeze(1), cos=cos_NR[: nb * r : r], sin=sin_NR[: nb * r : r]).squeeze(1)
+    roped: Tensor = _rope(indexer)(pooled.unsqueeze(1), cos=cos_NR[: nb * r : r], sin=sin_NR[: nb * r : r])
+    return roped.squeeze(1)
 
 
 def _block_scores(q_CHD: Tensor, keys_BD: Tensor, d: int) -> Tensor:
@@ -100,7 +133,7 @@ def _tokens(blocks_CK: Tensor, first: int, r: int) -> Tensor:
 
 
 @torch.no_grad()
-def qsa_select(indexer: nn.Module, hidden_ND: Tensor, cos_NR: Tensor, sin_NR: Tensor) -> Tensor:
+def qsa_select(indexer: QSAIndexer, hidden_ND: Tensor, cos_NR: Tensor, sin_NR: Tensor) -> Tensor:
     """Key positions each query of ONE document attends to, [n, k * ratio + ratio - 1] (-1: none).
 
     The same set per query as transformers' ``Qwen4ExpTextQSAIndexer`` on the document alone.
@@ -172,7 +205,7 @@ def _causal(q_NHD: Tensor, k_NKD: Tensor, v_NKD: Tensor, scaling: float) -> Tens
     return out[0].transpose(0, 1)
 
 
-def _document(module: nn.Module, x_ND: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _document(module: QSAAttention, x_ND: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Attention output [n, heads, d] of one document."""
     indexer = module.indexer
     if x_ND.shape[0] // indexer.compress_ratio <= indexer.block_topk:  # every query keeps all it sees
@@ -181,9 +214,9 @@ def _document(module: nn.Module, x_ND: Tensor, q: Tensor, k: Tensor, v: Tensor, 
     return sparse_attention(q, k, v, idx, module.scaling)
 
 
-def qsa_attention_forward(module: nn.Module, lengths: list[int], hidden_states: Tensor,
-                          position_embeddings: tuple[Tensor, Tensor], attention_mask: Any = None,
-                          cache: Any = None, **kwargs: Any) -> tuple[Tensor, None]:
+def qsa_attention_forward(module: QSAAttention, lengths: list[int], hidden_states: Tensor,
+                          position_embeddings: tuple[Tensor, Tensor], attention_mask: object = None,
+                          cache: object = None, **kwargs: object) -> tuple[Tensor, None]:
     """``Qwen4ExpTextAttention.forward`` for a row of documents (batch 1): its weights, exact per document."""
     if hidden_states.shape[0] != 1:
         raise ValueError(f"fast indexer takes one packed row, got batch {hidden_states.shape[0]}")
@@ -203,7 +236,8 @@ def qsa_attention_forward(module: nn.Module, lengths: list[int], hidden_states: 
         outs.append(_document(module, hidden_states[0, sl], q[sl], k[sl], v[sl], cos[0, sl], sin[0, sl]))
         start += n
     out = torch.cat(outs).reshape(*hidden_states.shape[:-1], -1) * torch.sigmoid(gate)
-    return module.o_proj(out), None
+    projected: Tensor = module.o_proj(out)
+    return projected, None
 
 
 def _no_dense_masks(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -219,7 +253,7 @@ def _no_dense_masks(original: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     return original(*args, **kwargs)
 
 
-def install_fast_indexer(model: nn.Module) -> int:
+def install_fast_indexer(model: CausalLM) -> int:
     """Run the QSA attention layers of ``model`` through ``qsa_attention_forward`` on rows of documents.
 
     Returns how many layers (the decoder's: an MTP head keeps its own); generation (a cache) and batches
@@ -230,13 +264,13 @@ def install_fast_indexer(model: nn.Module) -> int:
     layout: Layout = track_layout(decoder)
     modules = [m for m in decoder.modules() if type(m).__name__ in ATTENTION_CLASSES]  # not an MTP head's
     for module in modules:
-        if getattr(module, "_albatross_segmented", False):
+        if is_segmented(module):
             raise RuntimeError("install the fast indexer before prepare_for_packing segments the attention")
-        if module.attention_dropout:
+        if cast(QSAAttention, module).attention_dropout:  # matched by class name
             raise NotImplementedError("fast indexer: attention dropout")
         replaced(module, layout, qsa_attention_forward)
-        module._albatross_fast_indexer = True  # its query chunks checkpoint themselves (models/hyper.py reads it)
-    if modules and not getattr(decoder, "_albatross_sparse_masks", False):
+        module.__dict__[FAST_INDEXER] = True  # its query chunks checkpoint themselves (models/hyper.py reads it)
+    if modules and not decoder.__dict__.get(_SPARSE_MASKS, False):
         decoder.forward = functools.partial(_no_dense_masks, decoder.forward)
-        decoder._albatross_sparse_masks = True
+        decoder.__dict__[_SPARSE_MASKS] = True
     return len(modules)

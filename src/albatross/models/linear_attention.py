@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from albatross.models.conv import causal_conv1d_packed, positions_in_documents
 
@@ -94,6 +94,7 @@ class _Decays(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
+        decay: Tensor
         (decay,) = ctx.saved_tensors
         weighted = grad * decay
         return weighted.sum(3) - weighted.sum(2)
@@ -122,8 +123,8 @@ def unit_lower_inverse(t: Tensor) -> Tensor:
     b = 1
     while b < c:  # the diagonal blocks of size b are inverted; fill the lower-left block of each 2b block
         nb = c // (2 * b)
-        t_blocks = torch.diagonal(t.unflatten(-2, (nb, 2 * b)).unflatten(-1, (nb, 2 * b)), dim1=-4, dim2=-2)
-        x_blocks = torch.diagonal(x.unflatten(-2, (nb, 2 * b)).unflatten(-1, (nb, 2 * b)), dim1=-4, dim2=-2)
+        t_blocks = torch.diagonal(_blocks(t, nb, 2 * b), dim1=-4, dim2=-2)
+        x_blocks = torch.diagonal(_blocks(x, nb, 2 * b), dim1=-4, dim2=-2)
         if b == 1:  # X11 = X22 = 1
             x_blocks[..., 1:, :1, :] = -t_blocks[..., 1:, :1, :]
         else:  # [..., 2b, 2b, nb] views; blocks moved to [..., nb, b, b] for the matmuls
@@ -132,6 +133,11 @@ def unit_lower_inverse(t: Tensor) -> Tensor:
             x_blocks[..., b:, :b, :] = (-(x22 @ lower) @ x11).movedim(-3, -1)
         b *= 2
     return x
+
+
+def _blocks(t: Tensor, n: int, size: int) -> Tensor:
+    """[..., n x size, n x size] viewed as [..., n, size, n, size]."""
+    return torch.unflatten(torch.unflatten(t, -2, (n, size)), -1, (n, size))
 
 
 class UnitLowerSolve(torch.autograd.Function):
@@ -157,13 +163,14 @@ class UnitLowerSolve(torch.autograd.Function):
 def _intra_chunk(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
     """Per-chunk quantities of the chunked form, every chunk at once ([H, N, C, ...])."""
     per_channel = gamma.dim() == k.dim()
-    decay = _Decays.apply(gamma)
+    decay: Tensor = _Decays.apply(gamma)  # type: ignore[no-untyped-call]  # torch's Function.apply is unannotated
     # I + A with A_ij = beta_i decay_ij k_i . k_j below the diagonal; the solve reads only that strictly lower
     # part, so the diagonal and the (zero) upper triangle are left as they come
     system = beta[..., :, None] * _pairs(k, k, decay, per_channel)
     rise = gamma.exp() if per_channel else gamma.exp()[..., None]
     rhs = beta[..., None] * torch.cat([v, rise * k], dim=-1)  # one solve for both right-hand sides
-    u, w = UnitLowerSolve.apply(system, rhs).split([v.shape[-1], k.shape[-1]], dim=-1)
+    solved: Tensor = UnitLowerSolve.apply(system, rhs)  # type: ignore[no-untyped-call]  # torch's Function.apply is unannotated
+    u, w = torch.split(solved, [v.shape[-1], k.shape[-1]], dim=-1)
     return u, w, _pairs(q, k, decay, per_channel), rise
 
 
@@ -176,7 +183,7 @@ def _scan(u: Tensor, w: Tensor, carried_T: Tensor, keep: Tensor, active: list[in
     h, dk, dv = u.shape[0], w.shape[-1], u.shape[-1]
     state = u.new_zeros(h, active[0] if active else 0, dk, dv)
     states, deltas = [], []
-    steps = zip(active, *(x.split(active, dim=1) for x in (u, w, carried_T, keep)), strict=True)
+    steps = zip(active, *(torch.split(x, active, dim=1) for x in (u, w, carried_T, keep)), strict=True)
     for n, u_m, w_m, c_m, keep_m in steps:
         state = state[:, :n] if n < state.shape[1] else state
         delta = u_m - w_m @ state
@@ -217,19 +224,78 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _projections(module: Any, h_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+class GatedDeltaNet(Protocol):
+    """The members of transformers' GatedDeltaNet layers (``qwen3_next``, ``qwen4_exp``) read here, besides
+    their input projections (``InterleavedProjections`` or ``SplitProjections``)."""
+
+    activation: str
+    key_dim: int
+    value_dim: int
+    head_k_dim: int
+    head_v_dim: int
+    num_k_heads: int
+    num_v_heads: int
+    A_log: Tensor
+    dt_bias: Tensor
+    conv1d: nn.Conv1d
+    norm: nn.Module
+    out_proj: nn.Module
+
+
+class InterleavedProjections(Protocol):
+    """``qwen3_next``'s input projections: q, k, v, z and b, a interleaved per key-head group."""
+
+    in_proj_qkvz: nn.Module
+    in_proj_ba: nn.Module
+
+    def fix_query_key_value_ordering(self, qkvz: Tensor, ba: Tensor) -> tuple[Tensor, ...]: ...
+
+
+class SplitProjections(Protocol):
+    """The other GatedDeltaNet layout: one projection each for qkv, z, b and a."""
+
+    in_proj_qkv: nn.Module
+    in_proj_z: nn.Module
+    in_proj_b: nn.Module
+    in_proj_a: nn.Module
+
+
+class KimiDeltaAttention(Protocol):
+    """The members of transformers' KDA layer (``Glm5NextTextLinearAttention``) read here."""
+
+    activation: str
+    head_dim: int
+    qkv_dim: int
+    conv1d: nn.Conv1d
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    b_proj: nn.Module
+    forget_gate: nn.Module
+    g_a_proj: nn.Module
+    g_b_proj: nn.Module
+    o_norm: nn.Module
+    o_proj: nn.Module
+
+
+def _interleaved(module: object) -> TypeGuard[InterleavedProjections]:
+    return hasattr(module, "in_proj_qkvz")  # a transformers layer: which of the two layouts
+
+
+def _projections(module: GatedDeltaNet, h_BTD: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(conv input [B, T, conv_dim], z [B, T, Hv, dv], b, a [B, T, Hv]) for both GatedDeltaNet layouts."""
     bsz, t, _ = h_BTD.shape
-    if hasattr(module, "in_proj_qkvz"):  # qwen3_next: interleaved per key-head group
+    if _interleaved(module):  # qwen3_next: interleaved per key-head group
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(h_BTD), module.in_proj_ba(h_BTD))
         mixed = torch.cat([x.reshape(bsz, t, -1) for x in (q, k, v)], dim=-1)
         return mixed, z, b, a
-    z = module.in_proj_z(h_BTD).reshape(bsz, t, -1, module.head_v_dim)
-    return module.in_proj_qkv(h_BTD), z, module.in_proj_b(h_BTD), module.in_proj_a(h_BTD)
+    split = cast(SplitProjections, module)  # not interleaved: the split layout
+    z = split.in_proj_z(h_BTD).reshape(bsz, t, -1, module.head_v_dim)
+    return split.in_proj_qkv(h_BTD), z, split.in_proj_b(h_BTD), split.in_proj_a(h_BTD)
 
 
-def gated_delta_net_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, cache: Any = None,
-                            attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+def gated_delta_net_forward(module: GatedDeltaNet, lengths: Sequence[int], hidden_states: Tensor,
+                            cache: object = None, attention_mask: Tensor | None = None, **kwargs: object) -> Tensor:
     """A transformers GatedDeltaNet's training forward on a packed row (batch 1), documents kept apart."""
     from transformers.activations import ACT2FN
 
@@ -249,11 +315,12 @@ def gated_delta_net_forward(module: Any, lengths: Sequence[int], hidden_states: 
     g = -module.A_log.float().exp() * F.softplus(a[0].float() + module.dt_bias)
     core = gated_delta_rule_packed(q, k, v, g, b[0].sigmoid(), lengths).to(hidden_states.dtype)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(1, hidden_states.shape[1], -1))
+    out: Tensor = module.out_proj(core.reshape(1, hidden_states.shape[1], -1))
+    return out
 
 
-def kda_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, cache: Any = None,
-                attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+def kda_forward(module: KimiDeltaAttention, lengths: Sequence[int], hidden_states: Tensor, cache: object = None,
+                attention_mask: Tensor | None = None, **kwargs: object) -> Tensor:
     """A transformers KDA layer's (``glm5_next`` linear attention) training forward on a packed row."""
     from transformers.activations import ACT2FN
 
@@ -270,6 +337,7 @@ def kda_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, cach
     beta = torch.sigmoid(module.b_proj(hidden_states))[0]
     core = gated_delta_rule_packed(q, k, v, g, beta, lengths).to(hidden_states.dtype)
     gate = module.g_b_proj(module.g_a_proj(hidden_states)).view(1, t, *heads)
-    return module.o_proj(module.o_norm(core[None], gate).reshape(1, t, -1))
+    out: Tensor = module.o_proj(module.o_norm(core[None], gate).reshape(1, t, -1))
+    return out
 
 

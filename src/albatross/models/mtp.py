@@ -77,7 +77,7 @@ def _attention_index(config: Any) -> int:
     for i in range(len(types) - 1, -1, -1):
         if "linear" not in str(types[i]):
             return i
-    return config.num_hidden_layers - 1
+    return int(config.num_hidden_layers) - 1
 
 
 def layer_config(config: Any) -> Any:
@@ -93,13 +93,16 @@ def layer_config(config: Any) -> Any:
                        ("ple_layer_ids", [])):
         if hasattr(cfg, key):
             setattr(cfg, key, value)
-    if isinstance(getattr(cfg, "mlp_layer_types", None), list) and getattr(config, "n_routed_experts", 0):
+    if isinstance(getattr(cfg, "mlp_layer_types", None), list) and getattr(config, "n_routed_experts", None):
         cfg.mlp_layer_types = ["sparse"]  # DeepSeek layout: the MTP layer is an MoE layer
     return cfg
 
 
 class Mtp(nn.Module):
     """One MTP module of ``model``'s family (see the module docstring); ``model.mtp`` once ``attach_mtp`` ran."""
+
+    _model: Any  # the transformers model the head belongs to (its embedding and LM head are read)
+    _inner: nn.Module  # the one-layer decoder of the family
 
     def __init__(self, model: Any) -> None:
         super().__init__()
@@ -149,7 +152,8 @@ class Mtp(nn.Module):
             start = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(start, start + x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
         out = self._inner(inputs_embeds=x, position_ids=position_ids, cache=cache, use_cache=cache is not None)
-        return out.last_hidden_state
+        hidden: Tensor = out.last_hidden_state
+        return hidden
 
     def forward(self, hidden_BTD: Tensor, next_ids_BT: Tensor, lengths: list[int] | None = None) -> Tensor:
         """Logits [B, T, V] at each position ``t`` for token ``t + 2``, given ``h_t`` and token ``t + 1``.
@@ -171,7 +175,7 @@ class Mtp(nn.Module):
 
 def _norm_class(decoder: nn.Module, dim: int) -> type[nn.Module]:
     """The family's RMSNorm class (its final norm's, else one over ``dim`` channels, else its first)."""
-    norm = getattr(decoder, "norm", None)
+    norm = getattr(decoder, "norm", None)  # transformers' decoder: its final norm, where it has one
     if norm is not None:
         return type(norm)
     norms = [m for m in decoder.modules() if type(m).__name__.endswith("RMSNorm")]
@@ -184,7 +188,7 @@ def _norm_class(decoder: nn.Module, dim: int) -> type[nn.Module]:
 
 
 def get_mtp(model: Any) -> Mtp | None:
-    mtp = getattr(model, "mtp", None)
+    mtp = getattr(model, "mtp", None)  # a transformers model; an ``mtp`` of its own is not an ``Mtp``
     return mtp if isinstance(mtp, Mtp) else None
 
 
@@ -212,7 +216,8 @@ def mtp_forward(model: Any, hidden_BTD: Tensor, next_ids_BT: Tensor, lengths: li
     head = get_mtp(model)
     if head is None:
         raise MtpError(f"{type(model).__name__} has no MTP head (attach_mtp / load_mtp first)")
-    return head(hidden_BTD, next_ids_BT, lengths)
+    logits: Tensor = head(hidden_BTD, next_ids_BT, lengths)
+    return logits
 
 
 def detach_mtp(model: Any) -> None:
@@ -275,7 +280,7 @@ def _renamings(family: str) -> list[tuple[str, str]]:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     pairs = []
-    for op in get_checkpoint_conversion_mapping(family) or []:
+    for op in get_checkpoint_conversion_mapping(family) or []:  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
         if type(op).__name__ != "WeightRenaming":
             continue
         sources, targets = list(op.source_patterns), list(op.target_patterns)
@@ -439,7 +444,7 @@ def mtp_loss(mtp: Mtp, hidden_1TD: Tensor, input_ids_1T: Tensor, lengths: list[i
     logits = mtp(hidden, next_ids, lengths).float()[0]
     ce = F.cross_entropy(logits, target, reduction="none")
     loss = (ce * weight).sum() / max(num_batch_tokens, 1)
-    n = float(weight.sum())
+    tokens = float(weight.sum())
     hits = float(((logits.argmax(-1) == target).float() * weight).sum())
-    mean_ce = float((ce.detach() * weight).sum()) / n if n else 0.0
-    return loss, {"mtp_loss": mean_ce, "mtp_accuracy": hits / n if n else 0.0, "mtp_tokens": n}
+    mean_ce = float((ce.detach() * weight).sum()) / tokens if tokens else 0.0
+    return loss, {"mtp_loss": mean_ce, "mtp_accuracy": hits / tokens if tokens else 0.0, "mtp_tokens": tokens}

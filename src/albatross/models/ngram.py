@@ -12,13 +12,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from albatross.models.conv import causal_conv1d_packed, positions_in_documents
+
+
+class NGramEmbedding(Protocol):
+    """The members of transformers' ``Qwen4ExpTextNGramEmbedding`` read here."""
+
+    eos_token_id: int
+    ngram_size: int
+    heads_per_ngram: int
+    layer_multipliers: Tensor
+    ngram_heads_vocab_sizes: Tensor
+    ngram_heads_offsets: Tensor
+    ngram_embedding: nn.Module
+
+
+class PLELayer(Protocol):
+    """The members of transformers' ``Qwen4ExpTextPLELayer`` read here."""
+
+    hidden_size: int
+    hc_count: int
+    ple_embedding: NGramEmbedding
+    key_proj: nn.Module
+    value_proj: nn.Module
+    norm_key: nn.Module
+    norm_query: nn.Module
+    norm_conv: nn.Module
+    conv1d: nn.Conv1d
 
 
 def shifted_ids(ids_T: Tensor, shift: int, lengths: Sequence[int], eos: int) -> Tensor:
@@ -35,7 +61,7 @@ def shifted_ids(ids_T: Tensor, shift: int, lengths: Sequence[int], eos: int) -> 
     return torch.where(positions - start >= shift, ids_T[source], ids_T.new_full((), eos))
 
 
-def ngram_ids(embedding: Any, ids_T: Tensor, lengths: Sequence[int]) -> Tensor:
+def ngram_ids(embedding: NGramEmbedding, ids_T: Tensor, lengths: Sequence[int]) -> Tensor:
     """[T, heads] rows of the n-gram table for each token (orders 2..ngram_size, ``heads_per_ngram`` each)."""
     ids_T = ids_T.long()
     shifted = [shifted_ids(ids_T, s, lengths, embedding.eos_token_id) for s in range(embedding.ngram_size)]
@@ -50,8 +76,8 @@ def ngram_ids(embedding: Any, ids_T: Tensor, lengths: Sequence[int]) -> Tensor:
     return torch.cat(blocks, dim=-1)
 
 
-def ple_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, input_ids: Tensor,
-                cache: Any = None, conv_mask: Tensor | None = None) -> Tensor:
+def ple_forward(module: PLELayer, lengths: Sequence[int], hidden_states: Tensor, input_ids: Tensor,
+                cache: object = None, conv_mask: Tensor | None = None) -> Tensor:
     """A ``qwen4_exp`` PLE layer on a packed row (batch 1): its output [1, T, hc_count * hidden]."""
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a packed row has batch 1, got {hidden_states.shape[0]}")
@@ -68,4 +94,5 @@ def ple_forward(module: Any, lengths: Sequence[int], hidden_states: Tensor, inpu
         gated, normed = (x * conv_mask[:, :, None].to(x.dtype) for x in (gated, normed))
     conv = causal_conv1d_packed(normed.transpose(1, 2), module.conv1d.weight.squeeze(1), module.conv1d.bias,
                                 lengths, dilation=module.conv1d.dilation[0])
-    return gated + F.silu(conv).to(gated.dtype).transpose(1, 2)
+    out: Tensor = gated + F.silu(conv).to(gated.dtype).transpose(1, 2)
+    return out

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from torch import nn
 
 from albatross.errors import UserError
+from albatross.models import CausalLM
 
 FIRST_LAYERS = "first_layers:"
 EMBED = "embed"
@@ -54,7 +54,7 @@ PARTS: dict[str, Callable[[str, nn.Module], bool]] = {
 PART_NAMES = (*PARTS, EMBED, f"{FIRST_LAYERS}N")
 
 
-def _params_of(model: nn.Module, wanted: Callable[[str, nn.Module], bool]) -> list[str]:
+def _params_of(model: CausalLM, wanted: Callable[[str, nn.Module], bool]) -> list[str]:
     """Names of every parameter inside a module for which ``wanted(name, module)`` holds."""
     out: list[str] = []
     for prefix, module in model.named_modules():
@@ -63,24 +63,24 @@ def _params_of(model: nn.Module, wanted: Callable[[str, nn.Module], bool]) -> li
     return out
 
 
-def _first_layers(model: nn.Module, spec: str) -> list[str]:
+def _first_layers(model: CausalLM, spec: str) -> list[str]:
     count = spec.removeprefix(FIRST_LAYERS)
     if not count.isdigit() or int(count) < 1:
         raise FreezeError(f"trainer.freeze: {spec!r}: expected {FIRST_LAYERS}N with N >= 1")
-    layers = list(getattr(model.get_decoder(), "layers", []))
+    layers = list(getattr(model.get_decoder(), "layers", []))  # transformers' decoder: a layer stack, if any
     if int(count) > len(layers):
         raise FreezeError(f"trainer.freeze: {spec!r}: the model has only {len(layers)} decoder layers")
     chosen = {id(layer) for layer in layers[: int(count)]}
     return _params_of(model, lambda name, module: id(module) in chosen)
 
 
-def embedding_tied(model: nn.Module) -> bool:
+def embedding_tied(model: CausalLM) -> bool:
     """The LM head shares the input embedding's weight (then ``embed`` cannot be frozen alone)."""
     head = model.get_output_embeddings()
-    return head is not None and getattr(head, "weight", None) is model.get_input_embeddings().weight
+    return head is not None and getattr(head, "weight", None) is model.get_input_embeddings().weight  # transformers' head
 
 
-def _embed(model: nn.Module) -> list[str]:
+def _embed(model: CausalLM) -> list[str]:
     """The input embedding's parameters; an error where the LM head shares them (freezing would freeze it)."""
     embedding = model.get_input_embeddings()
     if embedding_tied(model):
@@ -89,7 +89,7 @@ def _embed(model: nn.Module) -> list[str]:
     return _params_of(model, lambda name, module: module is embedding)
 
 
-def _one(model: nn.Module, spec: str, names: list[str]) -> list[str]:
+def _one(model: CausalLM, spec: str, names: list[str]) -> list[str]:
     """Parameter names of one freeze entry (a part name or a glob); an error when it matches nothing."""
     if spec.startswith(FIRST_LAYERS):
         hits = _first_layers(model, spec)
@@ -107,7 +107,7 @@ def _one(model: nn.Module, spec: str, names: list[str]) -> list[str]:
     return hits
 
 
-def resolve_freeze(model: nn.Module, specs: Sequence[str] | Iterable[str]) -> list[str]:
+def resolve_freeze(model: CausalLM, specs: Sequence[str] | Iterable[str]) -> list[str]:
     """Parameter names (in ``named_parameters`` order, no repeats) that the freeze entries ``specs`` select."""
     names = [name for name, _ in model.named_parameters()]
     selected: set[str] = set()
@@ -116,7 +116,7 @@ def resolve_freeze(model: nn.Module, specs: Sequence[str] | Iterable[str]) -> li
     return [n for n in names if n in selected]
 
 
-def part_sizes(model: Any) -> dict[str, int]:
+def part_sizes(model: CausalLM) -> dict[str, int]:
     """Parameters in each named part this model has (for reports and docs)."""
     sizes = {}
     params = dict(model.named_parameters())

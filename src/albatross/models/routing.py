@@ -36,12 +36,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from albatross.models import decoder_layers
+from albatross.models.segments import replaced_forward
+
+_REPLAY = "_albatross_replay"  # where ``install`` keeps a model's ``Replay``
 INDEXER_KINDS = {"GlmMoeDsaIndexer": "positions", "Glm5NextTextIndexer": "positions",
                  "Qwen4ExpTextQSAIndexer": "blocks"}
 
@@ -64,11 +68,29 @@ class Replay:
     record: bool = False
 
 
+class TopKRouter(Protocol):
+    """The members of transformers' ``*TopKRouter`` read here (matched by class name); a sigmoid router
+    (``glm_moe_dsa`` / ``glm5_next``) also has the grouped-choice members of ``SigmoidRouter``."""
+
+    top_k: int
+    hidden_dim: int
+    norm_topk_prob: bool
+    weight: Tensor
+
+
+class SigmoidRouter(TopKRouter, Protocol):
+    """A sigmoid router with a score bias and expert groups."""
+
+    e_score_correction_bias: Tensor
+    num_group: int
+    num_experts: int
+    topk_group: int
+    routed_scaling_factor: float
+
+
 def _decoder_modules(model: nn.Module) -> list[nn.Module]:
     """The modules of the decoder's layers, in order: not an MTP head's layer, which the sampling forward
     does not run (its routing is not recorded)."""
-    from albatross.models import decoder_layers
-
     return [m for layer in decoder_layers(model) for m in layer.modules()]
 
 
@@ -77,11 +99,11 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in _decoder_modules(model) if type(m).__name__.lower().endswith("topkrouter")]
 
 
-def _sigmoid(router: nn.Module) -> bool:
-    return hasattr(router, "e_score_correction_bias")
+def _sigmoid(router: TopKRouter) -> TypeGuard[SigmoidRouter]:
+    return hasattr(router, "e_score_correction_bias")  # a transformers router: which family's
 
 
-def _live_topk(router: nn.Module, scores_NE: Tensor) -> Tensor:
+def _live_topk(router: TopKRouter, scores_NE: Tensor) -> Tensor:
     """The family's own expert choice from fp32 scores (grouped, biased top-k for sigmoid routers)."""
     if not _sigmoid(router):
         return scores_NE.topk(router.top_k, dim=-1).indices
@@ -93,7 +115,7 @@ def _live_topk(router: nn.Module, scores_NE: Tensor) -> Tensor:
     return choice_NE.topk(router.top_k, dim=-1, sorted=False)[1]
 
 
-def _weights(router: nn.Module, scores_NE: Tensor, idx_NK: Tensor) -> Tensor:
+def _weights(router: TopKRouter, scores_NE: Tensor, idx_NK: Tensor) -> Tensor:
     w_NK = scores_NE.gather(1, idx_NK)
     if _sigmoid(router):
         if router.norm_topk_prob:
@@ -102,7 +124,7 @@ def _weights(router: nn.Module, scores_NE: Tensor, idx_NK: Tensor) -> Tensor:
     return w_NK / w_NK.sum(-1, keepdim=True) if router.norm_topk_prob else w_NK
 
 
-def _replayed_forward(router: nn.Module, replay: Replay, i: int, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _replayed_forward(router: TopKRouter, replay: Replay, i: int, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     h_NH = hidden.reshape(-1, router.hidden_dim)
     logits_NE = F.linear(h_NH.float(), router.weight.float())
     scores_NE = logits_NE.sigmoid() if _sigmoid(router) else logits_NE.softmax(-1)
@@ -131,11 +153,11 @@ def sparse_indexers(model: nn.Module) -> list[nn.Module]:
 def _check_indexers_called(model: nn.Module, indexers: list[nn.Module]) -> None:
     """Refuse attention layers whose forward no longer calls their indexer module: a whole-row replacement that
     selects keys itself (``trainer.fast_indexer``, ``models/indexer.py``) would leave a recorded selection unused."""
-    from albatross.models.segments import _replaced_forward
-
     for module in _decoder_modules(model):
+        forward = module.forward
+        # a transformers attention layer: whether it has an indexer, and which
         if any(getattr(module, "indexer", None) is ix for ix in indexers) and \
-                getattr(module.forward, "func", None) is _replaced_forward:
+                isinstance(forward, functools.partial) and forward.func is replaced_forward:
             raise NotImplementedError(f"routing replay cannot replay the indexer selections of {type(module).__name__}: "
                                       "its forward was replaced by one that selects keys itself "
                                       "(trainer.fast_indexer); turn one of them off")
@@ -163,21 +185,26 @@ def _indexer_forward(original: Callable[..., Any], kind: str, replay: Replay, j:
                      *args: Any, **kwargs: Any) -> Tensor:
     """The indexer as shipped, then its rows with a recorded selection replaced (and, recording, its last row's
     selection kept). Runs on the whole row or on one document of it (the cursor says which rows)."""
-    out = original(*args, **kwargs)
+    out: Tensor = original(*args, **kwargs)
     forced = _take_rows(replay, j, out.shape[2] if kind == "blocks" else out.shape[1])
-    forced = None if forced is None else forced.to(out.device)
-    replaying = forced is not None and bool((forced >= 0).any())
-    if not replaying and not replay.record:
+    forced = None if forced is None or not bool((forced >= 0).any()) else forced.to(out.device)
+    if forced is None and not replay.record:
         return out
-    visible = _visible(_indexer_args(args, kwargs)) if kind == "blocks" else None
-    if replaying:
-        if out.shape[0] != 1:
-            raise ValueError("routing replay: indexer selections are replayed on batch-1 rows only")
-        out = _replay_blocks(out, visible, forced, replay.ratios[j]) if kind == "blocks" \
-            else _replay_positions(out, forced)
+    if kind == "blocks":
+        visible = _visible(_indexer_args(args, kwargs))
+        out = out if forced is None else _replay_blocks(_batch_one(out), visible, forced, replay.ratios[j])
+        if replay.record:
+            replay.last_selection[j] = _last_blocks(out, visible, replay.ratios[j])
+        return out
+    out = out if forced is None else _replay_positions(_batch_one(out), forced)
     if replay.record:
-        replay.last_selection[j] = (_last_blocks(out, visible, replay.ratios[j]) if kind == "blocks"
-                                    else _last_positions(out))
+        replay.last_selection[j] = _last_positions(out)
+    return out
+
+
+def _batch_one(out: Tensor) -> Tensor:
+    if out.shape[0] != 1:
+        raise ValueError("routing replay: indexer selections are replayed on batch-1 rows only")
     return out
 
 
@@ -250,20 +277,27 @@ def _last_positions(indices_BSW: Tensor) -> list[int]:
 def install(model: nn.Module) -> Replay:
     """Route every MoE router and sparse-attention indexer of ``model`` through ``Replay`` (idempotent;
     parameters untouched)."""
-    current = getattr(model, "_albatross_replay", None)
+    current = installed(model)
     if current is not None:
         return current
     routers, indexers = moe_routers(model), sparse_indexers(model)
     _check_indexers_called(model, indexers)
     replay = Replay([None] * len(routers), [None] * len(routers), [None] * len(indexers), [0] * len(indexers),
-                    [[] for _ in indexers], [int(getattr(m, "compress_ratio", 1)) for m in indexers])
+                    [[] for _ in indexers], [int(getattr(m, "compress_ratio", 1)) for m in indexers])  # 1: DSA has none
     for i, router in enumerate(routers):
-        router.forward = functools.partial(_replayed_forward, router, replay, i)
+        # matched by class name (``moe_routers``): a transformers ``*TopKRouter``
+        router.forward = functools.partial(_replayed_forward, cast(TopKRouter, router), replay, i)
     for j, indexer in enumerate(indexers):
         kind = INDEXER_KINDS[type(indexer).__name__]
         indexer.forward = functools.partial(_indexer_forward, indexer.forward, kind, replay, j)
-    model._albatross_replay = replay
+    model.__dict__[_REPLAY] = replay
     return replay
+
+
+def installed(model: nn.Module) -> Replay | None:
+    """The ``Replay`` that ``install`` gave ``model``, or None."""
+    current = model.__dict__.get(_REPLAY)
+    return current if isinstance(current, Replay) else None
 
 
 def set_forced(replay: Replay, routing_TLK: Tensor | None) -> None:
@@ -278,7 +312,7 @@ def set_forced(replay: Replay, routing_TLK: Tensor | None) -> None:
         replay.forced[i] = None if routing_TLK is None else routing_TLK[:, i]
     with_indexers = routing_TLK is not None and routing_TLK.shape[1] == n_routers + n_indexers
     for j in range(n_indexers):
-        replay.selections[j] = routing_TLK[:, n_routers + j] if with_indexers else None  # type: ignore[index]
+        replay.selections[j] = routing_TLK[:, n_routers + j] if routing_TLK is not None and with_indexers else None
         replay.cursor[j] = 0
 
 

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+_SEGMENTED = "_albatross_segmented"  # flag on a module whose forward ``segmented`` / ``replaced`` swapped
+_LAYOUT = "_albatross_layout"  # the ``Layout`` a decoder's forward records (``track_layout``)
 DROPPED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens", "seq_idx")
 
 
@@ -113,12 +115,17 @@ def _segmented_forward(original: Callable[..., Any], layout: Layout, *args: Any,
     return _join(outs)
 
 
+def is_segmented(module: nn.Module) -> bool:
+    """``module``'s forward is already ``segmented`` or ``replaced`` on rows of documents."""
+    return bool(module.__dict__.get(_SEGMENTED, False))
+
+
 def segmented(module: nn.Module, layout: Layout) -> nn.Module:
     """Make ``module`` run each document of a packed row alone (idempotent; parameters untouched)."""
-    if getattr(module, "_albatross_segmented", False):
+    if is_segmented(module):
         return module
     module.forward = functools.partial(_segmented_forward, module.forward, layout)
-    module._albatross_segmented = True
+    module.__dict__[_SEGMENTED] = True
     return module
 
 
@@ -133,21 +140,21 @@ def track_layout(decoder: nn.Module, layout: Layout | None = None) -> Layout:
     Returns the decoder's layout: the one it already tracks (so modules swapped earlier and later share
     it), else ``layout`` (or a new one).
     """
-    current = getattr(decoder, "_albatross_layout", None)
-    if current is not None:
+    current = decoder.__dict__.get(_LAYOUT)
+    if isinstance(current, Layout):
         return current
     layout = layout if layout is not None else Layout()
     decoder.forward = functools.partial(_tracking_forward, decoder.forward, layout)
-    decoder._albatross_layout = layout
+    decoder.__dict__[_LAYOUT] = layout
     return layout
 
 
 def _has_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     values = [*args, kwargs.get("cache"), kwargs.get("past_key_values")]
-    return any(v is not None and hasattr(v, "get_seq_length") for v in values)
+    return any(v is not None and hasattr(v, "get_seq_length") for v in values)  # a transformers Cache
 
 
-def _replaced_forward(original: Callable[..., Any], packed: Callable[..., Any], layout: Layout,
+def replaced_forward(original: Callable[..., Any], packed: Callable[..., Any], layout: Layout,
                       module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not layout.lengths or _has_cache(args, kwargs):
         return original(*args, **kwargs)
@@ -159,8 +166,8 @@ def _replaced_forward(original: Callable[..., Any], packed: Callable[..., Any], 
 def replaced(module: nn.Module, layout: Layout, packed: Callable[..., Any]) -> nn.Module:
     """On rows of documents, run ``packed(module, lengths, *args, **kwargs)`` (the module's own arguments)
     instead of its forward, which still serves generation with a cache and inputs that are not rows."""
-    if getattr(module, "_albatross_segmented", False):
+    if is_segmented(module):
         return module
-    module.forward = functools.partial(_replaced_forward, module.forward, packed, layout, module)
-    module._albatross_segmented = True
+    module.forward = functools.partial(replaced_forward, module.forward, packed, layout, module)
+    module.__dict__[_SEGMENTED] = True
     return module

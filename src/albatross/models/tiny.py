@@ -81,7 +81,7 @@ def tiny_model(family: str, seed: int = 0, mtp: bool = True, **overrides: Any) -
 
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if family == "glm5_next" else AutoModelForCausalLM
-    model = auto.from_config(tiny_config(family, **overrides), dtype=torch.float32).eval()
+    model = auto.from_config(tiny_config(family, **overrides), dtype=torch.float32).eval()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     if mtp and family in MTP_LAYOUT:
         attach_mtp(model).eval()
     return model

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -31,7 +32,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 def _std(xs: Sequence[float]) -> float:
     m = _mean(xs)
-    return _mean([(x - m) ** 2 for x in xs]) ** 0.5
+    return math.sqrt(_mean([(x - m) ** 2 for x in xs]))
 
 
 def _check(scores: Sequence[float], successes: Sequence[bool]) -> None:

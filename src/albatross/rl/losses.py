@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from albatross.config import default
+from albatross.config import RLConfig, default
 
 LossOutput = tuple[Tensor, dict[str, float]]
 
@@ -85,7 +85,7 @@ def _token_masks(
 
 def _staleness_hist(staleness: Tensor) -> dict[str, float]:
     """Counts of fresh loss tokens per staleness value: ``staleness_hist/<k>``."""
-    values, counts = staleness.to(torch.long).unique(return_counts=True)
+    values, counts = torch.unique(staleness.to(torch.long), return_counts=True)
     return {f"staleness_hist/{int(v)}": float(c) for v, c in zip(values, counts, strict=True)}
 
 
@@ -292,17 +292,17 @@ def get_loss_fn(name: str, **knobs: object) -> LossFn:
     return functools.partial(fn, **knobs)
 
 
-# The ``[rl]`` fields each variant takes, by its own parameter names.
-_SHARED_KNOBS = {"max_staleness": "max_staleness", "p_floor": "p_floor", "n_floor": "n_floor"}
-_VARIANT_KNOBS = {
-    "tis": {"cap": "is_cap"},
-    "ppo_clip": {"eps_low": "clip_low", "eps_high": "clip_high"},
-    "cispo": {"eps_low": "clip_low", "eps_high": "clip_high"},
-    "masked_is": {"lo": "mask_low", "hi": "mask_high"},
-}
+def _variant_knobs(rl: RLConfig) -> dict[str, object]:
+    """The knobs of ``rl.loss`` alone, by its own parameter names."""
+    match rl.loss:
+        case "tis":
+            return {"cap": rl.is_cap}
+        case "ppo_clip" | "cispo":
+            return {"eps_low": rl.clip_low, "eps_high": rl.clip_high}
+        case "masked_is":
+            return {"lo": rl.mask_low, "hi": rl.mask_high}
 
 
-def loss_knobs(rl: object) -> dict[str, object]:
-    """The knobs of ``rl.loss`` read from an ``[rl]`` config section (``RLConfig``)."""
-    fields = {**_SHARED_KNOBS, **_VARIANT_KNOBS[rl.loss]}  # type: ignore[attr-defined]
-    return {param: getattr(rl, field) for param, field in fields.items()}
+def loss_knobs(rl: RLConfig) -> dict[str, object]:
+    """The knobs of ``rl.loss`` read from an ``[rl]`` config section."""
+    return {"max_staleness": rl.max_staleness, "p_floor": rl.p_floor, "n_floor": rl.n_floor, **_variant_knobs(rl)}

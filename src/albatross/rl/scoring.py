@@ -15,7 +15,7 @@ class GroupScorer:
     def __init__(self, cfg: RLConfig, test_weights: dict[str, dict[str, float]] | None = None) -> None:
         self.cfg = cfg
         self.test_weights = test_weights or {}
-        kw = {"std_normalize": cfg.std_normalize} if cfg.advantage == "grpo" else {}
+        kw: dict[str, object] = {"std_normalize": cfg.std_normalize} if cfg.advantage == "grpo" else {}
         if cfg.advantage == "topk":
             kw = {"k": cfg.topk}
         self.advantage_fn = get_advantage_fn(cfg.advantage, success_offset=cfg.success_offset,
