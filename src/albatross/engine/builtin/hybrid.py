@@ -26,13 +26,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from albatross.engine.base import Completion
+from albatross.engine.base import Completion, Stats
 from albatross.engine.builtin.runner import (
     Decode,
     ModelRunner,
     Request,
     SpecConfig,
-    Stats,
     _cache_kwarg,
     _Seq,
     check_state_dict,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, SamplingParams, Stats
 from albatross.engine.builtin import fastpath
 from albatross.engine.builtin.kvcache import Grid, PrefixCache, new_cache, prefix_grid
 from albatross.engine.builtin.sampling import (
@@ -65,19 +65,6 @@ def validate_request(
         raise ValueError("SamplingParams.stop must not contain an empty string")
     if params.stop and not can_decode:
         raise ValueError("SamplingParams.stop needs a tokenizer: give the engine one (or use stop_token_ids)")
-
-
-@dataclass
-class Stats:
-    """Counters since start (read from any thread; written by the worker only)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    forward_passes: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
 
 
 @dataclass

@@ -47,7 +47,7 @@ def _resolver(future: Future[Completion]) -> Done:
 class Scheduler:
     """Continuous batching of requests from many threads onto one runner; see the module docstring."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, max_prefill_tokens: int = 8192) -> None:
+    def __init__(self, runner: ModelRunner, max_batch_size: int, max_prefill_tokens: int) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.runner = runner
