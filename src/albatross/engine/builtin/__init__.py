@@ -40,8 +40,10 @@ def _load_model(path: str, dtype: torch.dtype | None) -> torch.nn.Module:
     if _is_vlm_checkpoint(path):  # glm5_next ships only as a vision-language model; its language model generates
         from albatross.models.tiny import load_any
 
-        return load_any(path, dtype)
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        vlm: torch.nn.Module = load_any(path, dtype)
+        return vlm
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model
 
 
 def _is_vlm_checkpoint(path: str) -> bool:

@@ -60,7 +60,8 @@ def new_hybrid_cache(model: torch.nn.Module) -> object:
     """An empty transformers cache with the family's layer kinds (recurrent, KV, indexed KV)."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=model.config)
+    config: Any = model.config  # a transformers PretrainedConfig (torch types the attribute Tensor | Module)
+    return DynamicCache(config=config)
 
 
 class Snapshots:
@@ -139,7 +140,8 @@ class HybridRunner(ModelRunner):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.version = version
-        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        lm: Any = model  # a transformers causal LM: torch.nn.Module does not declare its methods
+        self.vocab_size = int(lm.get_input_embeddings().num_embeddings)
         self.spec = SpecConfig()
         self.decode = decode
         self.prefix_cache = Snapshots(prefix_cache_tokens)
@@ -184,9 +186,11 @@ class HybridRunner(ModelRunner):
         if self.recorder is not None:
             seq.routing = seq.routing if seq.routing is not None else []
             seq.routing.append(self.recorder.last_token())
-        return out.logits[:, -1, :]
+        logits: torch.Tensor = out.logits
+        return logits[:, -1, :]
 
     def _sample_append(self, seq: _HybridSeq, logits_1V: torch.Tensor) -> str | None:
+        assert seq.st is not None  # set when the request started (``_start``)
         index = torch.tensor([len(seq.ids)], device=self.device)
         ids_1, logprobs_1 = sample(logits_1V, seq.st, index)
         seq.last_id = int(ids_1[0])

@@ -106,8 +106,9 @@ class MtpRunner(HybridRunner):
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         self.head = head.eval()
         self.draft_tokens = draft_tokens
-        self._decoder = self.model.get_decoder()
-        self._lm_head = self.model.get_output_embeddings()
+        lm: Any = self.model  # a transformers causal LM: torch.nn.Module does not declare its methods
+        self._decoder = lm.get_decoder()
+        self._lm_head = lm.get_output_embeddings()
 
     # ------------------------------------------------------------------------------------------ passes
 
@@ -117,7 +118,8 @@ class MtpRunner(HybridRunner):
         pos_1L = torch.arange(seq.cache_len, seq.cache_len + len(ids), device=self.device)[None]
         self.stats.forward_passes += 1
         out = self._decoder(input_ids=ids_1L, position_ids=pos_1L, cache=seq.cache, use_cache=True)
-        return out.last_hidden_state
+        hidden_1LD: torch.Tensor = out.last_hidden_state
+        return hidden_1LD
 
     def _feed(self, seq: _MtpSeq, start: int, hidden_1LD: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
         """Add the MTP entries of positions ``start - 1 .. start + len(tokens) - 2`` not added yet.
@@ -192,9 +194,9 @@ class MtpRunner(HybridRunner):
         with torch.inference_mode():
             for seq in list(self.running):
                 self.running.remove(seq)
-                self._settle(seq, self._spec_step(seq))
+                self._settle(seq, self._verify_step(seq))
 
-    def _spec_step(self, seq: _MtpSeq) -> str | None:
+    def _verify_step(self, seq: _MtpSeq) -> str | None:
         drafts = seq.drafts[: self._budget(seq)]
         inputs = [*seq.pending, seq.last_id, *drafts]
         state = snapshot(seq.cache) if drafts else None
@@ -222,6 +224,7 @@ class MtpRunner(HybridRunner):
     def _judge(self, seq: _MtpSeq, logits_TV: torch.Tensor, drafts: list[int]) -> tuple[int, int, list[float]]:
         """Verify ``drafts`` against the logits of their positions (``T = K + 1``): the number accepted, the
         token drawn after them, and the log-probs of the accepted drafts and of that token."""
+        assert seq.st is not None  # set when the request started (``_start``)
         index = torch.tensor([len(seq.ids)], device=self.device)
         K = len(drafts)
         if K == 0:

@@ -18,6 +18,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -131,7 +132,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.version = version
-        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        lm: Any = model  # a transformers causal LM: torch.nn.Module does not declare its methods
+        self.vocab_size = int(lm.get_input_embeddings().num_embeddings)
         self.spec = spec or SpecConfig()
         self.decode = decode
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -196,7 +198,8 @@ class ModelRunner:
             logits = fastpath.forward(self.model, ids_BT, mask_BL, pos_BT, cache, last_only)
             return logits[:, -1, :] if last_only else logits
         out = self.model(input_ids=ids_BT, attention_mask=mask_BL, position_ids=pos_BT, use_cache=True, **kwargs)
-        return out.logits[:, -1, :] if last_only else out.logits
+        hf_logits: torch.Tensor = out.logits
+        return hf_logits[:, -1, :] if last_only else hf_logits
 
     # ---------------------------------------------------------------------------------- admission
 
@@ -353,13 +356,14 @@ class ModelRunner:
     # ---------------------------------------------------------------------------------- finishing
 
     def _record(
-        self, seqs: list[_Seq], ids: list[int], logprobs: list[list[float]], st: SamplingTensors, grid: Grid
+        self, seqs: Sequence[_Seq | None], ids: list[int], logprobs: list[list[float]], st: SamplingTensors,
+        grid: Grid,
     ) -> list[bool]:
         return self._record_multi(seqs, [[i] for i in ids], logprobs, st, grid)
 
     def _record_multi(
-        self, seqs: list[_Seq], tokens: list[list[int]], logprobs: list[list[float]], st: SamplingTensors,
-        grid: Grid | None = None,
+        self, seqs: Sequence[_Seq | None], tokens: list[list[int]], logprobs: list[list[float]],
+        st: SamplingTensors, grid: Grid | None = None,
     ) -> list[bool]:
         """Append each row's new tokens; finish rows that are done; return which rows keep running."""
         keep = []
