@@ -153,7 +153,7 @@ class BuiltinEngine(SingleEngine):
         return EngineMetrics(closed=self.scheduler.closed, positions=positions if isinstance(positions, int) else None,
                              stats=replace(self.runner.stats), running_requests=self.runner.n_running,
                              waiting_requests=self.scheduler.n_waiting,
-                             prefix_cache_tokens=self.runner.prefix_cache.tokens)
+                             prefix_cache_tokens=self.runner.cached_tokens)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Completion]:
         return self.scheduler.submit(prompt_ids, params)

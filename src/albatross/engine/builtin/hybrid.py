@@ -22,7 +22,7 @@ import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -123,8 +123,9 @@ class _HybridSeq(_Seq):
 _S = TypeVar("_S", bound=_HybridSeq)
 
 
-class HybridRunner(ModelRunner):
-    """A ``ModelRunner`` for hybrid-cache models: per-request caches and forward passes (see the module docstring).
+class SequenceRunner(ModelRunner, Generic[_S]):
+    """A ``ModelRunner`` that runs each request (an ``_S``) on its own cache, one forward pass each: what
+    ``HybridRunner`` and ``mtp_runner.MtpRunner`` share. Its snapshots replace the KV prefix cache.
 
     ``record_routing``: record each generated token's chosen experts per MoE layer, then its indexers' selected
     keys per sparse-attention layer, in ``Completion.routing``.
@@ -144,7 +145,7 @@ class HybridRunner(ModelRunner):
         self.vocab_size = int(lm.get_input_embeddings().num_embeddings)
         self.spec = SpecConfig()
         self.decode = decode
-        self.prefix_cache = Snapshots(prefix_cache_tokens)
+        self.snapshots = Snapshots(prefix_cache_tokens)
         self.stats = Stats()
         self.fast_forward = False
         self._cache_kwarg = _cache_kwarg(model)
@@ -155,11 +156,15 @@ class HybridRunner(ModelRunner):
             from albatross.models.routing import RoutingRecorder
 
             self.recorder = RoutingRecorder(self.model)
-        self.running: list[_HybridSeq] = []
+        self.running: list[_S] = []
 
     @property
     def n_running(self) -> int:
         return len(self.running)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.snapshots.tokens
 
     def fail_all(self, exc: BaseException) -> None:
         running, self.running = self.running, []
@@ -173,7 +178,7 @@ class HybridRunner(ModelRunner):
             for name, tensor in state_dict.items():
                 targets[name].copy_(tensor)
         self.version = version
-        self.prefix_cache.clear()
+        self.snapshots.clear()
 
     def _forward_one(self, seq: _HybridSeq, ids: Sequence[int]) -> torch.Tensor:
         """One forward pass of ``ids`` on ``seq``'s cache; the last position's logits ``[1, V]``."""
@@ -209,6 +214,14 @@ class HybridRunner(ModelRunner):
         seq.st = build_sampling_tensors([request.params], [uniforms], self.vocab_size, self.device)
         return seq
 
+    def _settle(self, seq: _S, reason: str | None) -> None:
+        """Keep a running request (``reason`` None), or finish it and keep its cache as a snapshot."""
+        raise NotImplementedError
+
+
+class HybridRunner(SequenceRunner[_HybridSeq]):
+    """A ``ModelRunner`` for hybrid-cache models: per-request caches and forward passes (see the module docstring)."""
+
     def admit(self, items: Sequence[tuple[Request, object]]) -> None:
         """Prefill each request on its own cache (from a snapshot when one holds a prefix), sample its first token."""
         with torch.inference_mode():
@@ -216,7 +229,7 @@ class HybridRunner(ModelRunner):
                 seq = self._start(request, done, _HybridSeq)
                 if seq is None:
                     continue
-                seq.cache, seq.cached = self.prefix_cache.lookup(request.prompt_ids, self.version)
+                seq.cache, seq.cached = self.snapshots.lookup(request.prompt_ids, self.version)
                 seq.cache = seq.cache if seq.cache is not None else new_hybrid_cache(self.model)
                 self.stats.cached_prompt_tokens += seq.cached
                 logits = self._forward_one(seq, request.prompt_ids[seq.cached :])
@@ -234,7 +247,7 @@ class HybridRunner(ModelRunner):
             self.running.append(seq)
             return
         key = seq.request.prompt_ids + seq.ids[:-1]
-        if self.prefix_cache.max_tokens > 0:
-            self.prefix_cache.put(key, seq.cache, self.version)
+        if self.snapshots.max_tokens > 0:
+            self.snapshots.put(key, seq.cache, self.version)
         seq.cache = None
         seq.done(seq.completion(reason))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from albatross.engine.builtin.hybrid import HybridRunner, _HybridSeq, new_hybrid_cache
+from albatross.engine.builtin.hybrid import SequenceRunner, _HybridSeq, new_hybrid_cache
 from albatross.engine.builtin.runner import Decode, Request
 from albatross.engine.builtin.sampling import (
     log_distribution,
@@ -88,8 +88,8 @@ class _MtpSeq(_HybridSeq):
     mtp_out: torch.Tensor | None = None  # the head's output at its last entry [1, 1, D]
 
 
-class MtpRunner(HybridRunner):
-    """``HybridRunner`` with MTP speculative decoding: ``draft_tokens`` drafts per request and step."""
+class MtpRunner(SequenceRunner[_MtpSeq]):
+    """``hybrid.HybridRunner`` with MTP speculative decoding: ``draft_tokens`` drafts per request and step."""
 
     def __init__(
         self, model: torch.nn.Module, device: str | torch.device = "cpu", version: int = 0,
@@ -170,7 +170,7 @@ class MtpRunner(HybridRunner):
                 seq = self._start(request, done, _MtpSeq)
                 if seq is None:
                     continue
-                found, seq.cached = self.prefix_cache.lookup(request.prompt_ids, self.version)
+                found, seq.cached = self.snapshots.lookup(request.prompt_ids, self.version)
                 if isinstance(found, _SpecCache):
                     seq.cache, seq.mtp_cache, seq.last_hidden = found.target, found.mtp, found.last_hidden
                     seq.cache_len, seq.mtp_len = seq.cached, max(seq.cached - 1, 0)
@@ -244,8 +244,9 @@ class MtpRunner(HybridRunner):
             self.running.append(seq)
             return
         key = seq.request.prompt_ids + seq.ids[:-1]
-        if self.prefix_cache.max_tokens > 0 and self._sync(seq, key):
-            self.prefix_cache.put(key, _SpecCache(seq.cache, seq.mtp_cache, seq.last_hidden), self.version)
+        if self.snapshots.max_tokens > 0 and self._sync(seq, key):
+            assert seq.last_hidden is not None  # set by the prefill (``admit``)
+            self.snapshots.put(key, _SpecCache(seq.cache, seq.mtp_cache, seq.last_hidden), self.version)
         seq.cache = seq.mtp_cache = None
         seq.done(seq.completion(reason))
 

@@ -169,6 +169,11 @@ class ModelRunner:
 
     # ---------------------------------------------------------------------------------- batch
 
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the prefix cache holds."""
+        return self.prefix_cache.tokens
+
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.vocab_size, self.decode is not None)
 
