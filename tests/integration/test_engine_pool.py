@@ -137,3 +137,12 @@ def test_requests_in_flight_when_a_replica_dies_fail_as_engine_errors(model_dir:
             assert len(fresh.generate([[3]], GREEDY)[0].token_ids) == 6
     finally:
         pool.close()
+
+
+def test_process_replicas_take_the_engine_section(tmp_path: Path) -> None:
+    from albatross.engine.pool import ProcessReplica
+
+    default = ProcessReplica(tmp_path, tmp_path / "log", EngineConfig())
+    assert default.start_timeout_s == EngineConfig().start_timeout_s == 900.0
+    tuned = ProcessReplica(tmp_path, tmp_path / "log", EngineConfig(start_timeout_s=5, threads=2, max_batch_size=8))
+    assert (tuned.start_timeout_s, tuned.threads, tuned.max_batch_size) == (5, 2, 8)

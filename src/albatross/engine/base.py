@@ -7,18 +7,32 @@ Siblings: ``builtin/`` (PyTorch, in-process) and ``remote.py`` (vLLM / SGLang / 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
+
+from albatross.config import default
+
+if TYPE_CHECKING:
+    from albatross.config import SamplingConfig
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    """How one request samples; temperature, top-p and top-k default to the ``[sampling]`` section's defaults."""
+
+    temperature: float = default("sampling", "temperature")
+    top_p: float = default("sampling", "top_p")
+    top_k: int = default("sampling", "top_k")  # 0 = off
     max_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings (in the generated text); need a tokenizer
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, max_tokens: int, stop_token_ids: list[int] | None = None,
+                    seed: int | None = None) -> SamplingParams:
+        """The ``[sampling]`` section's temperature, top-p and top-k, for requests of ``max_tokens``."""
+        return cls(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                   max_tokens=max_tokens, stop_token_ids=list(stop_token_ids or []), seed=seed)
 
 
 @dataclass

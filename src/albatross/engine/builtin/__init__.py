@@ -20,6 +20,7 @@ from albatross.config import default
 from albatross.engine.base import Completion, EngineError, EngineMetrics, SamplingParams, SingleEngine, Stats
 from albatross.engine.builtin.hybrid import HybridRunner, needs_hybrid
 from albatross.engine.builtin.runner import (
+    PREFIX_CACHE_TOKENS,
     Decode,
     ModelRunner,
     SpecConfig,
@@ -110,7 +111,7 @@ class BuiltinEngine(SingleEngine):
         version: int = 0,
         dtype: torch.dtype | None = None,
         speculative: int | SpecConfig = 0,
-        prefix_cache_tokens: int = 65536,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
         decode: Decode | None = None,
         max_prefill_tokens: int = 8192,
         fast_forward: bool = True,

@@ -28,6 +28,7 @@ import torch
 
 from albatross.engine.base import Completion, Stats
 from albatross.engine.builtin.runner import (
+    PREFIX_CACHE_TOKENS,
     Decode,
     ModelRunner,
     Request,
@@ -133,7 +134,7 @@ class SequenceRunner(ModelRunner, Generic[_S]):
 
     def __init__(
         self, model: torch.nn.Module, device: str | torch.device = "cpu", version: int = 0,
-        prefix_cache_tokens: int = 65536, spec: SpecConfig | None = None, decode: Decode | None = None,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, spec: SpecConfig | None = None, decode: Decode | None = None,
         record_routing: bool = False,
     ) -> None:
         if spec is not None and spec.draft_tokens > 0:

@@ -92,8 +92,8 @@ class MtpRunner(SequenceRunner[_MtpSeq]):
     """``hybrid.HybridRunner`` with MTP speculative decoding: ``draft_tokens`` drafts per request and step."""
 
     def __init__(
-        self, model: torch.nn.Module, device: str | torch.device = "cpu", version: int = 0,
-        prefix_cache_tokens: int = 65536, draft_tokens: int = 2, decode: Decode | None = None,
+        self, model: torch.nn.Module, device: str | torch.device, version: int, prefix_cache_tokens: int,
+        draft_tokens: int, decode: Decode | None = None,
     ) -> None:
         from albatross.models.mtp import get_mtp
 

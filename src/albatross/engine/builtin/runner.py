@@ -116,6 +116,10 @@ _FREE = _Seq(Request([0], SamplingParams(temperature=0.0, max_tokens=1)), lambda
 """Stands in for a free slot when sampling tensors are built (its tokens are discarded)."""
 
 
+PREFIX_CACHE_TOKENS = 65536
+"""Default token budget of the KV (or snapshots) kept from finished requests for the next turn."""
+
+
 class ModelRunner:
     """Owns the model and the running batch; see the module docstring."""
 
@@ -124,7 +128,7 @@ class ModelRunner:
         model: torch.nn.Module,
         device: str | torch.device = "cpu",
         version: int = 0,
-        prefix_cache_tokens: int = 65536,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
         spec: SpecConfig | None = None,
         decode: Decode | None = None,
         fast_forward: bool = True,
