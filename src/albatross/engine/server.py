@@ -22,6 +22,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -399,7 +400,7 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
 
-def _content_length(headers: Any) -> int:
+def _content_length(headers: Message) -> int:
     if headers.get("Transfer-Encoding"):
         raise BadRequest("chunked request bodies are not supported: send Content-Length", HTTPStatus.LENGTH_REQUIRED)
     raw = headers.get("Content-Length") or "0"

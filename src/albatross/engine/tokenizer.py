@@ -189,7 +189,7 @@ class HFText:
         return text
 
     def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        if not getattr(self.tok, "chat_template", None):
+        if not getattr(self.tok, "chat_template", None):  # transformers: not every tokenizer kind has one
             raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
         bad = [m.get("role") for m in messages if m.get("role") not in CHAT_ROLES]
         if bad:

@@ -19,6 +19,7 @@ SUPPORTED = {"qwen2", "llama"}
 
 
 def supports(model: torch.nn.Module) -> bool:
+    # probes of a transformers model and its config: which family and layer layout it has
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in SUPPORTED:
         return False

@@ -30,6 +30,7 @@ from albatross.engine.base import Completion, Stats
 from albatross.engine.builtin.runner import (
     PREFIX_CACHE_TOKENS,
     Decode,
+    Done,
     ModelRunner,
     Request,
     SpecConfig,
@@ -50,7 +51,7 @@ def needs_hybrid(model: torch.nn.Module) -> bool:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", None)  # a transformers model's config (a plain torch module has none)
     if config is None:
         return False
     layers = getattr(DynamicCache(config=config), "layers", None) or []
@@ -202,7 +203,7 @@ class SequenceRunner(ModelRunner, Generic[_S]):
         seq.last_id = int(ids_1[0])
         return self._append(seq, [seq.last_id], [float(logprobs_1[0])])
 
-    def _start(self, request: Request, done: Any, seq_type: type[_S]) -> _S | None:
+    def _start(self, request: Request, done: Done, seq_type: type[_S]) -> _S | None:
         """Count the request and make its sequence with its sampling tensors; None (finished at once) when it
         asks for no tokens."""
         self.stats.requests += 1
@@ -223,7 +224,7 @@ class SequenceRunner(ModelRunner, Generic[_S]):
 class HybridRunner(SequenceRunner[_HybridSeq]):
     """A ``ModelRunner`` for hybrid-cache models: per-request caches and forward passes (see the module docstring)."""
 
-    def admit(self, items: Sequence[tuple[Request, object]]) -> None:
+    def admit(self, items: Sequence[tuple[Request, Done]]) -> None:
         """Prefill each request on its own cache (from a snapshot when one holds a prefix), sample its first token."""
         with torch.inference_mode():
             for request, done in items:

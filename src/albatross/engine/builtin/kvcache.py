@@ -103,7 +103,7 @@ def new_cache(model: torch.nn.Module) -> object:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", None)  # transformers' model and cache: probed, they differ by version
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     layers = getattr(cache, "layers", None)
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from albatross.engine.builtin.hybrid import SequenceRunner, _HybridSeq, new_hybrid_cache
-from albatross.engine.builtin.runner import Decode, Request
+from albatross.engine.builtin.runner import Decode, Done, Request
 from albatross.engine.builtin.sampling import (
     log_distribution,
     sample,
@@ -45,7 +45,7 @@ def snapshot(cache: Any) -> _CacheState:
     """Copy ``cache``'s recurrent states and note its KV layers' lengths (cheap: no KV copied)."""
     recurrent, kv = [], []
     for layer in cache.layers:
-        if hasattr(layer, "recurrent_states"):
+        if hasattr(layer, "recurrent_states"):  # transformers' linear-attention cache layers have it
             conv = {i: t.clone() for i, t in layer.conv_states.items() if isinstance(t, torch.Tensor)}
             rec = {i: t.clone() for i, t in layer.recurrent_states.items() if isinstance(t, torch.Tensor)}
             recurrent.append((layer, conv, rec))
@@ -163,7 +163,7 @@ class MtpRunner(SequenceRunner[_MtpSeq]):
 
     # ------------------------------------------------------------------------------------------ requests
 
-    def admit(self, items: Sequence[tuple[Request, object]]) -> None:
+    def admit(self, items: Sequence[tuple[Request, Done]]) -> None:
         """Prefill each request (from a snapshot when one holds a prefix), sample its first token, draft."""
         with torch.inference_mode():
             for request, done in items:

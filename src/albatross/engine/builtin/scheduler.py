@@ -51,6 +51,7 @@ class Scheduler:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.runner = runner
+        # the transformers config's positions (a plain torch module has no config)
         self.positions: int | None = getattr(getattr(runner.model, "config", None), "max_position_embeddings", None)
         """The model's positions: a request's ``max_tokens`` is clamped to the room its prompt leaves."""
         self.max_batch_size = max_batch_size
