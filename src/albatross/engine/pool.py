@@ -403,7 +403,8 @@ class EnginePool:
         self._applied[i] = loaded[0]
         with self._lock:
             self.restarts += 1
-        at = loaded[0][1] if loaded[0] else r.engine.version if r.engine is not None else self.version
+        served = r.engine.version if r.engine is not None else self.version  # no weights pushed: its own
+        at = loaded[0][1] if loaded[0] else served
         self.log(f"[engine] replica {i} restarted as pid {r.pid} at version {at}")
         if self.on_restart is not None:
             self.on_restart(self)
