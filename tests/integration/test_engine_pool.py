@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from albatross.config import EngineConfig
 from albatross.engine import BuiltinEngine, Completion, SamplingParams
 from albatross.engine.base import EngineError, SingleEngine
 from albatross.engine.pool import EnginePool, LocalReplica
@@ -78,7 +79,7 @@ def _perturbed_weights(model_dir: Path, root: Path, version: int) -> Path:
 
 def test_a_killed_replica_process_is_restarted_with_the_newest_weights(model_dir: Path, tmp_path: Path) -> None:
     logs: list[str] = []
-    pool = EnginePool.of_processes(model_dir, 2, tmp_path / "logs", log=logs.append)
+    pool = EnginePool.of_processes(model_dir, EngineConfig(replicas=2), tmp_path / "logs", log=logs.append)
     pids = list(pool.pids().values())
     try:
         prompt = [[3, 4, 5]]
@@ -111,7 +112,7 @@ def test_a_killed_replica_process_is_restarted_with_the_newest_weights(model_dir
 
 
 def test_requests_in_flight_when_a_replica_dies_fail_as_engine_errors(model_dir: Path, tmp_path: Path) -> None:
-    pool = EnginePool.of_processes(model_dir, 1, tmp_path / "logs", log=lambda _: None)
+    pool = EnginePool.of_processes(model_dir, EngineConfig(), tmp_path / "logs", log=lambda _: None)
     errors: list[BaseException] = []
     try:
         session = pool.session()
@@ -136,3 +137,12 @@ def test_requests_in_flight_when_a_replica_dies_fail_as_engine_errors(model_dir:
             assert len(fresh.generate([[3]], GREEDY)[0].token_ids) == 6
     finally:
         pool.close()
+
+
+def test_process_replicas_take_the_engine_section(tmp_path: Path) -> None:
+    from albatross.engine.pool import ProcessReplica
+
+    default = ProcessReplica(tmp_path, tmp_path / "log", EngineConfig())
+    assert default.start_timeout_s == EngineConfig().start_timeout_s == 900.0
+    tuned = ProcessReplica(tmp_path, tmp_path / "log", EngineConfig(start_timeout_s=5, threads=2, max_batch_size=8))
+    assert (tuned.start_timeout_s, tuned.threads, tuned.max_batch_size) == (5, 2, 8)

@@ -350,3 +350,26 @@ def test_engine_failures_are_engine_errors_that_the_harness_retries():
     engine.close()
     with pytest.raises(EngineError):
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+
+
+def test_sampling_params_default_to_the_sampling_section_and_come_from_it() -> None:
+    from albatross.config import SamplingConfig
+
+    neutral, section = SamplingParams(), SamplingConfig()
+    assert (neutral.temperature, neutral.top_p, neutral.top_k) == (section.temperature, section.top_p, section.top_k)
+    params = SamplingParams.from_config(SamplingConfig(temperature=0.3, top_p=0.9, top_k=5), 12, [2], seed=4)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.3, 0.9, 5, 12)
+    assert (params.stop_token_ids, params.seed, params.stop) == ([2], 4, [])
+
+
+def test_metrics_report_the_model_the_counters_and_closing() -> None:
+    model = tiny_model(0)
+    engine = BuiltinEngine(model)
+    assert engine.metrics().positions == model.config.max_position_embeddings
+    engine.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=4))
+    measured = engine.metrics()
+    assert measured.stats is not None and (measured.stats.requests, measured.stats.generated_tokens) == (1, 4)
+    assert (measured.closed, measured.running_requests, measured.waiting_requests) == (False, 0, 0)
+    assert measured.prefix_cache_tokens == 3 + 4 - 1  # the finished request's ids but the last
+    engine.close()
+    assert engine.metrics().closed

@@ -90,7 +90,8 @@ def test_concurrent_requests_and_weight_swap(family: str) -> None:
     with BuiltinEngine(model) as engine:
         assert [c.token_ids for c in engine.generate(prompts, params)] == want
         engine.update_weights_from_state_dict(other.state_dict(), version=1)
-        assert len(engine.runner.prefix_cache) == 0
+        assert isinstance(engine.runner, HybridRunner)
+        assert len(engine.runner.snapshots) == 0
         got = engine.generate([prompts[0]], params)[0]
     assert got.token_ids == want_other and set(got.versions) == {1}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,9 +26,10 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file()
 
 
-def adapter_config(path: str | Path) -> dict:
+def adapter_config(path: str | Path) -> dict[str, Any]:
     """The adapter's ``adapter_config.json``."""
-    return json.loads((Path(path) / CONFIG).read_text())
+    config: dict[str, Any] = json.loads((Path(path) / CONFIG).read_text())
+    return config
 
 
 def adapter_rank(path: str | Path) -> int:
@@ -35,7 +37,7 @@ def adapter_rank(path: str | Path) -> int:
     return int(adapter_config(path)["r"])
 
 
-def _scale(config: dict, path: Path) -> float:
+def _scale(config: dict[str, Any], path: Path) -> float:
     if config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"{path / CONFIG}: DoRA and per-module rank_pattern / alpha_pattern are not supported")
     if config.get("fan_in_fan_out"):

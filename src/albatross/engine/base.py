@@ -7,18 +7,32 @@ Siblings: ``builtin/`` (PyTorch, in-process) and ``remote.py`` (vLLM / SGLang / 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
+
+from albatross.config import default
+
+if TYPE_CHECKING:
+    from albatross.config import SamplingConfig
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    """How one request samples; temperature, top-p and top-k default to the ``[sampling]`` section's defaults."""
+
+    temperature: float = default("sampling", "temperature")
+    top_p: float = default("sampling", "top_p")
+    top_k: int = default("sampling", "top_k")  # 0 = off
     max_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings (in the generated text); need a tokenizer
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, max_tokens: int, stop_token_ids: list[int] | None = None,
+                    seed: int | None = None) -> SamplingParams:
+        """The ``[sampling]`` section's temperature, top-p and top-k, for requests of ``max_tokens``."""
+        return cls(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                   max_tokens=max_tokens, stop_token_ids=list(stop_token_ids or []), seed=seed)
 
 
 @dataclass
@@ -32,6 +46,32 @@ class Completion:
     routing: list[list[list[int]]] | None = None  # per generated token, per MoE layer: the chosen experts (routing replay)
 
 
+@dataclass
+class Stats:
+    """Counters since start (read from any thread; written by the engine's worker only)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forward_passes: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """What an engine measures of itself (``albatross serve``'s ``/health`` and ``/metrics``); a field it does
+    not measure is None. Only an engine running a model in this process (``BuiltinEngine``) fills them in."""
+
+    closed: bool = False  # shut down: it takes no more requests
+    positions: int | None = None  # the model's positions (``max_position_embeddings``)
+    stats: Stats | None = None  # a snapshot of its counters
+    running_requests: int | None = None  # requests in the running batch
+    waiting_requests: int | None = None  # requests waiting to join it
+    prefix_cache_tokens: int | None = None  # tokens the prefix cache holds
+
+
 class EngineError(RuntimeError):
     """The engine could not serve a request (its process died, its server is unreachable): an
     infrastructure error for the attempt, which is retried, never a failure of the model."""
@@ -40,8 +80,12 @@ class EngineError(RuntimeError):
 class Engine(Protocol):
     """Every member a caller of an engine uses; ``SingleEngine`` gives the defaults of a one-replica engine."""
 
-    version: int
     restarts: int  # replica processes started again after dying
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the next tokens come from."""
+        ...
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Generate one completion per prompt (batched). Thread-safe."""
@@ -49,7 +93,8 @@ class Engine(Protocol):
 
     def update_weights(self, path: str, version: int) -> None:
         """Load weights from a safetensors checkpoint directory; later tokens carry ``version``. Requests in flight
-        keep running. (An ``EnginePool`` also takes ``""``: the weights were pushed into its servers over NCCL.)"""
+        keep running. An empty ``path`` (an ``EnginePool``, or a client of a vLLM / SGLang server): the weights
+        were pushed into the servers over NCCL already, and only the version label moves."""
         ...
 
     def session(self) -> Engine:
@@ -66,6 +111,10 @@ class Engine(Protocol):
     @property
     def num_replicas(self) -> int: ...
 
+    def metrics(self) -> EngineMetrics:
+        """What the engine measures of itself now (``EngineMetrics``)."""
+        ...
+
     def pids(self) -> dict[str, int]:
         """Processes this engine started (``run/pids.json``), by name."""
         ...
@@ -79,7 +128,8 @@ class SingleEngine:
     restarts = 0
 
     def session(self) -> Engine:
-        return _Borrowed(self)
+        # a subclass is an Engine: it adds version, generate, update_weights and close to these defaults
+        return _Borrowed(cast(Engine, self))
 
     @property
     def busy_seconds(self) -> float | None:
@@ -89,6 +139,9 @@ class SingleEngine:
     def num_replicas(self) -> int:
         return 1
 
+    def metrics(self) -> EngineMetrics:
+        return EngineMetrics()
+
     def pids(self) -> dict[str, int]:
         return {}
 
@@ -96,7 +149,7 @@ class SingleEngine:
 class _Borrowed(SingleEngine):
     """A one-replica engine lent to one attempt: everything but ``close`` goes to the engine."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     @property

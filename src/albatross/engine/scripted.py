@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from albatross.engine.base import Completion, SamplingParams, SingleEngine
 
 
@@ -12,7 +14,7 @@ class ScriptedEngine(SingleEngine):
     and every token carries ``version``.
     """
 
-    def __init__(self, actions: list[str], encode, version: int = 0) -> None:
+    def __init__(self, actions: list[str], encode: Callable[[str], list[int]], version: int = 0) -> None:
         if not actions:
             raise ValueError("ScriptedEngine needs at least one action")
         self.actions, self.encode, self.version = list(actions), encode, version

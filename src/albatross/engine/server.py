@@ -22,11 +22,12 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from albatross.engine.base import Completion, EngineError, SamplingParams
+from albatross.engine.base import Completion, Engine, EngineError, SamplingParams
 from albatross.engine.tokenizer import TextTokenizer
 
 MAX_BODY = 16 * 1024 * 1024
@@ -97,7 +98,7 @@ def _token_list(value: Any, key: str) -> list[int]:
 
 
 def _seed(body: dict[str, Any]) -> int | None:
-    seed = _field(body, "seed", int, None)
+    seed: int | None = _field(body, "seed", int, None)
     if seed is not None and not -INT64 <= seed < 2 * INT64:
         raise BadRequest(f"'seed' must fit in 64 bits, got {seed}")
     return seed
@@ -157,13 +158,6 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def model_positions(engine: Any) -> int | None:
-    """The model's positions (``max_position_embeddings``) when the engine runs a local model, else None."""
-    config = getattr(getattr(engine, "model", None), "config", None)
-    positions = getattr(config, "max_position_embeddings", None)
-    return positions if isinstance(positions, int) else None
-
-
 # ------------------------------------------------------------------------------------------ responses
 
 
@@ -199,7 +193,7 @@ def completion_response(model: str, tok: TextTokenizer, prompts: list[list[int]]
 
 def chat_response(model: str, tok: TextTokenizer, prompt: list[int], out: Completion,
                   with_logprobs: bool) -> dict[str, Any]:
-    logprobs = None
+    logprobs: dict[str, Any] | None = None
     if with_logprobs:
         logprobs = {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
                                 for t, lp in zip(out.token_ids, out.logprobs, strict=True)]}
@@ -217,13 +211,14 @@ def chat_response(model: str, tok: TextTokenizer, prompt: list[int], out: Comple
 class EngineServer:
     """Serves ``engine`` (``generate`` / ``update_weights`` / ``version``) with tokenizer ``tok`` over HTTP."""
 
-    def __init__(self, engine: Any, tok: TextTokenizer, model_name: str, host: str = "127.0.0.1",
+    def __init__(self, engine: Engine, tok: TextTokenizer, model_name: str, host: str = "127.0.0.1",
                  port: int = 0, max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.engine, self.tok, self.model_name = engine, tok, model_name
-        self.stop_ids: list[int] = list(getattr(tok, "stop_ids", []))
-        self.positions = model_positions(engine)
+        self.stop_ids: list[int] = list(tok.stop_ids)
+        self.positions = engine.metrics().positions
+        """The model's positions when the engine runs a model in this process, else None."""
         self.max_concurrency = max_concurrency
         self.http_requests: Counter[tuple[str, int]] = Counter()
         self._lock = threading.Lock()
@@ -235,7 +230,7 @@ class EngineServer:
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}"
 
     def start(self) -> EngineServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="albatross-http", daemon=True)
@@ -294,10 +289,10 @@ class EngineServer:
         raise BadRequest(f"no route {path}", HTTPStatus.NOT_FOUND)
 
     def health(self, _: dict[str, Any]) -> tuple[int, Any]:
-        closed = getattr(getattr(self.engine, "scheduler", None), "closed", False)
+        closed, busy = self.engine.metrics().closed, self.engine.busy_seconds
         status = HTTPStatus.SERVICE_UNAVAILABLE if closed else HTTPStatus.OK
         return status, {"status": "closed" if closed else "ok", "version": self.engine.version,
-                        "busy_s": float(getattr(self.engine, "busy_seconds", 0.0))}
+                        "busy_s": 0.0 if busy is None else float(busy)}
 
     def models(self, _: dict[str, Any]) -> tuple[int, Any]:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "albatross",
@@ -316,9 +311,7 @@ class EngineServer:
             return self.engine.generate(prompts, params)
         except ValueError as e:  # the engine's own validation: bad ids, bad parameters
             raise BadRequest(str(e)) from e
-        except (EngineError, RuntimeError) as e:  # closed (shutting down) or unreachable: 503, else a 500
-            if not isinstance(e, EngineError) and type(e).__name__ != "EngineClosed":
-                raise
+        except EngineError as e:  # closed (shutting down) or unreachable: 503 (any other error: a 500)
             raise BadRequest(str(e), HTTPStatus.SERVICE_UNAVAILABLE) from e
 
     def completions(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -373,20 +366,24 @@ def prometheus_text(server: EngineServer) -> str:
         lines.extend([f"# HELP albatross_{name} {help_}", f"# TYPE albatross_{name} {kind}"])
         lines.extend(f"albatross_{name}{labels} {value}" for labels, value in samples)
 
-    stats = getattr(engine, "stats", None)
+    measured = engine.metrics()
+    stats = measured.stats
     if stats is not None:
-        for field_, help_ in (("requests", "Requests admitted"), ("prompt_tokens", "Prompt tokens"),
-                              ("cached_prompt_tokens", "Prompt tokens served from the prefix cache"),
-                              ("generated_tokens", "Generated tokens"), ("forward_passes", "Model forward passes"),
-                              ("draft_tokens", "Speculative draft tokens proposed"),
-                              ("accepted_draft_tokens", "Speculative draft tokens accepted")):
-            metric(f"{field_}_total", "counter", help_, [("", getattr(stats, field_))])
-    scheduler = getattr(engine, "scheduler", None)
-    if scheduler is not None:
-        metric("running_requests", "gauge", "Requests in the running batch", [("", scheduler.runner.n_running)])
-        metric("waiting_requests", "gauge", "Requests waiting to join", [("", scheduler.n_waiting)])
-        metric("prefix_cache_tokens", "gauge", "Tokens held by the prefix cache",
-               [("", scheduler.runner.prefix_cache.tokens)])
+        for name, value, help_ in (
+                ("requests", stats.requests, "Requests admitted"),
+                ("prompt_tokens", stats.prompt_tokens, "Prompt tokens"),
+                ("cached_prompt_tokens", stats.cached_prompt_tokens, "Prompt tokens served from the prefix cache"),
+                ("generated_tokens", stats.generated_tokens, "Generated tokens"),
+                ("forward_passes", stats.forward_passes, "Model forward passes"),
+                ("draft_tokens", stats.draft_tokens, "Speculative draft tokens proposed"),
+                ("accepted_draft_tokens", stats.accepted_draft_tokens, "Speculative draft tokens accepted")):
+            metric(f"{name}_total", "counter", help_, [("", value)])
+    gauges = (("running_requests", measured.running_requests, "Requests in the running batch"),
+              ("waiting_requests", measured.waiting_requests, "Requests waiting to join"),
+              ("prefix_cache_tokens", measured.prefix_cache_tokens, "Tokens held by the prefix cache"))
+    for name, gauge, help_ in gauges:
+        if gauge is not None:
+            metric(name, "gauge", help_, [("", gauge)])
     metric("weight_version", "gauge", "Policy version of the weights in use", [("", engine.version)])
     with server._lock:
         counts, in_flight = sorted(server.http_requests.items()), server.in_flight
@@ -403,7 +400,7 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
 
-def _content_length(headers: Any) -> int:
+def _content_length(headers: Message) -> int:
     if headers.get("Transfer-Encoding"):
         raise BadRequest("chunked request bodies are not supported: send Content-Length", HTTPStatus.LENGTH_REQUIRED)
     raw = headers.get("Content-Length") or "0"

@@ -85,8 +85,9 @@ def tiny_hf_tokenizer(words: list[str], word_pattern: str = WORD_PATTERN) -> Any
     ])
     tok.decoder = decoders.Sequence([decoders.Replace(_MARK, ""), decoders.ByteLevel()])
     tok.add_special_tokens(SPECIALS)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>", pad_token="<|pad|>",
-                                  clean_up_tokenization_spaces=False, additional_special_tokens=SPECIALS[2:])
+    out = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers: an untyped constructor
+        tokenizer_object=tok, eos_token="<|eos|>", pad_token="<|pad|>", clean_up_tokenization_spaces=False,
+        additional_special_tokens=SPECIALS[2:])
     out.chat_template = TINY_CHAT_TEMPLATE
     return out
 
@@ -135,7 +136,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 def turn_end(tokenizer: Any, template: str | None = None) -> str:
     """The text the chat template writes right after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
     probe = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
-    text = tokenizer.apply_chat_template(probe, tokenize=False, chat_template=template)
+    text: str = tokenizer.apply_chat_template(probe, tokenize=False, chat_template=template)
     return text[text.rindex("PONG") + len("PONG"):]
 
 
@@ -175,7 +176,7 @@ class HFText:
         self.tok = load_tokenizer(directory)
         self.vocab_size, self.eos_id = len(self.tok), self.tok.eos_token_id
         self.stop_ids = [self.eos_id] if self.eos_id is not None else []
-        if getattr(self.tok, "chat_template", None):
+        if getattr(self.tok, "chat_template", None):  # a transformers tokenizer: not every kind has the attribute
             stop = stop_token_id(self.tok)
             if stop is not None and stop not in self.stop_ids:
                 self.stop_ids.insert(0, stop)
@@ -184,10 +185,11 @@ class HFText:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+        text: str = self.tok.decode(list(ids), skip_special_tokens=True)
+        return text
 
     def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        if not getattr(self.tok, "chat_template", None):
+        if not getattr(self.tok, "chat_template", None):  # transformers: not every tokenizer kind has one
             raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
         bad = [m.get("role") for m in messages if m.get("role") not in CHAT_ROLES]
         if bad:

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from albatross.engine.base import Completion, EngineError, SamplingParams, SingleEngine
+from albatross.config import default
+from albatross.engine.base import Completion, EngineError, EngineMetrics, SamplingParams, SingleEngine, Stats
 from albatross.engine.builtin.hybrid import HybridRunner, needs_hybrid
 from albatross.engine.builtin.runner import (
+    PREFIX_CACHE_TOKENS,
     Decode,
     ModelRunner,
     SpecConfig,
-    Stats,
     check_state_dict,
     read_safetensors_dir,
 )
@@ -39,8 +41,10 @@ def _load_model(path: str, dtype: torch.dtype | None) -> torch.nn.Module:
     if _is_vlm_checkpoint(path):  # glm5_next ships only as a vision-language model; its language model generates
         from albatross.models.tiny import load_any
 
-        return load_any(path, dtype)
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        vlm: torch.nn.Module = load_any(path, dtype)
+        return vlm
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model
 
 
 def _is_vlm_checkpoint(path: str) -> bool:
@@ -103,11 +107,11 @@ class BuiltinEngine(SingleEngine):
         self,
         model: torch.nn.Module | str,
         device: str = "cpu",
-        max_batch_size: int = 64,
+        max_batch_size: int = default("engine", "max_batch_size"),
         version: int = 0,
         dtype: torch.dtype | None = None,
         speculative: int | SpecConfig = 0,
-        prefix_cache_tokens: int = 65536,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
         decode: Decode | None = None,
         max_prefill_tokens: int = 8192,
         fast_forward: bool = True,
@@ -121,13 +125,12 @@ class BuiltinEngine(SingleEngine):
         spec = speculative if isinstance(speculative, SpecConfig) else SpecConfig(draft_tokens=speculative)
         if spec.method not in ("ngram", "mtp"):
             raise ValueError(f"speculative method must be 'ngram' or 'mtp', got {spec.method!r}")
+        self.runner: ModelRunner
         if spec.method == "mtp" and spec.draft_tokens > 0:
             self.runner = _mtp_runner(module, model, device, version, prefix_cache_tokens, spec, decode,
                                       record_routing)
         elif record_routing or needs_hybrid(module):
-            self.runner: ModelRunner = HybridRunner(
-                module, device, version, prefix_cache_tokens, spec, decode, record_routing
-            )
+            self.runner = HybridRunner(module, device, version, prefix_cache_tokens, spec, decode, record_routing)
         else:
             self.runner = ModelRunner(module, device, version, prefix_cache_tokens, spec, decode, fast_forward)
         self.scheduler = Scheduler(self.runner, max_batch_size, max_prefill_tokens)
@@ -145,6 +148,13 @@ class BuiltinEngine(SingleEngine):
     @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
+
+    def metrics(self) -> EngineMetrics:
+        positions = self.scheduler.positions
+        return EngineMetrics(closed=self.scheduler.closed, positions=positions if isinstance(positions, int) else None,
+                             stats=replace(self.runner.stats), running_requests=self.runner.n_running,
+                             waiting_requests=self.scheduler.n_waiting,
+                             prefix_cache_tokens=self.runner.cached_tokens)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future[Completion]:
         return self.scheduler.submit(prompt_ids, params)

@@ -10,6 +10,8 @@ not recognise (other architectures, sliding windows, extra norms) use ``transfor
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,7 @@ SUPPORTED = {"qwen2", "llama"}
 
 
 def supports(model: torch.nn.Module) -> bool:
+    # probes of a transformers model and its config: which family and layer layout it has
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in SUPPORTED:
         return False
@@ -26,14 +29,17 @@ def supports(model: torch.nn.Module) -> bool:
         return False
     layers = getattr(getattr(model, "model", None), "layers", None)
     need = ("q_proj", "k_proj", "v_proj", "o_proj")
-    return bool(layers) and all(hasattr(layer.self_attn, n) for layer in layers for n in need) and not any(
+    if not layers:
+        return False
+    return all(hasattr(layer.self_attn, n) for layer in layers for n in need) and not any(
         hasattr(layer.self_attn, "q_norm") for layer in layers
     )
 
 
 def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))  # transformers' norms name it either way
+    weight = cast(torch.Tensor, norm.weight)  # an RMSNorm's weight is a Parameter (torch types it Tensor | Module)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _rope(x_BHTD: torch.Tensor, cos_B1TD: torch.Tensor, sin_B1TD: torch.Tensor) -> torch.Tensor:
@@ -75,7 +81,9 @@ def forward(
     cache: object, last_only: bool,
 ) -> torch.Tensor:
     """Logits ``[B, T, V]`` (``[B, 1, V]`` with ``last_only``); appends the new K/V to ``cache``."""
-    inner = model.model
+    # a transformers Qwen2 / Llama model (``supports``): torch types its submodules as ``Tensor | Module``
+    inner: Any = model.model
+    head: Any = model.lm_head
     h_BTC = inner.embed_tokens(ids_BT)
     cos, sin = inner.rotary_emb(h_BTC, pos_BT)
     cos_B1TD, sin_B1TD = cos[:, None], sin[:, None]
@@ -97,4 +105,5 @@ def forward(
         mlp = layer.mlp
         h_BTC = h_BTC + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     h_BTC = _rms(h_BTC[:, -1:] if last_only else h_BTC, inner.norm)
-    return model.lm_head(h_BTC)
+    logits_BTV: torch.Tensor = head(h_BTC)
+    return logits_BTV

@@ -22,17 +22,18 @@ import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
-from albatross.engine.base import Completion
+from albatross.engine.base import Completion, Stats
 from albatross.engine.builtin.runner import (
+    PREFIX_CACHE_TOKENS,
     Decode,
+    Done,
     ModelRunner,
     Request,
     SpecConfig,
-    Stats,
     _cache_kwarg,
     _Seq,
     check_state_dict,
@@ -50,7 +51,7 @@ def needs_hybrid(model: torch.nn.Module) -> bool:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", None)  # a transformers model's config (a plain torch module has none)
     if config is None:
         return False
     layers = getattr(DynamicCache(config=config), "layers", None) or []
@@ -61,7 +62,8 @@ def new_hybrid_cache(model: torch.nn.Module) -> object:
     """An empty transformers cache with the family's layer kinds (recurrent, KV, indexed KV)."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=model.config)
+    config: Any = model.config  # a transformers PretrainedConfig (torch types the attribute Tensor | Module)
+    return DynamicCache(config=config)
 
 
 class Snapshots:
@@ -123,8 +125,9 @@ class _HybridSeq(_Seq):
 _S = TypeVar("_S", bound=_HybridSeq)
 
 
-class HybridRunner(ModelRunner):
-    """A ``ModelRunner`` for hybrid-cache models: per-request caches and forward passes (see the module docstring).
+class SequenceRunner(ModelRunner, Generic[_S]):
+    """A ``ModelRunner`` that runs each request (an ``_S``) on its own cache, one forward pass each: what
+    ``HybridRunner`` and ``mtp_runner.MtpRunner`` share. Its snapshots replace the KV prefix cache.
 
     ``record_routing``: record each generated token's chosen experts per MoE layer, then its indexers' selected
     keys per sparse-attention layer, in ``Completion.routing``.
@@ -132,7 +135,7 @@ class HybridRunner(ModelRunner):
 
     def __init__(
         self, model: torch.nn.Module, device: str | torch.device = "cpu", version: int = 0,
-        prefix_cache_tokens: int = 65536, spec: SpecConfig | None = None, decode: Decode | None = None,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, spec: SpecConfig | None = None, decode: Decode | None = None,
         record_routing: bool = False,
     ) -> None:
         if spec is not None and spec.draft_tokens > 0:
@@ -140,10 +143,11 @@ class HybridRunner(ModelRunner):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.version = version
-        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        lm: Any = model  # a transformers causal LM: torch.nn.Module does not declare its methods
+        self.vocab_size = int(lm.get_input_embeddings().num_embeddings)
         self.spec = SpecConfig()
         self.decode = decode
-        self.prefix_cache = Snapshots(prefix_cache_tokens)
+        self.snapshots = Snapshots(prefix_cache_tokens)
         self.stats = Stats()
         self.fast_forward = False
         self._cache_kwarg = _cache_kwarg(model)
@@ -154,11 +158,15 @@ class HybridRunner(ModelRunner):
             from albatross.models.routing import RoutingRecorder
 
             self.recorder = RoutingRecorder(self.model)
-        self.running: list[_HybridSeq] = []
+        self.running: list[_S] = []
 
     @property
     def n_running(self) -> int:
         return len(self.running)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.snapshots.tokens
 
     def fail_all(self, exc: BaseException) -> None:
         running, self.running = self.running, []
@@ -172,7 +180,7 @@ class HybridRunner(ModelRunner):
             for name, tensor in state_dict.items():
                 targets[name].copy_(tensor)
         self.version = version
-        self.prefix_cache.clear()
+        self.snapshots.clear()
 
     def _forward_one(self, seq: _HybridSeq, ids: Sequence[int]) -> torch.Tensor:
         """One forward pass of ``ids`` on ``seq``'s cache; the last position's logits ``[1, V]``."""
@@ -185,15 +193,17 @@ class HybridRunner(ModelRunner):
         if self.recorder is not None:
             seq.routing = seq.routing if seq.routing is not None else []
             seq.routing.append(self.recorder.last_token())
-        return out.logits[:, -1, :]
+        logits: torch.Tensor = out.logits
+        return logits[:, -1, :]
 
     def _sample_append(self, seq: _HybridSeq, logits_1V: torch.Tensor) -> str | None:
+        assert seq.st is not None  # set when the request started (``_start``)
         index = torch.tensor([len(seq.ids)], device=self.device)
         ids_1, logprobs_1 = sample(logits_1V, seq.st, index)
         seq.last_id = int(ids_1[0])
         return self._append(seq, [seq.last_id], [float(logprobs_1[0])])
 
-    def _start(self, request: Request, done: Any, seq_type: type[_S]) -> _S | None:
+    def _start(self, request: Request, done: Done, seq_type: type[_S]) -> _S | None:
         """Count the request and make its sequence with its sampling tensors; None (finished at once) when it
         asks for no tokens."""
         self.stats.requests += 1
@@ -206,14 +216,22 @@ class HybridRunner(ModelRunner):
         seq.st = build_sampling_tensors([request.params], [uniforms], self.vocab_size, self.device)
         return seq
 
-    def admit(self, items: Sequence[tuple[Request, object]]) -> None:
+    def _settle(self, seq: _S, reason: str | None) -> None:
+        """Keep a running request (``reason`` None), or finish it and keep its cache as a snapshot."""
+        raise NotImplementedError
+
+
+class HybridRunner(SequenceRunner[_HybridSeq]):
+    """A ``ModelRunner`` for hybrid-cache models: per-request caches and forward passes (see the module docstring)."""
+
+    def admit(self, items: Sequence[tuple[Request, Done]]) -> None:
         """Prefill each request on its own cache (from a snapshot when one holds a prefix), sample its first token."""
         with torch.inference_mode():
             for request, done in items:
                 seq = self._start(request, done, _HybridSeq)
                 if seq is None:
                     continue
-                seq.cache, seq.cached = self.prefix_cache.lookup(request.prompt_ids, self.version)
+                seq.cache, seq.cached = self.snapshots.lookup(request.prompt_ids, self.version)
                 seq.cache = seq.cache if seq.cache is not None else new_hybrid_cache(self.model)
                 self.stats.cached_prompt_tokens += seq.cached
                 logits = self._forward_one(seq, request.prompt_ids[seq.cached :])
@@ -231,7 +249,7 @@ class HybridRunner(ModelRunner):
             self.running.append(seq)
             return
         key = seq.request.prompt_ids + seq.ids[:-1]
-        if self.prefix_cache.max_tokens > 0:
-            self.prefix_cache.put(key, seq.cache, self.version)
+        if self.snapshots.max_tokens > 0:
+            self.snapshots.put(key, seq.cache, self.version)
         seq.cache = None
         seq.done(seq.completion(reason))

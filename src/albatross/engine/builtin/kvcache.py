@@ -35,7 +35,7 @@ def _growing_layer_class() -> type:
         return _GROWING_LAYER
     from transformers.cache_utils import DynamicLayer
 
-    class GrowingLayer(DynamicLayer):
+    class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' DynamicLayer is untyped
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
             self.length = 0
@@ -53,6 +53,7 @@ def _growing_layer_class() -> type:
             self._set_length(k.shape[2])
 
         def _set_length(self, n: int) -> None:
+            assert self.buf_k is not None and self.buf_v is not None
             self.length = n
             self.keys, self.values = self.buf_k[..., :n, :], self.buf_v[..., :n, :]
 
@@ -61,18 +62,21 @@ def _growing_layer_class() -> type:
                 return
             old = self.length
             capacity = max(2 * need, need + 16)
-            self.set_kv(
-                self.keys if old else k[..., :0, :], self.values if old else k[..., :0, :], capacity - old
-            )
+            keys, values = (self.keys, self.values) if old else (k[..., :0, :], k[..., :0, :])
+            assert keys is not None and values is not None
+            self.set_kv(keys, values, capacity - old)
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+                   **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             end = self.length + key_states.shape[-2]
             self._reserve(key_states, end)
+            assert self.buf_k is not None and self.buf_v is not None
             self.buf_k[..., self.length : end, :] = key_states
             self.buf_v[..., self.length : end, :] = value_states
             self._set_length(end)
+            assert self.keys is not None and self.values is not None  # views of the buffers (``_set_length``)
             return self.keys, self.values
 
         def get_seq_length(self) -> int:
@@ -80,6 +84,7 @@ def _growing_layer_class() -> type:
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             if self.get_seq_length() > 0:
+                assert self.buf_k is not None and self.buf_v is not None
                 self.buf_k, self.buf_v = self.buf_k[indices], self.buf_v[indices]
                 self._set_length(self.length)
 
@@ -98,7 +103,7 @@ def new_cache(model: torch.nn.Module) -> object:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", None)  # transformers' model and cache: probed, they differ by version
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     layers = getattr(cache, "layers", None)
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):

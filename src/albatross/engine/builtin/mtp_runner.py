@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from albatross.engine.builtin.hybrid import HybridRunner, _HybridSeq, new_hybrid_cache
-from albatross.engine.builtin.runner import Decode, Request
+from albatross.engine.builtin.hybrid import SequenceRunner, _HybridSeq, new_hybrid_cache
+from albatross.engine.builtin.runner import Decode, Done, Request
 from albatross.engine.builtin.sampling import (
     log_distribution,
     sample,
@@ -45,7 +45,7 @@ def snapshot(cache: Any) -> _CacheState:
     """Copy ``cache``'s recurrent states and note its KV layers' lengths (cheap: no KV copied)."""
     recurrent, kv = [], []
     for layer in cache.layers:
-        if hasattr(layer, "recurrent_states"):
+        if hasattr(layer, "recurrent_states"):  # transformers' linear-attention cache layers have it
             conv = {i: t.clone() for i, t in layer.conv_states.items() if isinstance(t, torch.Tensor)}
             rec = {i: t.clone() for i, t in layer.recurrent_states.items() if isinstance(t, torch.Tensor)}
             recurrent.append((layer, conv, rec))
@@ -88,12 +88,12 @@ class _MtpSeq(_HybridSeq):
     mtp_out: torch.Tensor | None = None  # the head's output at its last entry [1, 1, D]
 
 
-class MtpRunner(HybridRunner):
-    """``HybridRunner`` with MTP speculative decoding: ``draft_tokens`` drafts per request and step."""
+class MtpRunner(SequenceRunner[_MtpSeq]):
+    """``hybrid.HybridRunner`` with MTP speculative decoding: ``draft_tokens`` drafts per request and step."""
 
     def __init__(
-        self, model: torch.nn.Module, device: str | torch.device = "cpu", version: int = 0,
-        prefix_cache_tokens: int = 65536, draft_tokens: int = 2, decode: Decode | None = None,
+        self, model: torch.nn.Module, device: str | torch.device, version: int, prefix_cache_tokens: int,
+        draft_tokens: int, decode: Decode | None = None,
     ) -> None:
         from albatross.models.mtp import get_mtp
 
@@ -106,8 +106,9 @@ class MtpRunner(HybridRunner):
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         self.head = head.eval()
         self.draft_tokens = draft_tokens
-        self._decoder = self.model.get_decoder()
-        self._lm_head = self.model.get_output_embeddings()
+        lm: Any = self.model  # a transformers causal LM: torch.nn.Module does not declare its methods
+        self._decoder = lm.get_decoder()
+        self._lm_head = lm.get_output_embeddings()
 
     # ------------------------------------------------------------------------------------------ passes
 
@@ -117,7 +118,8 @@ class MtpRunner(HybridRunner):
         pos_1L = torch.arange(seq.cache_len, seq.cache_len + len(ids), device=self.device)[None]
         self.stats.forward_passes += 1
         out = self._decoder(input_ids=ids_1L, position_ids=pos_1L, cache=seq.cache, use_cache=True)
-        return out.last_hidden_state
+        hidden_1LD: torch.Tensor = out.last_hidden_state
+        return hidden_1LD
 
     def _feed(self, seq: _MtpSeq, start: int, hidden_1LD: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
         """Add the MTP entries of positions ``start - 1 .. start + len(tokens) - 2`` not added yet.
@@ -161,14 +163,14 @@ class MtpRunner(HybridRunner):
 
     # ------------------------------------------------------------------------------------------ requests
 
-    def admit(self, items: Sequence[tuple[Request, object]]) -> None:
+    def admit(self, items: Sequence[tuple[Request, Done]]) -> None:
         """Prefill each request (from a snapshot when one holds a prefix), sample its first token, draft."""
         with torch.inference_mode():
             for request, done in items:
                 seq = self._start(request, done, _MtpSeq)
                 if seq is None:
                     continue
-                found, seq.cached = self.prefix_cache.lookup(request.prompt_ids, self.version)
+                found, seq.cached = self.snapshots.lookup(request.prompt_ids, self.version)
                 if isinstance(found, _SpecCache):
                     seq.cache, seq.mtp_cache, seq.last_hidden = found.target, found.mtp, found.last_hidden
                     seq.cache_len, seq.mtp_len = seq.cached, max(seq.cached - 1, 0)
@@ -192,9 +194,9 @@ class MtpRunner(HybridRunner):
         with torch.inference_mode():
             for seq in list(self.running):
                 self.running.remove(seq)
-                self._settle(seq, self._spec_step(seq))
+                self._settle(seq, self._verify_step(seq))
 
-    def _spec_step(self, seq: _MtpSeq) -> str | None:
+    def _verify_step(self, seq: _MtpSeq) -> str | None:
         drafts = seq.drafts[: self._budget(seq)]
         inputs = [*seq.pending, seq.last_id, *drafts]
         state = snapshot(seq.cache) if drafts else None
@@ -222,6 +224,7 @@ class MtpRunner(HybridRunner):
     def _judge(self, seq: _MtpSeq, logits_TV: torch.Tensor, drafts: list[int]) -> tuple[int, int, list[float]]:
         """Verify ``drafts`` against the logits of their positions (``T = K + 1``): the number accepted, the
         token drawn after them, and the log-probs of the accepted drafts and of that token."""
+        assert seq.st is not None  # set when the request started (``_start``)
         index = torch.tensor([len(seq.ids)], device=self.device)
         K = len(drafts)
         if K == 0:
@@ -241,8 +244,9 @@ class MtpRunner(HybridRunner):
             self.running.append(seq)
             return
         key = seq.request.prompt_ids + seq.ids[:-1]
-        if self.prefix_cache.max_tokens > 0 and self._sync(seq, key):
-            self.prefix_cache.put(key, _SpecCache(seq.cache, seq.mtp_cache, seq.last_hidden), self.version)
+        if self.snapshots.max_tokens > 0 and self._sync(seq, key):
+            assert seq.last_hidden is not None  # set by the prefill (``admit``)
+            self.snapshots.put(key, _SpecCache(seq.cache, seq.mtp_cache, seq.last_hidden), self.version)
         seq.cache = seq.mtp_cache = None
         seq.done(seq.completion(reason))
 

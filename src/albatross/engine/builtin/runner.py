@@ -18,10 +18,11 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from albatross.engine.base import Completion, SamplingParams
+from albatross.engine.base import Completion, SamplingParams, Stats
 from albatross.engine.builtin import fastpath
 from albatross.engine.builtin.kvcache import Grid, PrefixCache, new_cache, prefix_grid
 from albatross.engine.builtin.sampling import (
@@ -65,19 +66,6 @@ def validate_request(
         raise ValueError("SamplingParams.stop must not contain an empty string")
     if params.stop and not can_decode:
         raise ValueError("SamplingParams.stop needs a tokenizer: give the engine one (or use stop_token_ids)")
-
-
-@dataclass
-class Stats:
-    """Counters since start (read from any thread; written by the worker only)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    forward_passes: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -128,6 +116,10 @@ _FREE = _Seq(Request([0], SamplingParams(temperature=0.0, max_tokens=1)), lambda
 """Stands in for a free slot when sampling tensors are built (its tokens are discarded)."""
 
 
+PREFIX_CACHE_TOKENS = 65536
+"""Default token budget of the KV (or snapshots) kept from finished requests for the next turn."""
+
+
 class ModelRunner:
     """Owns the model and the running batch; see the module docstring."""
 
@@ -136,7 +128,7 @@ class ModelRunner:
         model: torch.nn.Module,
         device: str | torch.device = "cpu",
         version: int = 0,
-        prefix_cache_tokens: int = 65536,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
         spec: SpecConfig | None = None,
         decode: Decode | None = None,
         fast_forward: bool = True,
@@ -144,7 +136,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.version = version
-        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        lm: Any = model  # a transformers causal LM: torch.nn.Module does not declare its methods
+        self.vocab_size = int(lm.get_input_embeddings().num_embeddings)
         self.spec = spec or SpecConfig()
         self.decode = decode
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -180,6 +173,11 @@ class ModelRunner:
 
     # ---------------------------------------------------------------------------------- batch
 
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the prefix cache holds."""
+        return self.prefix_cache.tokens
+
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         validate_request(prompt_ids, params, self.vocab_size, self.decode is not None)
 
@@ -209,7 +207,8 @@ class ModelRunner:
             logits = fastpath.forward(self.model, ids_BT, mask_BL, pos_BT, cache, last_only)
             return logits[:, -1, :] if last_only else logits
         out = self.model(input_ids=ids_BT, attention_mask=mask_BL, position_ids=pos_BT, use_cache=True, **kwargs)
-        return out.logits[:, -1, :] if last_only else out.logits
+        hf_logits: torch.Tensor = out.logits
+        return hf_logits[:, -1, :] if last_only else hf_logits
 
     # ---------------------------------------------------------------------------------- admission
 
@@ -366,13 +365,14 @@ class ModelRunner:
     # ---------------------------------------------------------------------------------- finishing
 
     def _record(
-        self, seqs: list[_Seq], ids: list[int], logprobs: list[list[float]], st: SamplingTensors, grid: Grid
+        self, seqs: Sequence[_Seq | None], ids: list[int], logprobs: list[list[float]], st: SamplingTensors,
+        grid: Grid,
     ) -> list[bool]:
         return self._record_multi(seqs, [[i] for i in ids], logprobs, st, grid)
 
     def _record_multi(
-        self, seqs: list[_Seq], tokens: list[list[int]], logprobs: list[list[float]], st: SamplingTensors,
-        grid: Grid | None = None,
+        self, seqs: Sequence[_Seq | None], tokens: list[list[int]], logprobs: list[list[float]],
+        st: SamplingTensors, grid: Grid | None = None,
     ) -> list[bool]:
         """Append each row's new tokens; finish rows that are done; return which rows keep running."""
         keep = []

@@ -75,7 +75,7 @@ def build_sampling_tensors(
     for r, u in enumerate(uniforms):
         padded[r, :, : u.shape[1]] = u
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    def tensor(values: Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
     return SamplingTensors(

@@ -47,10 +47,11 @@ def _resolver(future: Future[Completion]) -> Done:
 class Scheduler:
     """Continuous batching of requests from many threads onto one runner; see the module docstring."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 64, max_prefill_tokens: int = 8192) -> None:
+    def __init__(self, runner: ModelRunner, max_batch_size: int, max_prefill_tokens: int) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.runner = runner
+        # the transformers config's positions (a plain torch module has no config)
         self.positions: int | None = getattr(getattr(runner.model, "config", None), "max_position_embeddings", None)
         """The model's positions: a request's ``max_tokens`` is clamped to the room its prompt leaves."""
         self.max_batch_size = max_batch_size
