@@ -39,9 +39,10 @@ from typing import Any
 
 from albatross.sandbox.base import Backend, ExecResult, Limits, SandboxError
 from albatross.sandbox.egress import narrowest
+from albatross.tasks.buildable import dockerfile_notes, dockerfile_problem
 from albatross.tasks.format import Task, TaskFormatError, attempt_limits, load_task
 from albatross.tasks.leakage import find_static_leaks, scan_for_leaks
-from albatross.tasks.offline import dockerfile_notes, dockerfile_problem, network_evidence
+from albatross.tasks.offline import network_evidence
 from albatross.tasks.overrides import Override, apply_overrides
 from albatross.tasks.verify import VerifierRun, VerifyResult, run_oracle, run_verifier
 

@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from albatross.tasks.format import TaskFormatError, dumps_toml
+from albatross.tasks.errors import TaskFormatError
+from albatross.tasks.tomlwrite import dumps_toml
 
 HANDLED = {"task.yaml", "solution.yaml", "solution.sh", "run-tests.sh", "tests", "docker-compose.yaml",
            "docker-compose.yml"}
