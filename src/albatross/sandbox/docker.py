@@ -292,6 +292,7 @@ class DockerAttempt:
     def __init__(self, backend: DockerBackend, name: str, limits: Limits) -> None:
         self.id, self.name, self.limits = name, name, limits
         self._backend, self._engine = backend, backend.engine_argv
+        self.first_output_at: float | None = None  # not measured here (``Attempt.first_output_at``)
         self._lock = threading.Lock()
         self._closed = False
         self._cgroup: _HostCgroup | None = None
@@ -598,6 +599,8 @@ class DockerParent:
     notes: list[str] = field(default_factory=list)
     user: str | None = None  # the image's User (None: root)
     owner: str = ""  # "uid:gid" of that user ("" for root)
+    build_s: float = 0.0  # the engine's build time is not measured here; ``Prepared``
+    cached: bool = False
 
 
 _LIVE = closed_at_exit()  # closed when the interpreter exits

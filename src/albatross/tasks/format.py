@@ -29,6 +29,7 @@ import posixpath
 import re
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,7 +191,7 @@ def _with_offline_env(task: Task) -> Task:
     return task
 
 
-def load_tasks(paths: list[str | Path] | str | Path) -> list[Task]:
+def load_tasks(paths: Sequence[str | Path] | str | Path) -> list[Task]:
     """Load tasks from task directories and from directories that hold task directories.
 
     A path with a ``task.toml`` is one task; any other directory is searched (recursively, not
@@ -210,7 +211,7 @@ def load_tasks(paths: list[str | Path] | str | Path) -> list[Task]:
     return tasks
 
 
-def find_task_dirs(paths: list[str | Path] | str | Path) -> list[Path]:
+def find_task_dirs(paths: Sequence[str | Path] | str | Path) -> list[Path]:
     """The task directories in ``paths`` (each a task directory or a folder of them), in order.
 
     Raises ``TaskFormatError`` for a path that does not exist or holds no task directory."""
@@ -419,11 +420,11 @@ def write_task(
     *,
     instruction: str,
     task_toml: dict[str, Any],
-    env_files: dict[str, str | bytes],
+    env_files: Mapping[str, str | bytes],
     dockerfile: str,
     solve_sh: str,
     test_sh: str,
-    test_files: dict[str, str | bytes] | None = None,
+    test_files: Mapping[str, str | bytes] | None = None,
     demo_steps: list[str] | None = None,
 ) -> Path:
     """Write a task directory in the Harbor layout; ``env_files`` paths are relative to environment/."""
