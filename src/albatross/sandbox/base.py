@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from albatross.config import SandboxConfig
+    from albatross.sandbox.faults import FaultInjector
 
 # Values of ExecResult.limit, most decisive first (when several are hit, the first one is reported).
 LIMIT_OOM = "oom"  # the memory limit was hit: the kernel killed a process of the attempt
@@ -235,6 +236,7 @@ class Backend(Protocol):
     name: str
     isolated: bool  # False: no isolation at all (``process``), and the harness says so loudly
     restarts: int  # sandbox helpers (zygotes) started again after dying
+    faults: FaultInjector  # the forks made to fail on purpose (``fail_rate``: fault-injection tests and benchmarks)
 
     def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> Prepared:
         """Build (once, cached) the parent environment that attempts of ``env_dir`` fork from, for attempts

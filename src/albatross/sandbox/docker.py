@@ -565,7 +565,8 @@ class _PidReader:
     """Splits the wrapper's pid line off the front of a command's output; the rest goes to ``out``."""
 
     def __init__(self, out: Output) -> None:
-        self.out, self.pid, self._head = out, None, b""
+        self.out, self._head = out, b""
+        self.pid: int | None = None
 
     def add(self, data: bytes) -> None:
         if self.pid is not None:

@@ -271,8 +271,10 @@ class ProcessBackend:
                 (root / parent.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
             elif isinstance(ins, Copy):
                 with tarfile.open(fileobj=io.BytesIO(copy_tar(ins, Path(env_dir), cwd))) as tar:
-                    kw = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
-                    tar.extractall(root, **kw)
+                    if hasattr(tarfile, "tar_filter"):  # extraction filters: Python 3.12, 3.11.4+, 3.10.12+
+                        tar.extractall(root, filter="tar")
+                    else:
+                        tar.extractall(root)
             elif isinstance(ins, Run):
                 log.warning("%s/Dockerfile:%d: RUN skipped by the 'process' backend", env_dir, ins.line)
         return parent

@@ -250,7 +250,8 @@ def _task_dirs_below(root: Path) -> list[Path]:
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
-            return tomllib.load(f)
+            data: dict[str, Any] = tomllib.load(f)
+            return data
     except FileNotFoundError:
         raise TaskFormatError(f"{path}: missing") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

@@ -109,8 +109,8 @@ def copied_files(task: Task) -> Iterator[ImageFile]:
                     dirs.update(_ancestors(path))
                 elif member.isreg():
                     dirs.update(_ancestors(posixpath.dirname(path)))
-                    data = tar.extractfile(member)  # a regular member: never None
-                    digest = hashlib.sha256(data.read() if data is not None else b"").hexdigest()
+                    content = tar.extractfile(member)  # a regular member: never None
+                    digest = hashlib.sha256(content.read() if content is not None else b"").hexdigest()
                     yield ImageFile(path, digest, ins.line)
 
 
