@@ -16,7 +16,7 @@ import shlex
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from albatross.config import SandboxConfig
@@ -77,14 +77,16 @@ class Limits:
     build_timeout_s: float | None = None  # wall time of the whole build, if this fork has to build its environment
 
     def __post_init__(self) -> None:
-        for name in ("memory_mb", "disk_mb", "pids", "max_output_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"sandbox limit {name} must be a whole number >= 1, got {value!r}")
-        for name in ("command_timeout_s", "attempt_timeout_s", "build_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"sandbox limit {name} must be a finite number > 0, got {value!r}")
+        sizes = {"memory_mb": self.memory_mb, "disk_mb": self.disk_mb, "pids": self.pids,
+                 "max_output_bytes": self.max_output_bytes}
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"sandbox limit {name} must be a whole number >= 1, got {size!r}")
+        times = {"command_timeout_s": self.command_timeout_s, "attempt_timeout_s": self.attempt_timeout_s,
+                 "build_timeout_s": self.build_timeout_s}
+        for name, seconds in times.items():
+            if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"sandbox limit {name} must be a finite number > 0, got {seconds!r}")
         if not (math.isfinite(self.cpus) and self.cpus >= 0):
             raise ValueError(f"sandbox limit cpus must be a finite number >= 0, got {self.cpus!r}")
         if self.network not in NETWORK_POLICIES:
@@ -96,6 +98,14 @@ class Limits:
         """The limits of a ``[sandbox]`` config section (``SandboxConfig``)."""
         return cls(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb, command_timeout_s=sc.command_timeout_s,
                    attempt_timeout_s=sc.attempt_timeout_s or None, cpus=sc.cpus, network=sc.network)
+
+
+def sandbox_default(name: str) -> Any:
+    """The default of ``[sandbox] name`` (written once, in config.py; imported only when a caller leaves a setting
+    out, so the sandbox's own processes never load the config)."""
+    from albatross.config import default
+
+    return default("sandbox", name)
 
 
 def pick_limit(hit: dict[str, bool]) -> str:

@@ -75,6 +75,7 @@ from albatross.sandbox.base import (
     VerifierSpec,
     closed_at_exit,
     pick_limit,
+    sandbox_default,
     verify_in_place,
 )
 from albatross.sandbox.build import (
@@ -623,7 +624,7 @@ class DockerBackend:
 
     def __init__(
         self,
-        engine: str = "auto",
+        engine: str | None = None,
         build_timeout_s: float = 1800.0,
         fail_rate: float = 0.0,
         fault_seed: int | None = None,
@@ -633,9 +634,9 @@ class DockerBackend:
         """``engine``: "auto", "docker" or "podman". ``hide_paths`` is accepted for the common backend
         signature: a container sees nothing of the host's files. ``fail_rate``: share of forks made to
         fail at random (fault-injection tests only). ``images_dir``: OCI layouts / ``docker save`` archives
-        a ``FROM`` may name (``[sandbox] images``, as for ``local``)."""
+        a ``FROM`` may name (``[sandbox] images``, as for ``local``). ``engine`` left out: ``[sandbox] engine``'s default."""
         del hide_paths
-        self.engine = find_engine(engine)
+        self.engine = find_engine(sandbox_default("engine") if engine is None else engine)
         self.engine_argv = engine_argv(self.engine)
         # the working directory of every engine command: Podman's conmon writes files (an ``oom`` marker when a
         # container's command is OOM-killed) into the directory it was started from, which is ours, not the caller's

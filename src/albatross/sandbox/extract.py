@@ -53,7 +53,7 @@ class Bounds:
 
 def open_tar_stream(stream: IO[bytes]) -> tarfile.TarFile:
     """A tar read as a stream, member by member (plain, gzip, bzip2 or xz; zstd refused, saying so)."""
-    peek = getattr(stream, "peek", None)
+    peek = getattr(stream, "peek", None)  # buffered streams have it, raw pipes and sockets not
     head = peek(4)[:4] if callable(peek) else b""
     if head == b"\x28\xb5\x2f\xfd":
         raise UnsafeArchive("zstd-compressed layers are not supported (re-export the image with gzip)")

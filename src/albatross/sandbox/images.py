@@ -220,7 +220,7 @@ def recipe_for(ref: str) -> tuple[Recipe, list[str]]:
         if ubuntu is None:
             raise EnvBuildError(f"no base for {ref}: unknown Ubuntu version {tag!r}")
         return Recipe(ubuntu, UBUNTU_PACKAGES, ubuntu_mirror(), distro="ubuntu"), \
-            [f"{ref}: Ubuntu {release} from the Ubuntu archive (minbase), with python3, which the offline "
+            [f"{ref}: Ubuntu {ubuntu} from the Ubuntu archive (minbase), with python3, which the offline "
              "verifier's pytest runs on (uv would download a Python)"]
     if name in RUNTIMES:
         release, notes = _release_in_tag(tag, ref)

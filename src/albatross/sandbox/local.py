@@ -97,6 +97,7 @@ from albatross.sandbox.base import (
     VerifierSpec,
     closed_at_exit,
     pick_limit,
+    sandbox_default,
 )
 from albatross.sandbox.build import (
     DEFAULT_PATH,
@@ -734,15 +735,15 @@ class LocalBackend:
         allow_internet: bool | None = None,
         build_limits: Limits | None = None,
         build_timeout_s: float = 1800.0,
-        base: str = "image",
+        base: str | None = None,
         userns: bool | None = None,
-        warm: int = 3,
+        warm: int | None = None,
         fail_rate: float = 0.0,
         fault_seed: int | None = None,
         images_dir: str | Path | None = None,
         registries: Iterable[str] | None = None,
         layer_cache: bool = False,
-        build_min_free_mb: int = 2048,
+        build_min_free_mb: int | None = None,
         warm_envs: int = MAX_POOL_KEYS,
     ) -> None:
         """``hide_paths``: extra host paths made empty in every sandbox (e.g. the run directory).
@@ -760,16 +761,15 @@ class LocalBackend:
         made to fail at random (fault-injection tests only), drawn from ``Random(fault_seed)``.
         ``layer_cache``: keep built environments on disk for every later run (``layers.LayerStore``, keyed
         by content hash); False: in a directory of this backend's own, removed by ``close``. Builds use the
-        host's disk, as Docker's do, leaving ``build_min_free_mb`` free."""
+        host's disk, as Docker's do, leaving ``build_min_free_mb`` free. ``base``, ``warm``, ``registries`` and
+        ``build_min_free_mb`` left out (None) are the ``[sandbox]`` section's defaults."""
+        base = sandbox_default("base") if base is None else base
+        warm = sandbox_default("warm") if warm is None else warm
         if base not in rootfs.BASES:
             raise ValueError(f"unknown sandbox base {base!r}; choose one of {list(rootfs.BASES)}")
         self.hide_paths = [*HIDDEN_PATHS, *(str(Path(p).resolve()) for p in hide_paths)]
         self.allow_internet, self.base = allow_internet, base
-        if registries is None:
-            from albatross.config import default
-
-            registries = default("sandbox", "registries")
-        self.registries = buildnet.registry_hosts(registries)
+        self.registries = buildnet.registry_hosts(sandbox_default("registries") if registries is None else registries)
         self._egress: egress.EgressProxy | None = None  # started when a sandbox first needs it
         if base == "host":
             log.warning("sandbox base \"host\": every attempt reads the host's own root file system (/etc, "
@@ -782,7 +782,7 @@ class LocalBackend:
         # over the host's own root, a layer on its disk would lie inside the overlay's lower layer (overlayfs
         # refuses that): those layers go to the host's /dev/shm, a tmpfs, and are never cached
         self.layers = LayerStore(layer_cache, None) if base != "host" else LayerStore(False, HOST_BASE_LAYERS)
-        self.build_min_free_mb = build_min_free_mb
+        self.build_min_free_mb: int = sandbox_default("build_min_free_mb") if build_min_free_mb is None else build_min_free_mb
         self.build_timeout_s = build_timeout_s
         self.userns = userns_available() if userns is None else userns
         self.faults = FaultInjector(fail_rate, fault_seed)

@@ -210,7 +210,7 @@ def _edits(src: _Source, n: ast.expr | ast.stmt) -> list[tuple[str, int, int, st
 
 
 def _in_arith_or_index(n: ast.AST) -> bool:
-    parent = getattr(n, "_albatross_parent", None)
+    parent = getattr(n, "_albatross_parent", None)  # set on ast's nodes by annotate_parents (the root has none)
     return parent is None or isinstance(parent, (ast.BinOp, ast.Slice, ast.Subscript, ast.Compare, ast.Call,
                                                  ast.AugAssign, ast.UnaryOp))
 
@@ -266,7 +266,7 @@ def _bodies(fn: FunctionNode) -> list[list[ast.stmt]]:
     while todo:
         node = todo.pop(0)
         for name in ("body", "orelse", "finalbody"):
-            block = getattr(node, name, None)
+            block = getattr(node, name, None)  # ast's node classes: only some have each block
             if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
                 out.append(block)
                 todo += [s for s in block if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,

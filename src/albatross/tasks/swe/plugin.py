@@ -35,7 +35,8 @@ class Recorder:
     # outcomes -----------------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: Any) -> None:
         name = report.nodeid
-        self.durations[name] = round(self.durations.get(name, 0.0) + float(getattr(report, "duration", 0.0)), 4)
+        seconds = float(getattr(report, "duration", 0.0))  # pytest's report; older ones lack it
+        self.durations[name] = round(self.durations.get(name, 0.0) + seconds, 4)
         if report.failed:
             if self.outcome.get(name) != "failed":
                 self.failure[name] = _failure(report)
@@ -104,7 +105,7 @@ def _failure(report: Any) -> dict[str, str]:
         message = str(longrepr)
     try:
         test_file = report.location[0]
-        entries = [e for e in longrepr.reprtraceback.reprentries
+        entries = [e for e in longrepr.reprtraceback.reprentries  # pytest's entries: not every kind has a location
                    if getattr(getattr(e, "reprfileloc", None), "path", "").endswith(test_file)]
         if entries:
             marked = [ln[1:].strip() for ln in entries[-1].lines if ln.startswith(">")]
