@@ -31,7 +31,7 @@ from albatross.sandbox.docker import LABEL, DockerAttempt, DockerBackend, engine
 from albatross.sandbox.images import resolve_base
 from albatross.tasks.builtin import generate_tasks
 from albatross.tasks.format import load_task
-from albatross.tasks.verify import run_oracle, verify
+from albatross.tasks.verify import run_oracle, verify_attempt
 
 ENGINE = "podman"
 BASE = "albatross-base:bookworm"
@@ -239,9 +239,9 @@ def test_builtin_task_oracle_passes_and_a_noop_fails(backend: DockerBackend) -> 
         with backend.fork(task.env_dir, task.workdir) as a:
             assert a.exec(f"ls {task.path}").exit_code != 0  # the task directory is not in the image
             assert run_oracle(a, task).exit_code == 0
-            assert verify(a, task).success
+            assert verify_attempt(a, task, backend).success
         with backend.fork(task.env_dir, task.workdir) as a:
-            result = verify(a, task)
+            result = verify_attempt(a, task, backend)
             assert not result.success and result.reward < 1.0
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=True)

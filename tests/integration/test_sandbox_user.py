@@ -25,7 +25,7 @@ from albatross.sandbox import EnvBuildError, LocalBackend, local_available
 from albatross.sandbox.docker import DockerBackend, engine_argv, engine_missing
 from albatross.sandbox.images import resolve_base
 from albatross.tasks import load_task, write_task
-from albatross.tasks.verify import run_oracle, verify
+from albatross.tasks.verify import run_oracle, verify_attempt
 from sandbox_util import ok_output, task_env
 
 needs_local = pytest.mark.skipif(not local_available(), reason="the local sandbox needs root, cgroups, namespaces")
@@ -80,9 +80,9 @@ def check_verifier_as_user(backend, task_dir: Path) -> None:
     with backend.fork(task.env_dir, task.workdir) as attempt:
         assert run_oracle(attempt, task).exit_code == 0
         assert attempt.exec("stat -c %U /home/agent/answer.txt").output.strip() == "agent"
-        assert verify(attempt, task).metrics == {"as_user": 1.0, "answer": 1.0}
+        assert verify_attempt(attempt, task, backend).metrics == {"as_user": 1.0, "answer": 1.0}
     with backend.fork(task.env_dir, task.workdir) as attempt:
-        assert verify(attempt, task).metrics == {"as_user": 1.0, "answer": 0.0}
+        assert verify_attempt(attempt, task, backend).metrics == {"as_user": 1.0, "answer": 0.0}
 
 
 # ---- local -----------------------------------------------------------------------------------------------

@@ -173,3 +173,27 @@ def test_harness_reports_a_verifier_that_never_writes_a_reward_as_infra(tmp_path
     task = make_task(tmp_path, "silent-harness", "#!/bin/bash\necho checked\n")
     traj = _agent_run(backend, task, ["echo hello", "submit"])
     assert traj.status == "infra_error" and "untouched fork" in traj.error
+
+
+@pytest.mark.parametrize(("name", "command", "test_sh"), [
+    ("same-sabotage", "rm -rf /app", TEST_SH),  # the attempt's own failure: scored 0 on both paths
+    ("same-silent", "echo hello", "#!/bin/bash\necho checked\n"),  # the task's: an infra error on both
+])
+def test_oracle_and_model_paths_give_the_same_attempt_the_same_outcome(tmp_path: Path, backend, name: str,
+                                                                       command: str, test_sh: str) -> None:
+    """One verification path: the same command as the oracle's solve.sh (``eval --agent oracle``) and as the
+    model's action (the harness) ends in the same status and reward."""
+    from albatross.eval.oracle import OracleAgent
+    from albatross.harness.agent import AttemptSpec
+    from albatross.sandbox.base import Limits
+
+    task = make_task(tmp_path, name, test_sh, solve_sh=f"#!/bin/bash\n{command}\n")
+    oracle = OracleAgent(backend, Limits(command_timeout_s=5)).run(AttemptSpec(task, "g", 0))
+    model = _agent_run(backend, task, [command, "submit"])
+    assert oracle.status == model.status, (oracle.error, model.error)
+    if name == "same-silent":
+        assert model.status == "infra_error" and "untouched fork" in oracle.error and "untouched fork" in model.error
+    else:
+        assert model.status == "ok" and oracle.reward is not None and model.reward is not None
+        assert (oracle.reward.success, oracle.reward.metrics) == (model.reward.success, model.reward.metrics) \
+            == (False, {"reward": 0.0})

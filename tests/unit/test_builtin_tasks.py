@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 
 from albatross.sandbox.base import ExecResult, VerifierExec, VerifierSpec, verify_in_place
-from albatross.tasks import Task, VerifierError, load_task, load_tasks, run_oracle, verify, write_task
+from albatross.tasks import (
+    Task,
+    VerifierError,
+    VerifyResult,
+    load_task,
+    load_tasks,
+    run_oracle,
+    verify_attempt,
+    write_task,
+)
 from albatross.tasks.builtin import (
     DEMO_FAMILIES,
     DIFFICULTIES,
@@ -81,6 +90,22 @@ class DirAttempt:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class DirBackend:
+    """Forks untouched ``DirAttempt``s of one task (``verify_attempt``'s untouched-fork check)."""
+
+    def __init__(self, root: Path, task: Task) -> None:
+        self.root, self.task, self.forks = root, task, 0
+
+    def fork(self, env_dir: Path, workdir: str, limits: object = None) -> DirAttempt:
+        self.forks += 1
+        return DirAttempt(self.root / f"fork-{self.forks}", self.task)
+
+
+def verify(attempt: DirAttempt, task: Task) -> VerifyResult:
+    """The attempt scored as every attempt is (``verify_attempt``)."""
+    return verify_attempt(attempt, task, DirBackend(attempt.root.with_name(f"{attempt.root.name}-untouched"), task))
 
 
 @pytest.fixture(scope="module")

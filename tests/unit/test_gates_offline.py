@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from albatross.sandbox.images import base_problem
 from albatross.tasks import TaskFormatError, VerifierError, load_task, load_tasks, parse_reward, write_task
 from albatross.tasks.offline import (
     OfflineEnv,
     adapt_environment,
-    base_image_problem,
     network_evidence,
     toolkit_dir,
     uses_toolkit,
@@ -61,7 +61,7 @@ def test_network_evidence_finds_the_line(output: str, found: str | None) -> None
      ("alpine:3.19", False), ("nvidia/cuda:12.4.0-devel-ubuntu22.04", False)],
 )
 def test_which_base_images_map_to_the_local_root(image: str, ok: bool) -> None:
-    problem = base_image_problem(image)
+    problem = base_problem(image)
     assert (problem is None) == ok
     if not ok:
         assert problem.startswith(f"FROM {image}: cannot be built here: no base for {image}")

@@ -15,6 +15,7 @@ from albatross.records import STATUS_INFRA_ERROR, Reward, Trajectory
 from albatross.rl.scoring import GroupScorer
 from albatross.sandbox.base import ExecResult
 from albatross.tasks import load_task, write_task
+from albatross.tasks.buildable import dockerfile_notes, dockerfile_problem
 from albatross.tasks.filter import filter_rows, format_report, zero_signal_probability
 from albatross.tasks.gates import (
     FAIL,
@@ -31,7 +32,6 @@ from albatross.tasks.gates import (
     resource_symptom,
 )
 from albatross.tasks.leakage import find_static_leaks
-from albatross.tasks.offline import dockerfile_notes, dockerfile_problem
 from albatross.tasks.probe import MIN_ATTEMPTS, ProbeRow, read_json, score_row, write_json
 from albatross.tasks.verify import VerifierRun
 

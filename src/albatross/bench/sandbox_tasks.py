@@ -69,8 +69,8 @@ def images_of(backend: Any, dirs: list[str], log: Any = print) -> list[_Image]:
     """One image per distinct environment among the tasks under ``dirs`` that build here (built now if
     the layer cache does not have them), with the task's own limits."""
     from albatross.sandbox.base import Limits
+    from albatross.tasks.buildable import dockerfile_problem
     from albatross.tasks.format import load_tasks
-    from albatross.tasks.offline import dockerfile_problem
 
     found: dict[str, _Image] = {}
     for task in load_tasks(dirs):

@@ -207,8 +207,8 @@ def _price(path: str | None, label: str):
 def _usable_tasks(paths: list[str], oracle: bool, overrides: str | None = None) -> list:
     """The tasks under ``paths`` that can run here. A task that cannot (malformed, a Dockerfile the sandbox
     cannot build, no solve.sh for ``--agent oracle``) is reported on stderr and skipped; the others run."""
+    from albatross.tasks.buildable import dockerfile_problem
     from albatross.tasks.format import TaskFormatError, find_task_dirs, load_task
-    from albatross.tasks.offline import dockerfile_problem
     from albatross.tasks.overrides import apply_overrides, load_overrides
 
     try:

@@ -130,7 +130,7 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def _check(args: argparse.Namespace, task: Any) -> None:
     """One-line errors for a bad ``--timeout`` and for a Dockerfile the sandbox cannot build (unsupported
     instruction, an image it cannot stand in for, ...: the build gate's own check)."""
-    from albatross.tasks.offline import dockerfile_problem
+    from albatross.tasks.buildable import dockerfile_problem
 
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         raise _user_error(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")

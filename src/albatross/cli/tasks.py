@@ -332,8 +332,8 @@ def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Any
     """The tasks under ``paths`` whose Dockerfile the sandbox can build (with ``overrides`` applied); each
     other one is reported on stderr and skipped (the build gate's check), so one bad task does not stop the
     others."""
+    from albatross.tasks.buildable import dockerfile_problem
     from albatross.tasks.format import load_tasks
-    from albatross.tasks.offline import dockerfile_problem
     from albatross.tasks.overrides import apply_overrides, load_overrides
 
     changes = load_overrides(overrides)

@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from albatross.sandbox.base import (
     LIMITS,
@@ -25,7 +26,10 @@ from albatross.sandbox.dockerfile import DockerfileError, parse_dockerfile
 from albatross.sandbox.local import LocalBackend, local_available, userns_available
 from albatross.sandbox.process import ProcessBackend
 
-BACKENDS = {"local": LocalBackend, "process": ProcessBackend, "docker": DockerBackend}
+if TYPE_CHECKING:
+    from albatross.config import SandboxConfig
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"local": LocalBackend, "process": ProcessBackend, "docker": DockerBackend}
 
 __all__ = [
     "LIMITS",
@@ -48,7 +52,7 @@ __all__ = [
 ]
 
 
-def backend_from_config(sc: Any, hide_paths: list[str] | None = None) -> Backend:
+def backend_from_config(sc: SandboxConfig, hide_paths: list[str] | None = None) -> Backend:
     """The backend a run's ``[sandbox]`` config section describes."""
     if sc.type == "local":
         return make_backend("local", hide_paths=hide_paths or [], base=sc.base, warm=sc.warm,

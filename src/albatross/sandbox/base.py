@@ -16,7 +16,11 @@ import shlex
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from albatross.config import SandboxConfig
+    from albatross.sandbox.faults import FaultInjector
 
 # Values of ExecResult.limit, most decisive first (when several are hit, the first one is reported).
 LIMIT_OOM = "oom"  # the memory limit was hit: the kernel killed a process of the attempt
@@ -73,14 +77,16 @@ class Limits:
     build_timeout_s: float | None = None  # wall time of the whole build, if this fork has to build its environment
 
     def __post_init__(self) -> None:
-        for name in ("memory_mb", "disk_mb", "pids", "max_output_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"sandbox limit {name} must be a whole number >= 1, got {value!r}")
-        for name in ("command_timeout_s", "attempt_timeout_s", "build_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"sandbox limit {name} must be a finite number > 0, got {value!r}")
+        sizes = {"memory_mb": self.memory_mb, "disk_mb": self.disk_mb, "pids": self.pids,
+                 "max_output_bytes": self.max_output_bytes}
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"sandbox limit {name} must be a whole number >= 1, got {size!r}")
+        times = {"command_timeout_s": self.command_timeout_s, "attempt_timeout_s": self.attempt_timeout_s,
+                 "build_timeout_s": self.build_timeout_s}
+        for name, seconds in times.items():
+            if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"sandbox limit {name} must be a finite number > 0, got {seconds!r}")
         if not (math.isfinite(self.cpus) and self.cpus >= 0):
             raise ValueError(f"sandbox limit cpus must be a finite number >= 0, got {self.cpus!r}")
         if self.network not in NETWORK_POLICIES:
@@ -88,10 +94,18 @@ class Limits:
                              f"{self.network!r}")
 
     @classmethod
-    def from_config(cls, sc: Any) -> Limits:
+    def from_config(cls, sc: SandboxConfig) -> Limits:
         """The limits of a ``[sandbox]`` config section (``SandboxConfig``)."""
         return cls(memory_mb=sc.memory_mb, pids=sc.pids, disk_mb=sc.disk_mb, command_timeout_s=sc.command_timeout_s,
                    attempt_timeout_s=sc.attempt_timeout_s or None, cpus=sc.cpus, network=sc.network)
+
+
+def sandbox_default(name: str) -> Any:
+    """The default of ``[sandbox] name`` (written once, in config.py; imported only when a caller leaves a setting
+    out, so the sandbox's own processes never load the config)."""
+    from albatross.config import default
+
+    return default("sandbox", name)
 
 
 def pick_limit(hit: dict[str, bool]) -> str:
@@ -103,7 +117,8 @@ class Output:
     """Collects a command's output up to a cap; counts (and discards) the rest."""
 
     def __init__(self, cap: int) -> None:
-        self.cap, self.chunks, self.kept, self.dropped = cap, [], 0, 0
+        self.cap, self.kept, self.dropped = cap, 0, 0
+        self.chunks: list[bytes] = []
 
     def add(self, data: bytes) -> None:
         room = max(0, self.cap - self.kept)
@@ -158,6 +173,8 @@ class VerifierExec:
 
 class Attempt(Protocol):
     """One forked attempt. Every process, mount and file of it is gone after ``close``."""
+
+    first_output_at: float | None  # perf_counter() when the last command first wrote (None: not measured)
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult: ...
 
@@ -215,14 +232,23 @@ def verify_in_place(attempt: Attempt, spec: VerifierSpec) -> VerifierExec:
     return VerifierExec(run, {path: attempt.read_file(path) for path in spec.reads})
 
 
+class Prepared(Protocol):
+    """A built environment that attempts fork from (what ``Backend.prepare`` returns), as its callers read it."""
+
+    key: str  # the environment's content key
+    build_s: float  # how long its build took (0 where a backend does not measure it)
+    cached: bool  # built by an earlier run (loaded from the layer store), not now
+
+
 class Backend(Protocol):
     """Every member a caller of a sandbox backend uses (``local.py``, ``process.py``)."""
 
     name: str
     isolated: bool  # False: no isolation at all (``process``), and the harness says so loudly
     restarts: int  # sandbox helpers (zygotes) started again after dying
+    faults: FaultInjector  # the forks made to fail on purpose (``fail_rate``: fault-injection tests and benchmarks)
 
-    def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> Any:
+    def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> Prepared:
         """Build (once, cached) the parent environment that attempts of ``env_dir`` fork from, for attempts
         of network policy ``network``, the whole build within ``build_timeout_s`` (None: the backend's)."""
         ...
@@ -244,10 +270,10 @@ class Backend(Protocol):
         ...
 
 
-def closed_at_exit() -> weakref.WeakSet[Any]:
+def closed_at_exit() -> weakref.WeakSet[Backend]:
     """A set of live backends that are all closed when the interpreter exits, so no holder, mount or
     container of ours outlives the process that started it (backends add themselves when they start)."""
-    live: weakref.WeakSet[Any] = weakref.WeakSet()
+    live: weakref.WeakSet[Backend] = weakref.WeakSet()
 
     def close_all() -> None:
         for backend in list(live):

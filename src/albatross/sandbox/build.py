@@ -230,7 +230,7 @@ def resolve_user(spec: str, passwd: str, group: str) -> UserIds:
     row = _find(users, name, 2 if name.isdigit() else 0)
     if row is None and not name.isdigit():
         raise EnvBuildError(f"USER {spec}: no user {name!r} in the image's /etc/passwd")
-    uid = int(name) if name.isdigit() else int(row[2])
+    uid = int(name) if name.isdigit() or row is None else int(row[2])  # row is None only for a number
     gid = int(row[3]) if row is not None and len(row) > 3 and row[3].isdigit() else 0
     home = row[5] if row is not None and len(row) > 5 and row[5] else "/"
     if grp:
@@ -273,6 +273,12 @@ class _Applier:
     def where(self, line: int) -> str:
         return f"{self.env_dir / 'Dockerfile'}:{line}"
 
+    def _builder(self) -> Builder:
+        """The builder (``apply`` refuses WORKDIR, COPY and RUN, which need one, when there is none)."""
+        if self.builder is None:
+            raise EnvBuildError(f"{self.env_dir / 'Dockerfile'}: no builder")
+        return self.builder
+
     def apply(self, instructions: list[Instruction]) -> None:
         for ins in instructions:
             if isinstance(ins, From):
@@ -289,7 +295,12 @@ class _Applier:
             elif isinstance(ins, (Workdir, Copy, Run)):
                 if self.builder is None:
                     raise EnvBuildError(f"{self.where(ins.line)}: no builder for {type(ins).__name__}")
-                {Workdir: self.workdir, Copy: self.copy, Run: self.run}[type(ins)](ins)
+                if isinstance(ins, Workdir):
+                    self.workdir(ins)
+                elif isinstance(ins, Copy):
+                    self.copy(ins)
+                else:
+                    self.run(ins)
 
     def command(self, ins: Command) -> None:
         if ins.keyword == "CMD":
@@ -301,7 +312,7 @@ class _Applier:
 
     # ---- the image, through the builder --------------------------------------------------------
     def _sh(self, script: str, *args: str) -> ExecResult:
-        return self.builder.run_argv(["/bin/sh", "-c", script, "sh", *args], {"PATH": DEFAULT_PATH}, "/", 120)
+        return self._builder().run_argv(["/bin/sh", "-c", script, "sh", *args], {"PATH": DEFAULT_PATH}, "/", 120)
 
     def kind(self, path: str) -> str | None:
         """"dir", "file" or "missing" for ``path`` in the image (None if the builder cannot tell)."""
@@ -335,7 +346,7 @@ class _Applier:
             if result.exit_code != 0:
                 raise EnvBuildError(f"{self.where(ins.line)}: WORKDIR {path}: {result.output[-500:]}")
         else:
-            self.builder.mkdirs(path)
+            self._builder().mkdirs(path)
 
     def copy(self, ins: Copy) -> None:
         cwd = self.parent.workdir or "/"
@@ -360,7 +371,7 @@ class _Applier:
                 raise EnvBuildError(f"{self.where(ins.line)}: {ins.keyword} --from={ins.from_}: no stage or "
                                     "image of that name was built for this step")
         multi = len(ins.sources) + len(ins.inline) > 1
-        self.builder.put_stream(lambda out: write_copy_tar(out, local, self.env_dir, cwd, dest_kind=kind,
+        self._builder().put_stream(lambda out: write_copy_tar(out, local, self.env_dir, cwd, dest_kind=kind,
                                                            source_root=root, owner=owner, into_dir=multi or None,
                                                            budget=self.copy_budget))
 
@@ -386,7 +397,7 @@ class _Applier:
                 with tarfile.open(fileobj=out, mode="w|") as tar:
                     tar.addfile(info, body)
 
-            self.builder.put_stream(write)
+            self._builder().put_stream(write)
 
     def run(self, ins: Run) -> None:
         ids = self.user_ids(ins.line)
@@ -396,7 +407,7 @@ class _Applier:
         if ids is not None:
             groups = f"--groups={','.join(map(str, ids.groups))}" if ids.groups else "--clear-groups"
             argv = ["setpriv", f"--reuid={ids.uid}", f"--regid={ids.gid}", groups, "--", *argv]
-        result = self.builder.run_argv(argv, env, self.parent.workdir or "/", self.timeout_s)
+        result = self._builder().run_argv(argv, env, self.parent.workdir or "/", self.timeout_s)
         self.accounts = None  # the step may have added users
         if result.exit_code != 0:
             what = "timed out" if result.timed_out else f"exited with {result.exit_code}"

@@ -18,19 +18,21 @@ import contextlib
 import fcntl
 import os
 import re
+import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Protocol
 from urllib.parse import urlparse
 
 from albatross.cache import images_root
 from albatross.sandbox import egress
 from albatross.sandbox.base import ExecResult
-from albatross.sandbox.build import EnvBuildError
+from albatross.sandbox.build import Builder, EnvBuildError
 from albatross.sandbox.dockerfile import Instruction, Run
+from albatross.sandbox.layers import DiskGuard
 
 PIP_CACHE = "/var/cache/albatross-pip"
 NPM_CACHE = "/var/cache/albatross-npm"
@@ -49,7 +51,7 @@ class BuildCaches:
     def __init__(self, env_key: str) -> None:
         root = images_root() / "build-cache"
         here = root / f"env-{env_key}"
-        self._lock_file: Any = None
+        self._lock_file: IO[str] | None = None
         self.binds: list[tuple[str, str, bool]] = []  # (host directory, path in the builder, read-only)
         self.env: dict[str, str] = {NETWORK_VAR: "1", **host_package_indexes()}
         here.mkdir(parents=True, exist_ok=True)
@@ -124,7 +126,7 @@ def host_package_indexes() -> dict[str, str]:
     parser.read([Path("/etc/pip.conf"), Path.home() / ".config/pip/pip.conf", Path.home() / ".pip/pip.conf"])
     for option, var in (("index-url", "PIP_INDEX_URL"), ("extra-index-url", "PIP_EXTRA_INDEX_URL"),
                         ("trusted-host", "PIP_TRUSTED_HOST")):
-        value = os.environ.get(var) or parser.get("global", option, fallback="")
+        value = os.environ.get(var) or parser.get("global", option, fallback="") or ""
         if var != "PIP_TRUSTED_HOST":
             value = " ".join(u for u in value.split() if u.startswith(("http://", "https://")))
         if value:
@@ -198,8 +200,7 @@ def download(url: str, policy: str, registries: list[str], out: IO[bytes], where
         conn.close()
 
 
-def _connected(family: int, sockaddr: tuple, tls_host: str | None) -> Any:
-    import socket
+def _connected(family: int, sockaddr: egress.Address, tls_host: str | None) -> socket.socket:
     import ssl
 
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -261,13 +262,20 @@ class Deadline:
         return left
 
 
+class StoppableBuilder(Builder, Protocol):
+    """A builder whose running step can be stopped (``LocalAttempt``)."""
+
+    def interrupt(self) -> None: ...
+
+
 class BuildRunner:
     """The builder as ``apply_dockerfile`` sees it: RUN steps get the proxy's and the caches' variables and
     what is left of the build's time; a RUN that failed for want of a host is an ``EnvBuildError`` naming
     it (a host the proxy refused, or one a tool could not resolve)."""
 
-    def __init__(self, builder: Any, instructions: list[Instruction], env_dir: Path, env: dict[str, str],
-                 deadline: Deadline, refused: Any, policy: str, guard: Any = None) -> None:
+    def __init__(self, builder: StoppableBuilder, instructions: list[Instruction], env_dir: Path, env: dict[str, str],
+                 deadline: Deadline, refused: Callable[[], list[str]], policy: str, guard: DiskGuard | None = None
+                 ) -> None:
         """``guard``: a ``layers.DiskGuard`` (a step is refused, or stopped, when the disk gets too full;
         the builder's ``interrupt()`` stops it)."""
         self._builder, self._env_dir, self._env = builder, env_dir, env
@@ -281,7 +289,7 @@ class BuildRunner:
     def put_tar(self, data: bytes) -> None:
         self._builder.put_tar(data)
 
-    def put_stream(self, write: Any) -> None:
+    def put_stream(self, write: Callable[[IO[bytes]], None]) -> None:
         self._builder.put_stream(write)
 
     def run_argv(self, argv: list[str], env: dict[str, str], cwd: str, timeout_s: float | None = None
@@ -322,5 +330,5 @@ class BuildRunner:
         return f"{self._env_dir / 'Dockerfile'}" + (f":{line}" if line else "")
 
 
-def _command_text(command: str | list[str]) -> str:
+def _command_text(command: str | tuple[str, ...] | list[str]) -> str:
     return command if isinstance(command, str) else " ".join(command)

@@ -75,6 +75,7 @@ from albatross.sandbox.base import (
     VerifierSpec,
     closed_at_exit,
     pick_limit,
+    sandbox_default,
     verify_in_place,
 )
 from albatross.sandbox.build import (
@@ -292,6 +293,7 @@ class DockerAttempt:
     def __init__(self, backend: DockerBackend, name: str, limits: Limits) -> None:
         self.id, self.name, self.limits = name, name, limits
         self._backend, self._engine = backend, backend.engine_argv
+        self.first_output_at: float | None = None  # not measured here (``Attempt.first_output_at``)
         self._lock = threading.Lock()
         self._closed = False
         self._cgroup: _HostCgroup | None = None
@@ -564,7 +566,8 @@ class _PidReader:
     """Splits the wrapper's pid line off the front of a command's output; the rest goes to ``out``."""
 
     def __init__(self, out: Output) -> None:
-        self.out, self.pid, self._head = out, None, b""
+        self.out, self._head = out, b""
+        self.pid: int | None = None
 
     def add(self, data: bytes) -> None:
         if self.pid is not None:
@@ -598,6 +601,8 @@ class DockerParent:
     notes: list[str] = field(default_factory=list)
     user: str | None = None  # the image's User (None: root)
     owner: str = ""  # "uid:gid" of that user ("" for root)
+    build_s: float = 0.0  # the engine's build time is not measured here; ``Prepared``
+    cached: bool = False
 
 
 _LIVE = closed_at_exit()  # closed when the interpreter exits
@@ -619,7 +624,7 @@ class DockerBackend:
 
     def __init__(
         self,
-        engine: str = "auto",
+        engine: str | None = None,
         build_timeout_s: float = 1800.0,
         fail_rate: float = 0.0,
         fault_seed: int | None = None,
@@ -629,9 +634,9 @@ class DockerBackend:
         """``engine``: "auto", "docker" or "podman". ``hide_paths`` is accepted for the common backend
         signature: a container sees nothing of the host's files. ``fail_rate``: share of forks made to
         fail at random (fault-injection tests only). ``images_dir``: OCI layouts / ``docker save`` archives
-        a ``FROM`` may name (``[sandbox] images``, as for ``local``)."""
+        a ``FROM`` may name (``[sandbox] images``, as for ``local``). ``engine`` left out: ``[sandbox] engine``'s default."""
         del hide_paths
-        self.engine = find_engine(engine)
+        self.engine = find_engine(sandbox_default("engine") if engine is None else engine)
         self.engine_argv = engine_argv(self.engine)
         # the working directory of every engine command: Podman's conmon writes files (an ``oom`` marker when a
         # container's command is OOM-killed) into the directory it was started from, which is ours, not the caller's

@@ -42,6 +42,8 @@ CONNECT_TIMEOUT_S = 30.0
 IDLE_TIMEOUT_S = 600.0
 MAX_CONNECTIONS = 64  # open connections per sandbox; more are closed at once
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
+Address = tuple[str, int] | tuple[str, int, int, int] | tuple[int, bytes]  # a socket address (getaddrinfo's)
+SockAddr = tuple[socket.AddressFamily, Address]  # where to connect: the family and its address
 
 
 def check_policy(policy: str, what: str = "network policy") -> str:
@@ -115,7 +117,7 @@ def forbidden_address(address: str, policy: str) -> str:
     return ""
 
 
-def resolve(host: str, port: int, policy: str, registries: Iterable[str]) -> list[tuple]:
+def resolve(host: str, port: int, policy: str, registries: Iterable[str]) -> list[SockAddr]:
     """The socket addresses ``host:port`` may be reached at under ``policy``, or ``Refused``."""
     if policy == NONE:
         raise Refused("the network policy is none")
@@ -395,29 +397,29 @@ def _forwarded(method: str, path: str, version: str, headers: list[bytes], host:
 def _relay(a: socket.socket, b: socket.socket) -> None:
     """Copy bytes both ways until both sides have finished (or nothing moved for ``IDLE_TIMEOUT_S``)."""
     selector = selectors.DefaultSelector()
-    peers = {a: b, b: a}
-    for sock in peers:
+    ends = {a.fileno(): (a, b), b.fileno(): (b, a)}  # descriptor -> (the socket, its peer)
+    for sock, _peer in ends.values():
         selector.register(sock, selectors.EVENT_READ)
     open_ends = 2
     last = time.monotonic()
     try:
         while open_ends and time.monotonic() - last < IDLE_TIMEOUT_S:
             for key, _ in selector.select(timeout=5.0):
-                sock = key.fileobj
+                sock, peer = ends[key.fd]
                 try:
-                    data = sock.recv(1 << 16)  # type: ignore[union-attr]
+                    data = sock.recv(1 << 16)
                 except OSError:
                     data = b""
                 last = time.monotonic()
                 if data:
                     try:
-                        peers[sock].sendall(data)  # type: ignore[index]
+                        peer.sendall(data)
                     except OSError:
                         return
                     continue
                 selector.unregister(sock)
                 open_ends -= 1
                 with contextlib.suppress(OSError):
-                    peers[sock].shutdown(socket.SHUT_WR)  # type: ignore[index]
+                    peer.shutdown(socket.SHUT_WR)
     finally:
         selector.close()

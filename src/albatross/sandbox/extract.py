@@ -19,6 +19,7 @@ import errno
 import os
 import shutil
 import stat
+import sys
 import tarfile
 from dataclasses import dataclass
 from typing import IO
@@ -52,7 +53,7 @@ class Bounds:
 
 def open_tar_stream(stream: IO[bytes]) -> tarfile.TarFile:
     """A tar read as a stream, member by member (plain, gzip, bzip2 or xz; zstd refused, saying so)."""
-    peek = getattr(stream, "peek", None)
+    peek = getattr(stream, "peek", None)  # buffered streams have it, raw pipes and sockets not
     head = peek(4)[:4] if callable(peek) else b""
     if head == b"\x28\xb5\x2f\xfd":
         raise UnsafeArchive("zstd-compressed layers are not supported (re-export the image with gzip)")
@@ -116,7 +117,7 @@ class _Unpacker:
     def walk(self, parts: list[str], create: bool) -> int:
         """A descriptor of the directory ``parts`` names inside the root (links followed inside it;
         missing directories made when ``create``). ``UnsafeArchive`` if it is not a directory."""
-        fd, here = os.dup(self.root_fd), []  # ``here``: the real directories walked so far, from the root
+        fd, here = os.dup(self.root_fd), list[str]()  # ``here``: the real directories walked so far, from the root
         todo, hops = list(parts), 0
         try:
             while todo:
@@ -280,7 +281,10 @@ def remove(parent: int, name: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(name, dir_fd=parent)
+        if sys.version_info >= (3, 11):
+            shutil.rmtree(name, dir_fd=parent)
+        else:  # no dir_fd before 3.11: the same directory, named through the descriptor
+            shutil.rmtree(f"/proc/self/fd/{parent}/{name}")
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=parent)

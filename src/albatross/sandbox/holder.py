@@ -55,7 +55,7 @@ KEPT_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31}
 
 
 def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote_fd: int | None = None,
-                seccomp_filter: Any = None) -> None:
+                seccomp_filter: Any = None) -> None:  # a pyseccomp filter (no stubs)
     """Set up the attempt's root, tell the host, then serve it until it hangs up. Never returns.
 
     ``zygote_fd``: a pidfd of the zygote; the holder dies with it (its layers and mounts are gone).
@@ -363,7 +363,7 @@ class Holder:
                     os.close(fd)
 
     def start(self, msg: dict[str, Any], fds: list[int]) -> None:
-        actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
+        actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]  # posix_spawn's
         actions += [(os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[0], 2)]
         try:
             pid = self.spawn(msg, actions)
@@ -384,7 +384,7 @@ class Holder:
             fcntl.ioctl(master, _TIOCSPTLCK, struct.pack("i", 0))
             number = struct.unpack("i", fcntl.ioctl(master, _TIOCGPTN, struct.pack("i", 0)))[0]
             slave = f"/dev/pts/{number}"
-            actions = [(os.POSIX_SPAWN_OPEN, 0, slave, os.O_RDWR, 0)]
+            actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_OPEN, 0, slave, os.O_RDWR, 0)]
             actions += [(os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)]
             pid = self.spawn(msg, actions)  # setsid + open of the slave: it is the controlling tty
             self.running[pid] = self.current

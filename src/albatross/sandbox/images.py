@@ -216,11 +216,11 @@ def recipe_for(ref: str) -> tuple[Recipe, list[str]]:
     if name == "ubuntu":
         from albatross.sandbox.ubuntu import ubuntu_mirror
 
-        release = UBUNTU.get(tag.split("-")[0])
-        if release is None:
+        ubuntu = UBUNTU.get(tag.split("-")[0])
+        if ubuntu is None:
             raise EnvBuildError(f"no base for {ref}: unknown Ubuntu version {tag!r}")
-        return Recipe(release, UBUNTU_PACKAGES, ubuntu_mirror(), distro="ubuntu"), \
-            [f"{ref}: Ubuntu {release} from the Ubuntu archive (minbase), with python3, which the offline "
+        return Recipe(ubuntu, UBUNTU_PACKAGES, ubuntu_mirror(), distro="ubuntu"), \
+            [f"{ref}: Ubuntu {ubuntu} from the Ubuntu archive (minbase), with python3, which the offline "
              "verifier's pytest runs on (uv would download a Python)"]
     if name in RUNTIMES:
         release, notes = _release_in_tag(tag, ref)
@@ -498,7 +498,7 @@ class _Archive:
             member = self.tar.extractfile("/".join(parts))
             if member is None:
                 raise EnvBuildError(f"{self.path}: {name} is not a file")
-            return member  # type: ignore[return-value]
+            return member
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for part in parts[:-1]:

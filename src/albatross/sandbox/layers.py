@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +158,7 @@ class DiskGuard:
                 f"{self.min_free_mb} MiB a build must leave ([sandbox] build_min_free_mb)")
 
     @contextlib.contextmanager
-    def watching(self, stop: Any) -> Iterator[list[str]]:
+    def watching(self, stop: Callable[[], None]) -> Iterator[list[str]]:
         """While the body runs, check the free space every ``poll_s``; below the minimum, call ``stop()``
         once. Yields a list that then holds the reason."""
         hit: list[str] = []

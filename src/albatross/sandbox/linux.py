@@ -99,7 +99,10 @@ def clone_parked(flags: int, seconds: int = 5) -> int:
     ``seconds``, then exits: a cheap holder of new namespaces (no copy of our address space, no Python
     in the child). It holds copies of our file descriptors while it lives, so the caller kills and reaps
     it at once; if the caller dies first, it is gone ``seconds`` later. Returns its pid."""
-    sleep = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(ctypes.cast(_libc.sleep, ctypes.c_void_p).value)
+    address = ctypes.cast(_libc.sleep, ctypes.c_void_p).value
+    if address is None:
+        raise OSError("libc has no sleep")
+    sleep = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(address)
     top = ctypes.c_void_p((ctypes.addressof(_PARK_STACK) + len(_PARK_STACK) - 64) & ~15)
     return _check(_libc.clone(sleep, top, ctypes.c_int(flags | _CLONE_VM | _SIGCHLD), ctypes.c_void_p(seconds)),
                   "clone")

@@ -75,7 +75,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import astuple, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 from albatross.cache import cache_root
 from albatross.sandbox import buildnet, cgroups, dockerfile, egress, images, rootfs, wire
@@ -97,6 +97,7 @@ from albatross.sandbox.base import (
     VerifierSpec,
     closed_at_exit,
     pick_limit,
+    sandbox_default,
 )
 from albatross.sandbox.build import (
     DEFAULT_PATH,
@@ -121,6 +122,7 @@ from albatross.sandbox.zygote import Zygote, ZygoteDied
 __all__ = ["EnvBuildError", "LocalAttempt", "LocalBackend", "local_available", "needed_host", "userns_available"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ID_BASE = 1_000_000_000  # host uid and gid of root inside the sandbox user namespace
 HIDDEN_PATHS = ("/work", "/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "/media", "/srv",
@@ -240,6 +242,9 @@ class LocalAttempt:
         with self._lock:
             self._check_open()
             self._skip_ready()  # the holder's root must be complete before the verifier looks at it
+            zygote = self.zygote
+            if zygote is None:  # a builder's attempt: no verifier runs there
+                raise SandboxError("no zygote to run the verifier in")
             changes = self._system_changes() if spec.toolchain == "attempt" else []
             group = self._cgroups.new_group("cv")
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -257,7 +262,7 @@ class LocalAttempt:
             start = time.monotonic()
             try:
                 try:
-                    pid = self.zygote.request(msg, fds=[theirs.fileno(), write_fd])["pid"]
+                    pid = zygote.request(msg, fds=[theirs.fileno(), write_fd])["pid"]
                 finally:
                     theirs.close()
                     os.close(write_fd)
@@ -514,7 +519,7 @@ class LocalAttempt:
             raise FileNotFoundError(f"put_dir: {host_dir} is not a directory")
         self.put_stream(lambda out: write_dir_tar(out, host_dir, sandbox_path))
 
-    def put_stream(self, write: Callable[[Any], None]) -> None:
+    def put_stream(self, write: Callable[[IO[bytes]], None]) -> None:
         """Extract into the attempt the tar that ``write(out)`` writes to ``out``: a pipe the holder reads
         as it unpacks, so the tar is never held whole on either side. An exception of ``write`` (a COPY
         past its budget) is raised once the holder has let go."""
@@ -730,15 +735,15 @@ class LocalBackend:
         allow_internet: bool | None = None,
         build_limits: Limits | None = None,
         build_timeout_s: float = 1800.0,
-        base: str = "image",
+        base: str | None = None,
         userns: bool | None = None,
-        warm: int = 3,
+        warm: int | None = None,
         fail_rate: float = 0.0,
         fault_seed: int | None = None,
         images_dir: str | Path | None = None,
         registries: Iterable[str] | None = None,
         layer_cache: bool = False,
-        build_min_free_mb: int = 2048,
+        build_min_free_mb: int | None = None,
         warm_envs: int = MAX_POOL_KEYS,
     ) -> None:
         """``hide_paths``: extra host paths made empty in every sandbox (e.g. the run directory).
@@ -756,16 +761,15 @@ class LocalBackend:
         made to fail at random (fault-injection tests only), drawn from ``Random(fault_seed)``.
         ``layer_cache``: keep built environments on disk for every later run (``layers.LayerStore``, keyed
         by content hash); False: in a directory of this backend's own, removed by ``close``. Builds use the
-        host's disk, as Docker's do, leaving ``build_min_free_mb`` free."""
+        host's disk, as Docker's do, leaving ``build_min_free_mb`` free. ``base``, ``warm``, ``registries`` and
+        ``build_min_free_mb`` left out (None) are the ``[sandbox]`` section's defaults."""
+        base = sandbox_default("base") if base is None else base
+        warm = sandbox_default("warm") if warm is None else warm
         if base not in rootfs.BASES:
             raise ValueError(f"unknown sandbox base {base!r}; choose one of {list(rootfs.BASES)}")
         self.hide_paths = [*HIDDEN_PATHS, *(str(Path(p).resolve()) for p in hide_paths)]
         self.allow_internet, self.base = allow_internet, base
-        if registries is None:
-            from albatross.config import default
-
-            registries = default("sandbox", "registries")
-        self.registries = buildnet.registry_hosts(registries)
+        self.registries = buildnet.registry_hosts(sandbox_default("registries") if registries is None else registries)
         self._egress: egress.EgressProxy | None = None  # started when a sandbox first needs it
         if base == "host":
             log.warning("sandbox base \"host\": every attempt reads the host's own root file system (/etc, "
@@ -778,7 +782,7 @@ class LocalBackend:
         # over the host's own root, a layer on its disk would lie inside the overlay's lower layer (overlayfs
         # refuses that): those layers go to the host's /dev/shm, a tmpfs, and are never cached
         self.layers = LayerStore(layer_cache, None) if base != "host" else LayerStore(False, HOST_BASE_LAYERS)
-        self.build_min_free_mb = build_min_free_mb
+        self.build_min_free_mb: int = sandbox_default("build_min_free_mb") if build_min_free_mb is None else build_min_free_mb
         self.build_timeout_s = build_timeout_s
         self.userns = userns_available() if userns is None else userns
         self.faults = FaultInjector(fail_rate, fault_seed)
@@ -828,7 +832,7 @@ class LocalBackend:
             self._pool.clear()  # warm attempts of the dead zygote: their holders died with it
         return zygote
 
-    def _retrying(self, what: Callable[[], Any]) -> Any:
+    def _retrying(self, what: Callable[[], T]) -> T:
         """``what()``, again on a fresh zygote if the zygote died under it (a few times at most)."""
         for tries_left in range(ZYGOTE_TRIES - 1, -1, -1):
             try:
@@ -982,7 +986,7 @@ class LocalBackend:
         internet = self._build_network(network)
         salt = json.dumps([LAYER_KEY_FORMAT, self.base, [b.key for b in bases], hide, internet, self.id_base])
         key = self._keys.get(env_dir, salt)
-        parent = self._zyg().parents.get(key)
+        parent: Parent | None = self._zyg().parents.get(key)
         if parent is not None:
             return parent
         with self._lock:
@@ -1036,7 +1040,7 @@ class LocalBackend:
         ``open``), or none when the backend was made with ``allow_internet=False``."""
         return egress.NONE if self.allow_internet is False else egress.build_policy(attempt_policy)
 
-    def _build(self, zygote: Zygote, env_dir: Path, stages: list[Any], key: str, hide: list[str],
+    def _build(self, zygote: Zygote, env_dir: Path, stages: list[dockerfile.Stage], key: str, hide: list[str],
                internet: str, deadline: buildnet.Deadline) -> Parent:
         """Build every stage in order (each earlier one only for ``COPY --from``); the last is the parent."""
         roots: dict[str, str] = {}  # --from reference -> host path of that stage's (or image's) root
@@ -1097,7 +1101,8 @@ class LocalBackend:
             else:  # a base image's root (idmapped in the zygote): found again by its key
                 base_key = mounted.get(lower, "")
                 stack.append({"base": base_key, "root": roots.get(base_key, lower)})
-        record = {"parent": _parent_record(parent), "layer": os.path.relpath(parent.layer, top), "stack": stack}
+        record: dict[str, Any] = {"parent": _parent_record(parent), "layer": os.path.relpath(parent.layer, top),
+                                  "stack": stack}
         final = self.layers.commit(top, key, record)
         moved = _parent_from_record(record["parent"], str(final / record["layer"]))
         zygote.lowers[key] = [str(final / e["layer"]) if "layer" in e else lower
@@ -1120,14 +1125,15 @@ class LocalBackend:
             raise EnvBuildError(f"{env_dir / 'Dockerfile'}: {err} (attempts run as the last USER)") from None
         return None if ids.root else ids
 
-    def _export_stage(self, zygote: Zygote, stages: list[Any], index: int, key: str,
+    def _export_stage(self, zygote: Zygote, stages: list[dockerfile.Stage], index: int, key: str,
                       built: dict[int, tuple[Parent, list[str]]], exported: list[Path]) -> str:
         """Write a built stage's merged root to a host directory (hard links to its base) for COPY --from."""
         if self.base == "host":
             raise EnvBuildError("COPY --from an earlier stage needs an image base (sandbox.base = \"image\")")
         layers = [built[index][0].layer]
-        while stages[index].base_stage is not None:  # a stage on a stage: every layer down to the image
-            index = stages[index].base_stage
+        below = stages[index].base_stage
+        while below is not None:  # a stage on a stage: every layer down to the image
+            index, below = below, stages[below].base_stage
             layers.append(built[index][0].layer)
         dest = cache_root() / "stage-roots" / f"{key}-{os.getpid()}-{len(exported)}"
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -1136,7 +1142,7 @@ class LocalBackend:
                         "layers": layers[::-1], "dest": str(dest)})
         return str(dest)
 
-    def _build_stage(self, zygote: Zygote, env_dir: Path, stage: Any, key: str, hide: list[str],
+    def _build_stage(self, zygote: Zygote, env_dir: Path, stage: dockerfile.Stage, key: str, hide: list[str],
                      lowers: list[str], net: _BuildNet, roots: dict[str, str], top: Path,
                      below: Parent | None) -> Parent:
         """Build one stage into a new layer over ``lowers``: on its image's base (its env first), or on
@@ -1168,7 +1174,7 @@ class LocalBackend:
                                               net.policy, DiskGuard(top, self.build_min_free_mb))
             fetch = None
             if online:
-                def fetch(url: str, out: Any, where: str) -> None:
+                def fetch(url: str, out: IO[bytes], where: str) -> None:
                     buildnet.download(url, net.policy, self.registries, out, where)
             budget = max(0, free_mb(top) - self.build_min_free_mb) << 20  # Docker's: the disk, less a reserve
             apply_dockerfile(stage.instructions, parent, runner, env_dir, self.build_timeout_s,
@@ -1282,7 +1288,7 @@ def _probe() -> dict[str, Any]:
     try:
         probe = subprocess.run([sys.executable, "-S", "-c", _PROBE, src, str(ID_BASE)], capture_output=True,
                                timeout=60, text=True)
-        found = json.loads(probe.stdout.strip().splitlines()[-1])
+        found: dict[str, Any] = json.loads(probe.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as err:
         return {"ok": False, "userns": False, "why": f"probe failed: {err}"}
     if not found.get("ok"):

@@ -65,8 +65,11 @@ _NOT_ISOLATED = (
 @dataclass
 class _Parent:
     root: Path
+    key: str  # ``env_key`` of its environment
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    build_s: float = 0.0  # nothing is built (RUN is skipped); ``Prepared``
+    cached: bool = False
 
 
 def _state_file(root: Path) -> Path:
@@ -91,6 +94,7 @@ class ProcessAttempt:
         self._groups: set[int] = set()
         self._closed = False
         self.dead = False  # fault injection: the attempt behaves as if its sandbox had died
+        self.first_output_at: float | None = None  # not measured here (``Attempt.first_output_at``)
 
     def host_path(self, sandbox_path: str) -> Path:
         """Where the sandbox path ``sandbox_path`` lives on the host (inside the attempt directory)."""
@@ -255,7 +259,7 @@ class ProcessBackend:
     def _build(self, env_dir: Path | None, root: Path) -> _Parent:
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
-        parent = _Parent(root)
+        parent = _Parent(root, root.name)
         if env_dir is None:
             return parent
         for ins in parse_dockerfile(Path(env_dir) / "Dockerfile"):
@@ -267,8 +271,10 @@ class ProcessBackend:
                 (root / parent.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
             elif isinstance(ins, Copy):
                 with tarfile.open(fileobj=io.BytesIO(copy_tar(ins, Path(env_dir), cwd))) as tar:
-                    kw = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
-                    tar.extractall(root, **kw)
+                    if hasattr(tarfile, "tar_filter"):  # extraction filters: Python 3.12, 3.11.4+, 3.10.12+
+                        tar.extractall(root, filter="tar")
+                    else:
+                        tar.extractall(root)
             elif isinstance(ins, Run):
                 log.warning("%s/Dockerfile:%d: RUN skipped by the 'process' backend", env_dir, ins.line)
         return parent

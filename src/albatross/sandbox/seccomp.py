@@ -61,6 +61,7 @@ def _add(flt: Any, action: int, name: str, *args: Any) -> None:
     try:
         flt.add_rule(action, name, *args)
     except (OSError, ValueError) as err:
+        # pyseccomp raises OSError, or ValueError (no errno)
         if getattr(err, "errno", errno.EDOM) not in (errno.EDOM, errno.EINVAL, errno.EFAULT, None):
             raise
 

@@ -30,7 +30,7 @@ import shutil
 import signal
 import socket
 import stat
-from typing import Any
+from typing import Any, Protocol
 
 from albatross.sandbox import linux, seccomp
 from albatross.sandbox.wire import send
@@ -42,7 +42,15 @@ _OOM_FIRST = "1000"  # the verifier's processes are the memory limit's first vic
 _NS = ("mnt", "pid", "net", "ipc", "uts")
 
 
-def start(state: Any, msg: dict[str, Any], fds: list[int]) -> int:
+class ZygoteView(Protocol):
+    """What a verification reads of the zygote's state (``zygote.ZygoteState``)."""
+
+    root: str  # the zygote's root: its scratch directory is where the verifier's root is made
+    id_base: int  # host uid of root inside the attempts' user namespace (0: none)
+    seccomp: Any  # the attempts' seccomp filter (pyseccomp, no stubs)
+
+
+def start(state: ZygoteView, msg: dict[str, Any], fds: list[int]) -> int:
     """Fork the child that runs one verification (``fds``: the report socket, the output pipe's write end);
     the zygote goes on serving at once. Returns the child's pid."""
     pid = os.fork()
@@ -61,7 +69,7 @@ def start(state: Any, msg: dict[str, Any], fds: list[int]) -> int:
     raise AssertionError("unreachable")
 
 
-def _verify(state: Any, msg: dict[str, Any], report: socket.socket, out_fd: int) -> None:
+def _verify(state: ZygoteView, msg: dict[str, Any], report: socket.socket, out_fd: int) -> None:
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # gone with the zygote
     linux.close_fds_except({0, 1, 2, report.fileno(), out_fd})  # the zygote's socket and namespaces
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the zygote ignores it; we wait for test.sh
@@ -88,7 +96,7 @@ def _verify(state: Any, msg: dict[str, Any], report: socket.socket, out_fd: int)
     send(report, {"exit": code if code >= 0 else 128 - code, "files": files}, payload)
 
 
-def _build_root(state: Any, msg: dict[str, Any], attempt_mnt: int, userns: int | None) -> str:
+def _build_root(state: ZygoteView, msg: dict[str, Any], attempt_mnt: int, userns: int | None) -> str:
     """The verifier's root, under ``<zygote root>/scratch`` of this (private) namespace (``userns``: the
     attempt's user namespace, which the host's files put here read-only are shown through)."""
     work = f"{state.root}/scratch"
@@ -190,7 +198,7 @@ def _place_pristine(source: str, target: str) -> None:
             os.close(fd)
 
 
-def _owner(state: Any, msg: dict[str, Any]) -> tuple[int, int]:
+def _owner(state: ZygoteView, msg: dict[str, Any]) -> tuple[int, int]:
     """Host ids of the verifier's user (what owns the reward directory)."""
     user = msg.get("user")
     uid, gid = (user[0], user[1]) if user else (0, 0)
@@ -205,7 +213,7 @@ def _chown_tree(top: str, uid: int, gid: int) -> None:
     os.chown(top, uid, gid)
 
 
-def _exec_test(state: Any, msg: dict[str, Any], out_fd: int, groups: list[int], userns: int | None) -> None:
+def _exec_test(state: ZygoteView, msg: dict[str, Any], out_fd: int, groups: list[int], userns: int | None) -> None:
     """In the forked child: become a command of the attempt and exec test.sh's command. Never returns."""
     code = 126
     try:

@@ -44,7 +44,7 @@ def _get(url: str, accept: str, limit: int, timeout_s: float = 120.0) -> bytes:
     request = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "albatross"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            data = response.read(limit + 1)
+            data: bytes = response.read(limit + 1)
     except OSError as err:
         raise BaseUnavailable(f"{url}: {err}") from None
     if len(data) > limit:

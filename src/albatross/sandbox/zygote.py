@@ -39,12 +39,15 @@ import tempfile
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.sandbox import linux
 from albatross.sandbox.base import ForkError, SandboxError
 from albatross.sandbox.holder import KEPT_CAPS, holder_main
 from albatross.sandbox.wire import recv, send
+
+if TYPE_CHECKING:
+    from albatross.sandbox.build import Parent
 
 ID_COUNT = 65536
 NETNS_POOL = 4
@@ -52,7 +55,9 @@ CREATOR_BASE = 2_000_000_000  # host uids that create the attempts' user namespa
 CREATOR_COUNT = 100_000_000
 
 
-class _State:
+class ZygoteState:
+    """What the zygote keeps between requests: its root, namespaces, bases and seccomp filter."""
+
     def __init__(self, root: str, opts: dict[str, Any]) -> None:
         self.root, self.id_base = root, int(opts["id_base"])
         self.layers = os.path.realpath(opts["layers"])  # the layer store: parent_new makes directories only there
@@ -163,13 +168,13 @@ def zygote_main() -> None:
     linux.mount("tmpfs", root, "tmpfs", 0, "mode=711")
     for sub in ("scratch", "bases"):
         os.mkdir(f"{root}/{sub}")
-    state = _State(root, opts)
+    state = ZygoteState(root, opts)
     linux.drop_bounding_caps(KEPT_CAPS)
     gc.freeze()  # holders are forks of us: a collection in one would touch (and copy) every page
     _serve(ctrl, state)
 
 
-def _serve(ctrl: socket.socket, state: _State) -> None:
+def _serve(ctrl: socket.socket, state: ZygoteState) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # holders are reaped by the kernel as they exit
     poller = select.poll()
     poller.register(ctrl, select.POLLIN)
@@ -197,7 +202,7 @@ def _serve(ctrl: socket.socket, state: _State) -> None:
                 os.close(fd)
 
 
-def _handle(state: _State, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+def _handle(state: ZygoteState, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
     """The reply to one request, and the descriptors that go with it (closed here once sent)."""
     op = msg["op"]
     if op == "spawn":
@@ -210,7 +215,7 @@ def _handle(state: _State, msg: dict[str, Any], fds: list[int]) -> tuple[dict[st
     return _handle_plain(state, msg), []
 
 
-def _handle_plain(state: _State, msg: dict[str, Any]) -> dict[str, Any]:
+def _handle_plain(state: ZygoteState, msg: dict[str, Any]) -> dict[str, Any]:
     op = msg["op"]
     if op == "base":
         return {"lower": _mount_base(state, msg["name"], msg["path"])}
@@ -274,7 +279,7 @@ def _remove_path(path: str) -> None:
         os.unlink(path)
 
 
-def _mount_base(state: _State, name: str, path: str) -> str:
+def _mount_base(state: ZygoteState, name: str, path: str) -> str:
     """The lower directory for a base root: itself, or (user namespace) an idmapped mount of it."""
     if state.userns_fd is None:
         return path
@@ -286,7 +291,7 @@ def _mount_base(state: _State, name: str, path: str) -> str:
     return state.bases[name]
 
 
-def _parent_new(state: _State, top: str, hide: list[str], base: str) -> dict[str, str]:
+def _parent_new(state: ZygoteState, top: str, hide: list[str], base: str) -> dict[str, str]:
     """A new layer (and overlay work directory) in ``top``, a fresh directory of the layer store; the
     hidden paths made empty in it."""
     top = os.path.realpath(top)
@@ -325,7 +330,7 @@ def _hide(layer: str, path: str, base: str, id_base: int) -> None:
     os.setxattr(os.path.join(layer, *parts), "trusted.overlay.opaque", b"y")
 
 
-def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> tuple[int, int | None]:
+def _spawn_holder(state: ZygoteState, cfg: dict[str, Any], sock_fd: int) -> tuple[int, int | None]:
     """Unshare the namespaces, fork the holder (pid 1 of the new pid namespace), and step back into
     our own namespaces (setns), so no intermediate process is needed. With a network policy other than
     none (``cfg["proxy"]``), also the egress proxy's listening socket, made in the attempt's network
@@ -348,9 +353,9 @@ def _spawn_holder(state: _State, cfg: dict[str, Any], sock_fd: int) -> tuple[int
     finally:
         for fd in state.own_ns:
             linux.setns(fd)
-        for fd in (netns, userns_fd):
-            if fd is not None:
-                os.close(fd)
+        for held in (netns, userns_fd):
+            if held is not None:
+                os.close(held)
     return pid, listener
 
 
@@ -362,7 +367,7 @@ def _proxy_listener() -> int:
     return listen_socket().detach()
 
 
-def _become_holder(state: _State, cfg: dict[str, Any], sock_fd: int, userns_fd: int | None) -> None:
+def _become_holder(state: ZygoteState, cfg: dict[str, Any], sock_fd: int, userns_fd: int | None) -> None:
     try:
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the zygote (set again in holder_main)
         gc.disable()  # a holder allocates little and lives for one attempt
@@ -399,7 +404,7 @@ class Zygote:
     def __init__(self, id_base: int, layers: str | Path) -> None:
         import albatross
 
-        self.parents: dict[str, Any] = {}  # env key -> build.Parent whose layer this zygote holds
+        self.parents: dict[str, Parent] = {}  # env key -> the parent whose layer this zygote holds
         self.lowers: dict[str, list[str]] = {}  # env key -> the lower directories under its parent's layer
         self.base_lowers: dict[str, str] = {}  # base key -> its lower directory here, once mounted
         self.dead = False  # a request found it gone

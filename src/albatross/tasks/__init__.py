@@ -4,7 +4,7 @@
 """
 
 from albatross.tasks.format import Task, TaskFormatError, load_task, load_tasks, write_task
-from albatross.tasks.verify import VerifierError, VerifyResult, parse_reward, run_oracle, verify
+from albatross.tasks.verify import VerifierError, VerifyResult, parse_reward, run_oracle, verify_attempt
 
 __all__ = [
     "Task",
@@ -15,6 +15,6 @@ __all__ = [
     "load_tasks",
     "parse_reward",
     "run_oracle",
-    "verify",
+    "verify_attempt",
     "write_task",
 ]

@@ -10,6 +10,7 @@ included) before and after.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from albatross.tasks.probe import ProbeRow
 
@@ -40,7 +41,7 @@ class FilterResult:
     def observed_after(self) -> float:
         return observed_zero_signal(self.kept)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"band": [self.low, self.high], "group_size": self.group_size,
                 "kept": [r.task for r in self.kept], "dropped": [r.task for r in self.dropped],
                 "kept_paths": [r.path for r in self.kept],

@@ -29,16 +29,19 @@ import posixpath
 import re
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from albatross.errors import UserError
-from albatross.sandbox.base import NETWORK_POLICIES, TOOLCHAINS
-
-if TYPE_CHECKING:
-    from albatross.sandbox.base import Limits
-    from albatross.tasks.offline import OfflineEnv
+from albatross.cache import cache_root
+from albatross.sandbox.base import NETWORK_POLICIES, TOOLCHAINS, Limits
+from albatross.tasks.errors import (
+    TaskFormatError as TaskFormatError,  # re-exported: importers name the format
+)
+from albatross.tasks.legacy import convert_legacy, is_legacy_task
+from albatross.tasks.offline import OfflineEnv, adapt_environment
+from albatross.tasks.tomlwrite import dumps_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,10 +77,6 @@ _warned_lock = threading.Lock()
 log = logging.getLogger(__name__)
 _UNITS_MB = {"": 1.0, "K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0 * 1024.0}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-class TaskFormatError(UserError, ValueError):
-    """A task directory is malformed. The message is one line: ``<file>: <field> <problem>``."""
 
 
 @dataclass
@@ -174,9 +173,6 @@ def load_task(path: str | Path) -> Task:
 
 def _harbor_dir(source: Path) -> Path:
     """``source``, or its converted copy when it is a Terminal-Bench 0.2 task."""
-    from albatross.cache import cache_root
-    from albatross.tasks.legacy import convert_legacy, is_legacy_task
-
     if not is_legacy_task(source):
         return source
     try:
@@ -186,8 +182,6 @@ def _harbor_dir(source: Path) -> Path:
 
 
 def _with_offline_env(task: Task) -> Task:
-    from albatross.tasks.offline import adapt_environment
-
     try:
         adapted = adapt_environment(task.env_dir)
     except OSError as e:
@@ -197,7 +191,7 @@ def _with_offline_env(task: Task) -> Task:
     return task
 
 
-def load_tasks(paths: list[str | Path] | str | Path) -> list[Task]:
+def load_tasks(paths: Sequence[str | Path] | str | Path) -> list[Task]:
     """Load tasks from task directories and from directories that hold task directories.
 
     A path with a ``task.toml`` is one task; any other directory is searched (recursively, not
@@ -217,7 +211,7 @@ def load_tasks(paths: list[str | Path] | str | Path) -> list[Task]:
     return tasks
 
 
-def find_task_dirs(paths: list[str | Path] | str | Path) -> list[Path]:
+def find_task_dirs(paths: Sequence[str | Path] | str | Path) -> list[Path]:
     """The task directories in ``paths`` (each a task directory or a folder of them), in order.
 
     Raises ``TaskFormatError`` for a path that does not exist or holds no task directory."""
@@ -256,7 +250,8 @@ def _task_dirs_below(root: Path) -> list[Path]:
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
-            return tomllib.load(f)
+            data: dict[str, Any] = tomllib.load(f)
+            return data
     except FileNotFoundError:
         raise TaskFormatError(f"{path}: missing") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -426,11 +421,11 @@ def write_task(
     *,
     instruction: str,
     task_toml: dict[str, Any],
-    env_files: dict[str, str | bytes],
+    env_files: Mapping[str, str | bytes],
     dockerfile: str,
     solve_sh: str,
     test_sh: str,
-    test_files: dict[str, str | bytes] | None = None,
+    test_files: Mapping[str, str | bytes] | None = None,
     demo_steps: list[str] | None = None,
 ) -> Path:
     """Write a task directory in the Harbor layout; ``env_files`` paths are relative to environment/."""
@@ -464,31 +459,3 @@ def _write(path: Path, content: str | bytes, executable: bool = False) -> None:
         path.write_text(content, encoding="utf-8")
     if executable:
         path.chmod(0o755)
-
-
-def dumps_toml(data: dict[str, Any]) -> str:
-    """Serialise top-level keys and one level of tables of scalars / lists of scalars."""
-    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for name, table in data.items():
-        if isinstance(table, dict):
-            lines += ["", f"[{_toml_key(name)}]"]
-            lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"cannot write {value} to TOML")
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ValueError(f"cannot write {type(value).__name__} to TOML")

@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from albatross.sandbox.base import Backend, ExecResult, Limits, SandboxError
+from albatross.sandbox.base import Backend, ExecResult, Limits, Prepared, SandboxError
 from albatross.sandbox.egress import narrowest
+from albatross.tasks.buildable import dockerfile_notes, dockerfile_problem
 from albatross.tasks.format import Task, TaskFormatError, attempt_limits, load_task
 from albatross.tasks.leakage import find_static_leaks, scan_for_leaks
-from albatross.tasks.offline import dockerfile_notes, dockerfile_problem, network_evidence
+from albatross.tasks.offline import network_evidence
 from albatross.tasks.overrides import Override, apply_overrides
 from albatross.tasks.verify import VerifierRun, VerifyResult, run_oracle, run_verifier
 
@@ -99,6 +100,9 @@ class TaskReport:
                    notes=dict(data.get("notes", {})), seconds=float(data.get("seconds", 0.0)))
 
 
+Outcome = tuple[bool, float, tuple[tuple[str, float], ...]]  # what determinism compares: success, reward, metrics
+
+
 @dataclass
 class Run:
     """One attempt: the oracle (or nothing) followed by the verifier."""
@@ -114,7 +118,7 @@ class Run:
         return self.verifier.result if self.verifier else None
 
     @property
-    def outcome(self) -> tuple | None:
+    def outcome(self) -> Outcome | None:
         r = self.result
         if r is None:
             return None
@@ -273,6 +277,7 @@ class _Gater:
         return rerun
 
     def oracle_passed(self, task: Task, run: Run, resources: bool = True) -> None:
+        assert run.solve is not None and run.verifier is not None and run.result is not None  # it passed
         solve_s, verify_s = run.solve.seconds, run.verifier.run.seconds
         self.report.notes.update(oracle_s=round(solve_s, 2), verify_s=round(verify_s, 2))
         self.report.tests = sorted(run.result.metrics) if run.result.source != "reward.txt" else []
@@ -321,6 +326,7 @@ class _Gater:
         if oracle.outcome is None or noop.outcome is None:
             self.set("determinism", SKIP, "needs a reward from both the oracle and the no-op")
             return
+        assert self.oracle_config is not None  # set by the oracle gate, which ran first
         configs = {"oracle": self.oracle_config, "noop": (task, task_limits(task, self.options))}
         for first in (oracle, noop):
             run_task, limits = configs[first.kind]
@@ -335,16 +341,16 @@ class _Gater:
 
     # gate 9 -------------------------------------------------------------------------------------
     def reward(self) -> None:
-        runs = [r for r in self.runs if r.verifier is not None]
+        runs = [(r.kind, r.verifier) for r in self.runs if r.verifier is not None]
         if not runs:
             self.set("reward", SKIP, "no verifier run")
             return
-        for run in runs:
-            if run.result is None:
-                self.set("reward", FAIL, f"{run.kind}: {run.verifier.error}")
+        for kind, verifier in runs:
+            if verifier.result is None:
+                self.set("reward", FAIL, f"{kind}: {verifier.error}")
                 return
-            if run.result.problem:
-                self.set("reward", FAIL, f"{run.kind}: {run.result.problem}")
+            if verifier.result.problem:
+                self.set("reward", FAIL, f"{kind}: {verifier.result.problem}")
                 return
         self.set("reward", PASS, f"{len(runs)} verifier runs well formed")
 
@@ -379,7 +385,7 @@ def _attempt(backend: Backend, task: Task, kind: str, limits: Limits, scan: bool
         attempt.close()
 
 
-def _prepare(backend: Backend, task: Task, limits: Limits) -> Any:
+def _prepare(backend: Backend, task: Task, limits: Limits) -> Prepared:
     return backend.prepare(task.env_dir, limits.network, limits.build_timeout_s)
 
 
@@ -409,6 +415,8 @@ def resource_symptom(run: Run) -> bool:
 
 
 def resource_reason(task: Task, first: Run, rerun: Run, slack: float) -> str:
+    """Why the first oracle run failed where ``rerun`` (with more time and memory) passed."""
+    assert rerun.solve is not None and rerun.verifier is not None  # it passed
     if first.solve is not None and first.solve.timed_out:
         return (f"the oracle needs more than [agent] timeout_sec {task.agent_timeout_s:.0f} s "
                 f"(took {rerun.solve.seconds:.1f} s with more time)")
@@ -419,7 +427,9 @@ def resource_reason(task: Task, first: Run, rerun: Run, slack: float) -> str:
 
 
 def describe_failure(run: Run) -> str:
+    """A scored oracle run that did not pass: its score, failing tests and what went wrong."""
     result = run.result
+    assert result is not None  # scored
     failed = [k for k, v in result.metrics.items() if v < 1.0]
     parts = [f"scored {result.reward:g}" + (f", failing {', '.join(failed[:4])}" if failed else "")]
     if result.error:
@@ -429,8 +439,8 @@ def describe_failure(run: Run) -> str:
     return "; ".join(parts)
 
 
-def describe_difference(outcomes: list[tuple | None]) -> str:
-    def show(o: tuple | None) -> str:
+def describe_difference(outcomes: list[Outcome | None]) -> str:
+    def show(o: Outcome | None) -> str:
         return "no reward" if o is None else f"reward {o[1]:g} {dict(o[2])}"
 
     first = outcomes[0]

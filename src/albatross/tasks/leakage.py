@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from albatross.sandbox.base import Attempt
 from albatross.tasks.format import Task
-from albatross.tasks.offline import TOOLKIT_PATH
+from albatross.tasks.shims import TOOLKIT_PATH
 from albatross.tasks.verify import SOLUTION_PATH, TESTS_PATH
 
 MIN_SECRET_BYTES = 16  # smaller files ("1\n", "ok") are too common to be evidence of anything
@@ -109,7 +109,9 @@ def copied_files(task: Task) -> Iterator[ImageFile]:
                     dirs.update(_ancestors(path))
                 elif member.isreg():
                     dirs.update(_ancestors(posixpath.dirname(path)))
-                    yield ImageFile(path, hashlib.sha256(tar.extractfile(member).read()).hexdigest(), ins.line)
+                    content = tar.extractfile(member)  # a regular member: never None
+                    digest = hashlib.sha256(content.read() if content is not None else b"").hexdigest()
+                    yield ImageFile(path, digest, ins.line)
 
 
 def _ancestors(path: str) -> list[str]:
@@ -134,7 +136,9 @@ def find_static_leaks(task: Task) -> list[str]:
     except DockerfileError:
         return leaks
     for ins in instructions:
-        dest = ins.dest if isinstance(ins, Copy) else ""
+        if not isinstance(ins, Copy):
+            continue
+        dest = ins.dest
         if dest.rstrip("/") in (TESTS_PATH, SOLUTION_PATH) or dest.startswith((TESTS_PATH + "/", SOLUTION_PATH + "/")):
             leaks.append(f"{task.dockerfile}:{ins.line}: {ins.keyword} into {dest}, where the verifier's files go")
     return leaks

@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from albatross.tasks.format import TaskFormatError, dumps_toml
+from albatross.tasks.errors import TaskFormatError
+from albatross.tasks.tomlwrite import dumps_toml
 
 HANDLED = {"task.yaml", "solution.yaml", "solution.sh", "run-tests.sh", "tests", "docker-compose.yaml",
            "docker-compose.yml"}
@@ -168,7 +169,7 @@ def _compose_lines(source: Path) -> list[str]:
         raise TaskFormatError(f"{compose}: services must be a mapping")
     if len(services) > 1:
         raise TaskFormatError(f"{compose}: services: {len(services)} services; only one container is supported")
-    service = next(iter(services.values()), {}) or {}
+    service: dict[str, Any] = next(iter(services.values()), {}) or {}
     lines = []
     env = service.get("environment") or []
     pairs = env.items() if isinstance(env, dict) else (str(e).partition("=")[::2] for e in env)

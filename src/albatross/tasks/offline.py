@@ -33,15 +33,11 @@ import threading
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from albatross.cache import cache_root
 from albatross.sandbox.build import SOURCE_MARKER
 from albatross.tasks import shims
 from albatross.tasks.shims import NEEDS_NETWORK, PIP_ZIP, TOOLKIT_PATH
-
-if TYPE_CHECKING:
-    from albatross.tasks.format import Task
 
 TOOLKIT_BIN = f"{TOOLKIT_PATH}/bin"
 TOOLKIT_PYBIN = f"{TOOLKIT_PATH}/pybin"
@@ -87,49 +83,6 @@ def network_evidence(output: str) -> str | None:
         if any(marker in line for marker in _NETWORK_ERRORS):
             return line.strip()[:300]
     return None
-
-
-def base_image_problem(image: str) -> str | None:
-    """Why ``FROM image`` has no base here (``sandbox.images``: no recipe, not imported), or None."""
-    from albatross.sandbox.images import base_problem
-
-    return base_problem(image)
-
-
-def dockerfile_problem(task: Task) -> str:
-    """Why the Dockerfile cannot be built here (unparseable, unsupported instruction, unmappable
-    FROM image), or "". A FROM naming an earlier stage of a multi-stage build is no image."""
-    from albatross.sandbox.dockerfile import DockerfileError, From, parse_dockerfile
-
-    try:
-        instructions = parse_dockerfile(task.dockerfile)
-    except DockerfileError as e:
-        return str(e)
-    stages: set[str] = set()
-    for ins in instructions:
-        if not isinstance(ins, From):
-            continue
-        problem = None if ins.image.lower() in stages else base_image_problem(ins.image)
-        if problem:
-            return f"{task.dockerfile}:{ins.line}: {problem}"
-        stages.update([ins.name] if ins.name else [])
-    return ""
-
-
-def dockerfile_notes(task: Task) -> list[str]:
-    """The instructions the local sandbox ignores (CMD, USER, EXPOSE, ...), each with its line and why,
-    and how each FROM image's base differs from the image (``images.base_notes``)."""
-    from albatross.sandbox.dockerfile import DockerfileError, From, Ignored, parse_dockerfile
-    from albatross.sandbox.images import base_notes
-
-    try:
-        instructions = parse_dockerfile(task.dockerfile)
-    except DockerfileError:
-        return []
-    stages = {i.name.lower() for i in instructions if isinstance(i, From) and i.name}
-    notes = [n for i in instructions if isinstance(i, From) and i.image.lower() not in stages
-             for n in base_notes(i.image)]
-    return notes + [f"line {i.line} {i.keyword} ignored ({i.note})" for i in instructions if isinstance(i, Ignored)]
 
 
 def is_python_image(image: str) -> bool:

@@ -19,12 +19,17 @@ entry. A task the file does not name keeps its own values.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
-from albatross.tasks.format import TOOLCHAINS, Task, TaskFormatError
+from albatross.sandbox.base import TOOLCHAINS
+from albatross.tasks.format import Task, TaskFormatError
 
 KEYS: dict[str, tuple[str, Any]] = {  # "table.key" -> (Task field, allowed values or type)
     "verifier.toolchain": ("toolchain", TOOLCHAINS),

@@ -9,8 +9,9 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from albatross.records import STATUS_INFRA_ERROR, Group, Trajectory
 from albatross.tasks.format import Task
 
 MIN_ATTEMPTS = 4  # DESIGN.md: every candidate task is probed at least 4 times
@@ -40,10 +41,14 @@ class ProbeRow:
         return cls(**fields, infra_errors=int(data.get("infra_errors", 0)), statuses=dict(data.get("statuses", {})))
 
 
-def score_row(task: Task, trajs: list, scorer: Any, infra_errors: int = 0) -> ProbeRow:
-    """One task's probe row: its scored attempts form one group, scored as training scores groups."""
-    from albatross.records import STATUS_INFRA_ERROR, Group
+class GroupScoring(Protocol):
+    """What scores a group (``rl.scoring.GroupScorer``)."""
 
+    def score_group(self, group: Group) -> Group: ...
+
+
+def score_row(task: Task, trajs: list[Trajectory], scorer: GroupScoring, infra_errors: int = 0) -> ProbeRow:
+    """One task's probe row: its scored attempts form one group, scored as training scores groups."""
     scored = [t for t in trajs if t.status != STATUS_INFRA_ERROR]
     statuses = dict(Counter(t.status for t in trajs))
     path = str(task.source_path or task.path)

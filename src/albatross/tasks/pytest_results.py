@@ -31,7 +31,7 @@ class Recorder:
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         name = report.nodeid
-        self.duration[name] = self.duration.get(name, 0.0) + float(getattr(report, "duration", 0.0))
+        self.duration[name] = self.duration.get(name, 0.0) + float(getattr(report, "duration", 0.0))  # pytest's report
         if report.failed:
             self.status[name] = "failed"
         elif report.skipped and self.status.get(name) != "failed":
@@ -90,5 +90,5 @@ def pytest_addoption(parser: Any) -> None:
 
 
 def pytest_configure(config: Any) -> None:
-    ctrf = getattr(config.option, "albatross_ctrf", None)
+    ctrf = getattr(config.option, "albatross_ctrf", None)  # pytest's options: absent when not registered
     config.pluginmanager.register(Recorder(ctrf), "albatross-recorder")

@@ -21,12 +21,13 @@ so no process of the agent can touch them; its interpreter and tools (``/usr``, 
 own, for tests that must run in the attempt's environment; then the attempt's changes to those paths are
 listed in ``system_changes``); the user site of python is off. Reward files are read without following links.
 
-No usable reward (no reward file, a malformed one, a non-finite value or one outside [0, 1]) is a
-``VerifierError`` for ``verify`` and the gates. For an attempt (``verify_attempt``: model attempts and
-``eval --agent oracle`` alike) it is the attempt's own failure, scored 0, when the same verifier writes a
-usable reward on an untouched fork of the task (checked once per task and backend): a full disk or inode
-table, a killed sandbox after running out of memory, a broken workdir. Otherwise it is an
-infrastructure or task error (``VerifierError``), never scored.
+Every attempt is scored by ``verify_attempt``: the model's, the no-op's and ``eval --agent oracle``'s alike.
+No usable reward (no reward file, a malformed one, a non-finite value or one outside [0, 1]) is the attempt's
+own failure, scored 0, when the same verifier writes a usable reward on an untouched fork of the task (checked
+once per task and backend): a full disk or inode table, a killed sandbox after running out of memory, a broken
+workdir. Otherwise it is an infrastructure or task error (``VerifierError``), never scored. The gates
+(``gates.py``) judge the task, not an attempt: they read ``run_verifier``'s run, where no usable reward is
+reported as the task's problem.
 
 Scripts that call apt-get, pip, uv/uvx, curl, wget or pytest run with the offline toolkit first on
 ``PATH`` (``offline.py``), so Terminal-Bench verifiers run without the internet.
@@ -42,11 +43,11 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from albatross.sandbox.base import Attempt, AttemptBroken, ExecResult, Limits, VerifierSpec
+from albatross.sandbox.base import Attempt, AttemptBroken, Backend, ExecResult, Limits, VerifierSpec
 from albatross.tasks import offline
 from albatross.tasks.format import Task, TaskFormatError
+from albatross.tasks.shims import TOOLKIT_PATH
 
 REWARD_DIR = "/logs/verifier"
 REWARD_JSON = f"{REWARD_DIR}/reward.json"
@@ -84,7 +85,7 @@ class VerifierRun:
     error: str = ""
 
 
-def verify_attempt(attempt: Attempt, task: Task, backend: Any, limits: Limits | None = None) -> VerifyResult:
+def verify_attempt(attempt: Attempt, task: Task, backend: Backend, limits: Limits | None = None) -> VerifyResult:
     """Verify an attempt (a model's or the oracle's). No usable reward is the attempt's failure (reward
     0, ``error`` says why) if the verifier writes one on an untouched fork of the task; else
     ``VerifierError``. A sandbox the attempt broke (``AttemptBroken``: killed after it ran out of memory)
@@ -107,10 +108,10 @@ class _UntouchedCheck:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._known: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], bool]] = weakref.WeakKeyDictionary()
+        self._known: weakref.WeakKeyDictionary[Backend, dict[tuple[str, str], bool]] = weakref.WeakKeyDictionary()
         self._locks: dict[tuple[int, str, str], threading.Lock] = {}
 
-    def works(self, backend: Any, task: Task, limits: Limits | None) -> bool:
+    def works(self, backend: Backend, task: Task, limits: Limits | None) -> bool:
         key = (str(task.tests_dir.resolve()), str(task.env_dir))
         with self._lock:
             known = self._known.setdefault(backend, {})
@@ -121,8 +122,8 @@ class _UntouchedCheck:
             return known[key]
 
     @staticmethod
-    def _check(backend: Any, task: Task, limits: Limits | None) -> bool:
-        attempt = backend.fork(task.env_dir, task.workdir, *([limits] if limits is not None else []))
+    def _check(backend: Backend, task: Task, limits: Limits | None) -> bool:
+        attempt = backend.fork(task.env_dir, task.workdir, limits)
         try:
             return run_verifier(attempt, task).result is not None
         finally:
@@ -132,16 +133,10 @@ class _UntouchedCheck:
 _untouched = _UntouchedCheck()
 
 
-def verify(attempt: Attempt, task: Task) -> VerifyResult:
-    """Copy tests/ to /tests, run test.sh from the task's workdir, and read the reward it wrote."""
-    outcome = run_verifier(attempt, task)
-    if outcome.result is None:
-        raise VerifierError(f"{task.id}: {outcome.error}")
-    return outcome.result
-
-
 def run_verifier(attempt: Attempt, task: Task) -> VerifierRun:
-    """Like ``verify`` but returns the run and the error instead of raising (for the gates)."""
+    """Copy tests/ to /tests, run test.sh from the task's workdir, and read the reward it wrote: the run and
+    its result, or why there is none. Scoring an attempt is ``verify_attempt``'s; this is its one run of
+    test.sh, and the gates' (they judge the task itself, so no usable reward is their finding, not a score)."""
     if not task.keep_agent_processes:
         attempt.kill_all()  # the agent's background jobs die before anything of the verifier appears
     toolkit = None
@@ -196,7 +191,7 @@ def _toolkit_prefix(attempt: Attempt, scripts_dir: Path) -> str:
     ``scripts_dir`` call a tool it stands in for; returns the shell prefix that puts it on PATH."""
     if not _uses_toolkit(scripts_dir):
         return ""
-    path = f"{offline.TOOLKIT_PATH}-{secrets.token_hex(6)}"
+    path = f"{TOOLKIT_PATH}-{secrets.token_hex(6)}"
     attempt.put_dir(offline.toolkit_dir(), path)
     return f"export PATH={path}/bin:$PATH && "
 

@@ -139,10 +139,10 @@ def write_instance(instance: Instance, task_dir: Path, *, split: str, seed: int)
             "tags": ["albatross-builtin", instance.family],
         },
         "agent": {"timeout_sec": 60.0},
-        "verifier": {"timeout_sec": 30.0, "keep_agent_processes": getattr(family, "keep_agent_processes", False)},
+        "verifier": {"timeout_sec": 30.0, "keep_agent_processes": family.keep_agent_processes},
         "environment": {"cpus": 1, "memory_mb": 512, "storage_mb": 256, "allow_internet": False},
     }
-    env_files = {f"app/{name}": content for name, content in instance.files.items()}
+    env_files: dict[str, str | bytes] = {f"app/{name}": content for name, content in instance.files.items()}
     if instance.setup_sh:
         env_files["setup.sh"] = instance.setup_sh
     write_task(

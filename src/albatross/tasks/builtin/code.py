@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import random
 import shlex
+from collections.abc import Sequence
 
 from albatross.tasks.builtin.checks import new_instance
 from albatross.tasks.builtin.families import WORDS, Family, Instance, extra_files, text, word_lines
 
 # name, arguments, correct return expression, buggy one, visible cases, hidden cases ((args), result)
-FUNCTIONS: tuple[tuple[str, str, str, str, list, list], ...] = (
+Case = tuple[tuple[object, ...], object]  # (arguments, expected result)
+FunctionSpec = tuple[str, str, str, str, list[Case], list[Case]]  # name, args, right, buggy, visible, hidden
+FUNCTIONS: tuple[FunctionSpec, ...] = (
     ("add", "a, b", "a + b", "a - b", [((2, 3), 5)], [((2, 3), 5), ((-1, 1), 0), ((10, 5), 15)]),
     ("is_even", "n", "n % 2 == 0", "n % 2 == 1", [((4,), True)], [((4,), True), ((7,), False), ((0,), True)]),
     ("square", "x", "x * x", "x * 2", [((3,), 9)], [((3,), 9), ((5,), 25), ((-4,), 16)]),
@@ -65,7 +68,7 @@ class PyFix(Family):
                             commands, PY_CHECKS, expected, solve=commands[1:])
 
     @staticmethod
-    def _unittest(a: str, chosen: tuple) -> str:
+    def _unittest(a: str, chosen: Sequence[FunctionSpec]) -> str:
         body = [f"import unittest\n\nimport {a}\n\n\nclass Test{a.capitalize()}(unittest.TestCase):"]
         for name, _, _, _, visible, _ in chosen:
             asserts = "".join(f"        self.assertEqual({a}.{name}({', '.join(map(repr, args))}), {out!r})\n"

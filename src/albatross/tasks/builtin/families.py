@@ -69,6 +69,7 @@ class Family:
     # instructions of the validation and held-out splits, for a family whose instruction names no word
     # (so that no split repeats another's instruction); its tasks and oracle stay those of the family
     split_templates: dict[str, str] = {}
+    keep_agent_processes = False  # [verifier]: its tests check processes the agent left running
 
     def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
         raise NotImplementedError

@@ -9,6 +9,7 @@ vary: the kind of file it reads (``.log`` for ``.txt``) or the file it writes (a
 from __future__ import annotations
 
 import random
+from typing import cast
 
 from albatross.tasks.builtin.families import (
     WORDS,
@@ -90,7 +91,8 @@ class GrepTo(Family):
 
     def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
         base = GrepWord().generate(rng, difficulty)
-        w, a, e = base.key[1], base.key[2][0], rng.choice(("log", "txt"))
+        w, e = str(base.key[1]), rng.choice(("log", "txt"))
+        a = str(cast("tuple[str, ...]", base.key[2])[0])  # GrepWord's key: (name, word, its file names, ...)
         files = {f"{name[: -len('.log')]}.{e}": content for name, content in base.files.items()}
         o = rng.choice([x for x in WORDS if x != w and f"{x}.{e}" not in files])
         expected = text([line for line in files[f"{a}.{e}"].splitlines() if w in line.split()])
@@ -110,7 +112,7 @@ class PointerTo(Family):
 
     def generate(self, rng: random.Random, difficulty: str = "easy") -> Instance:
         base = FollowPointer().generate(rng, difficulty)
-        a, b = base.key[1], base.key[2]
+        a, b = str(base.key[1]), str(base.key[2])
         o = rng.choice([w for w in WORDS if f"{w}.txt" not in base.files])
         expected = base.files[f"{b}.txt"]
         test = make_test_sh(self.name, [("out_exists", "out_correct", f"{o}.txt")], expected)

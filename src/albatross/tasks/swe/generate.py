@@ -30,13 +30,14 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from albatross.errors import UserError
+from albatross.sandbox.base import Backend
 from albatross.tasks.swe import mutate, project
 from albatross.tasks.swe.image import REPO, ProjectImage
 from albatross.tasks.swe.instruction import issue_text
@@ -53,6 +54,7 @@ from albatross.tasks.swe.writer import (
 
 SCRIPTS = "/tmp/albatross-swe"
 DIFFICULTIES = ("easy", "medium", "hard")
+T = TypeVar("T")
 
 
 @dataclass
@@ -75,7 +77,7 @@ class SweOptions:
 @dataclass
 class Baseline:
     stable: dict[str, float]  # test id -> seconds, for tests that passed in both runs
-    calls: dict[str, list]  # test id -> [[file, first line, name], ...]
+    calls: dict[str, list[list[Any]]]  # test id -> [[file, first line, name], ...]
     seconds: float
 
 
@@ -86,7 +88,7 @@ class Bug:
     edits: list[mutate.Mutation]
     fail_to_pass: list[str]
     pass_to_pass: list[str]
-    failures: dict[str, dict]
+    failures: dict[str, dict[str, str]]
     difficulty: str = "easy"
 
     @property
@@ -121,7 +123,7 @@ class Yield:
 class Generator:
     """One run of ``tasks swe`` for one project version (see the module docstring)."""
 
-    def __init__(self, sdist: Sdist, options: SweOptions, out: Path, backend: Any, cache: Path,
+    def __init__(self, sdist: Sdist, options: SweOptions, out: Path, backend: Backend, cache: Path,
                  log: Callable[[str], None] = print) -> None:
         self.sdist, self.opts, self.out, self.backend, self.cache, self.log = sdist, options, out, backend, cache, log
         self.rng = random.Random(options.seed)
@@ -135,7 +137,7 @@ class Generator:
         self.report.seconds[stage] = round(self.report.seconds.get(stage, 0.0) + time.monotonic() - t0, 1)
 
     # ---- 1. image ----------------------------------------------------------------------------------
-    def build_image(self, make_backend: Callable[[], Any]) -> ProjectImage:
+    def build_image(self, make_backend: Callable[[], Backend]) -> ProjectImage:
         from albatross.tasks.swe.image import project_image
 
         t0 = time.monotonic()
@@ -147,11 +149,18 @@ class Generator:
         self._timed("image", t0)
         return self.image
 
+    @property
+    def built(self) -> ProjectImage:
+        """The project's image (``build_image`` made it)."""
+        if self.image is None:
+            raise RuntimeError("build_image() has not run")
+        return self.image
+
     # ---- sandbox runs -------------------------------------------------------------------------------
     def _config_path(self) -> str:
         return f"{REPO}/{self.config_file}" if self.config_file else f"{SCRIPTS}/{project.EMPTY_CONFIG}"
 
-    def run_jobs(self, jobs: list[dict], timeout_s: float) -> list[dict]:
+    def run_jobs(self, jobs: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
         """Run ``jobs`` (``runner.py``'s jobs mode) in one fresh attempt of the project image."""
         from albatross.sandbox.base import Limits, SandboxError
 
@@ -165,7 +174,7 @@ class Generator:
                                                         "pytest_args": self.pytest_args, "jobs": jobs}))
             limits = Limits(memory_mb=3072, disk_mb=1024, pids=1024, command_timeout_s=timeout_s + 120,
                             max_output_bytes=1 << 16)
-            attempt = self.backend.fork(self.image.env_dir, REPO, limits)
+            attempt = self.backend.fork(self.built.env_dir, REPO, limits)
             try:
                 attempt.put_dir(work, SCRIPTS)
                 run = attempt.exec(f"python3 {SCRIPTS}/{RUNNER} jobs {SCRIPTS}/jobs.json {SCRIPTS}/out.json",
@@ -181,7 +190,8 @@ class Generator:
         if raw is None:
             self.log(f"[swe] a batch of {len(jobs)} runs wrote no results: {run.output[-300:]}")
             return []
-        return json.loads(raw)
+        results: list[dict[str, Any]] = json.loads(raw)
+        return results
 
     # ---- 2. baseline --------------------------------------------------------------------------------
     def baseline(self) -> Baseline:
@@ -238,7 +248,7 @@ class Generator:
         return out
 
     def _files_of(self, tests: Iterable[str]) -> list[str]:
-        return sorted({project.test_file_of(t) for t in tests} - {None})
+        return sorted({f for f in map(project.test_file_of, tests) if f is not None})
 
     def _runnable(self, tests: set[str]) -> bool:
         files = self._files_of(tests)
@@ -292,7 +302,7 @@ class Generator:
         ran = [0, 0]  # batches, candidates
 
         def one(batch: list[tuple[list[mutate.Mutation], list[str]]]) -> None:
-            jobs = [{"id": str(i), "files": self._files(edits), "tests": files, "timeout": self._timeout(files)}
+            jobs: list[dict[str, Any]] = [{"id": str(i), "files": self._files(edits), "tests": files, "timeout": self._timeout(files)}
                     for i, (edits, files) in enumerate(batch)]
             results = self.run_jobs(jobs, sum(j["timeout"] for j in jobs))
             bugs = [self._judge(*batch[int(r["id"])], r) for r in results]
@@ -313,7 +323,7 @@ class Generator:
             out[file] = mutate.apply(source, [e for e in edits if e.file == file])
         return out
 
-    def _judge(self, edits: list[mutate.Mutation], files: list[str], result: dict) -> Bug | None:
+    def _judge(self, edits: list[mutate.Mutation], files: list[str], result: dict[str, Any]) -> Bug | None:
         if result.get("status") != "ok":
             return None
         wanted = set(files)
@@ -350,7 +360,7 @@ class Generator:
             self._add_combo(out, [self.rng.choice(by_fn[f]) for f in picked])
         return out
 
-    def _add_combo(self, out: list, bugs: list[Bug]) -> None:
+    def _add_combo(self, out: list[tuple[list[mutate.Mutation], list[str]]], bugs: list[Bug]) -> None:
         edits = [e for b in bugs for e in b.edits]
         spans = sorted((e.file, e.start, e.end) for e in edits)
         if any(a[0] == b[0] and b[1] < a[2] + 2 for a, b in zip(spans, spans[1:], strict=False)):
@@ -402,10 +412,10 @@ class Generator:
         task_id = project.safe_id(f"{name}-{version}-{_short_hash(patch)}")
         instruction = issue_text(name, version, REPO, bug.fail_to_pass, bug.failures, self._hidden(bug, patch),
                                  sorted({e.function.rsplit(".", 1)[-1] for e in bug.edits}))
-        dockerfile = (f"FROM {self.image.tag}\nCOPY files/ {REPO}/\nRUN {git_commit_script(f'{name} {version}')}\n"
+        dockerfile = (f"FROM {self.built.tag}\nCOPY files/ {REPO}/\nRUN {git_commit_script(f'{name} {version}')}\n"
                       f"WORKDIR {REPO}\n")
         metadata = {"category": "swe", "family": f"swe-{name}", "source": f"swe/{name}", "project": name,
-                    "project_version": version, "difficulty": bug.difficulty, "image": self.image.tag,
+                    "project_version": version, "difficulty": bug.difficulty, "image": self.built.tag,
                     "mutations": [e.kind for e in bug.edits], "functions": len(bug.functions),
                     "fail_to_pass": len(bug.fail_to_pass), "pass_to_pass": len(bug.pass_to_pass),
                     "generator": "albatross tasks swe"}
@@ -449,7 +459,7 @@ def _interleave(bugs: list[Bug], shares: tuple[float, float, float]) -> list[Bug
 # ---- the command ---------------------------------------------------------------------------------------
 
 
-def make_swe_tasks(sdist: Sdist, options: SweOptions, out: Path, cache: Path, make_backend: Callable[[], Any],
+def make_swe_tasks(sdist: Sdist, options: SweOptions, out: Path, cache: Path, make_backend: Callable[[], Backend],
                    log: Callable[[str], None] = print) -> Yield:
     """Make ``options.count`` tasks of ``sdist``'s project in ``out`` (see the module docstring); returns the
     yield, also written to ``out/swe-<name>-<version>.json``."""
@@ -476,13 +486,13 @@ def make_swe_tasks(sdist: Sdist, options: SweOptions, out: Path, cache: Path, ma
     return gen.report
 
 
-def _write_tasks(gen: Generator, bugs: list[Bug], out: Path, backend: Any) -> list[tuple[Path, str]]:
+def _write_tasks(gen: Generator, bugs: list[Bug], out: Path, backend: Backend) -> list[tuple[Path, str]]:
     """Write tasks in order and (``validate``) gate them as they come, ``workers`` at a time, until ``count``
     pass; returns (task directory, difficulty) of the kept ones."""
     from albatross.tasks.gates import GateOptions, gate_task
 
     pristine = project.pristine_tar(gen.repo, gen.pristine_list)
-    shared = gen.cache / "images" / gen.image.key / "pristine.tar"  # every task's tests/pristine.tar links to it
+    shared = gen.cache / "images" / gen.built.key / "pristine.tar"  # every task's tests/pristine.tar links to it
     shared.write_bytes(pristine)
     kept: list[tuple[Path, str, int]] = []
     lock = threading.Lock()
@@ -518,11 +528,11 @@ def _write_tasks(gen: Generator, bugs: list[Bug], out: Path, backend: Any) -> li
     return [(p, d) for p, d, _ in kept[: gen.opts.count]]
 
 
-def run_until(workers: int, items: list, fn: Callable[[Any], None], enough: Callable[[], bool]) -> None:
+def run_until(workers: int, items: Sequence[T], fn: Callable[[T], None], enough: Callable[[], bool]) -> None:
     """``fn(item)`` for the items in order, ``workers`` at a time, starting no new one once ``enough()``."""
     todo = iter(items)
     with ThreadPoolExecutor(workers, thread_name_prefix="swe") as pool:
-        running: set = set()
+        running: set[Future[None]] = set()
         while True:
             while len(running) < workers and not enough():
                 item = next(todo, None)

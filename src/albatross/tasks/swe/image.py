@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from albatross.errors import UserError
+from albatross.sandbox.base import Attempt, Backend
 from albatross.tasks.swe.sdist import Sdist, unpack
 
 FORMAT = "1"
@@ -84,7 +84,7 @@ def image_tag(sdist: Sdist, key: str) -> str:
     return f"albatross-swe/{sdist.name}:{version}-{key}"
 
 
-def project_image(sdist: Sdist, python: str, root: Path, make_backend: Callable[[], Any],
+def project_image(sdist: Sdist, python: str, root: Path, make_backend: Callable[[], Backend],
                   log: Callable[[str], None] = print) -> ProjectImage:
     """The project's base image, built and imported once (content-addressed; see the module docstring).
     ``make_backend()`` gives a sandbox backend for the build (closed afterwards)."""
@@ -120,7 +120,7 @@ def _write_context(sdist: Sdist, python: str, context: Path) -> None:
     tmp.rename(context)
 
 
-def _build_layout(image: ProjectImage, make_backend: Callable[[], Any], log: Callable[[str], None]) -> None:
+def _build_layout(image: ProjectImage, make_backend: Callable[[], Backend], log: Callable[[str], None]) -> None:
     """Build the context in a sandbox, read its root back and write it as a one-layer OCI image layout."""
     from albatross.sandbox.base import Limits, SandboxError
 
@@ -150,7 +150,7 @@ def _build_layout(image: ProjectImage, make_backend: Callable[[], Any], log: Cal
     log(f"[swe] {image.tag}: {size >> 20} MiB compressed, {time.monotonic() - t0:.0f} s")
 
 
-def _read_root(attempt: Any, dest: Path) -> dict[str, str]:
+def _read_root(attempt: Attempt, dest: Path) -> dict[str, str]:
     """Write the attempt's root as a gzip tar to ``dest`` (read back in pieces); returns the image's env."""
     script = (f"rm -rf {_EXPORT_DIR} && mkdir -p {_EXPORT_DIR} && cd / && "
               f"tar --numeric-owner --one-file-system -cpf - --exclude=.{_EXPORT_DIR} --exclude=./proc "

@@ -16,10 +16,11 @@ import re
 import shutil
 import subprocess
 import sys
+from typing import Any
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ImportError:  # python < 3.11
+else:  # an older python reads no pyproject.toml
     tomllib = None
 
 EXTRAS = ("test", "tests", "testing")
@@ -29,7 +30,7 @@ REQUIREMENT_FILES = ("requirements-test.txt", "requirements-tests.txt", "test-re
 FREEZE = "/usr/local/share/albatross-swe/freeze.txt"
 
 
-def pyproject(repo):
+def pyproject(repo: str) -> dict[str, Any]:
     path = os.path.join(repo, "pyproject.toml")
     if tomllib is None or not os.path.isfile(path):
         return {}
@@ -40,7 +41,7 @@ def pyproject(repo):
             return {}
 
 
-def extras_of(repo, data):
+def extras_of(repo: str, data: dict[str, Any]) -> list[str]:
     names = set((data.get("project") or {}).get("optional-dependencies") or {})
     cfg = configparser.ConfigParser()
     try:
@@ -57,9 +58,9 @@ def extras_of(repo, data):
     return chosen or (["dev"] if "dev" in names else [])
 
 
-def group_requirements(data, name, seen=()):
+def group_requirements(data: dict[str, Any], name: str, seen: tuple[str, ...] = ()) -> list[str]:
     groups = data.get("dependency-groups") or {}
-    out = []
+    out: list[str] = []
     for item in groups.get(name) or []:
         if isinstance(item, str):
             out.append(item)
@@ -68,12 +69,12 @@ def group_requirements(data, name, seen=()):
     return out
 
 
-def pip(*args):
+def pip(*args: str) -> int:
     print("+ pip", " ".join(args), flush=True)
     return subprocess.call([sys.executable, "-m", "pip", *args])
 
 
-def main(repo):
+def main(repo: str) -> None:
     data = pyproject(repo)
     extras = extras_of(repo, data)
     groups = [r for g in EXTRAS if g in (data.get("dependency-groups") or {}) for r in group_requirements(data, g)]

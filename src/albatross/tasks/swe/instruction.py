@@ -8,14 +8,15 @@ left out; ``leaks`` is the check.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 MAX_TESTS_LISTED = 8
 MAX_QUOTED = 3
 _MESSAGE_LINES = 6
 
 
-def issue_text(project: str, version: str, repo: str, failing: list[str], failures: dict[str, dict],
-               hidden: list[str], names: list[str] = ()) -> str:
+def issue_text(project: str, version: str, repo: str, failing: list[str], failures: dict[str, dict[str, str]],
+               hidden: list[str], names: Sequence[str] = ()) -> str:
     """The issue report. ``failing``: FAIL_TO_PASS test ids; ``failures``: test id -> {"message", "line"}
     from the run with the bug; ``hidden``: strings the text must not contain (changed file paths, module
     names, changed source lines, private function names); ``names``: the changed public functions, which a
@@ -40,7 +41,7 @@ def _short(test_id: str) -> str:
     return test_id.rsplit("::", 1)[-1]
 
 
-def _quote(test_id: str, failure: dict, hidden: list[str], names: list[str]) -> str:
+def _quote(test_id: str, failure: dict[str, str], hidden: list[str], names: list[str]) -> str:
     line = str(failure.get("line") or "").strip()
     message = "\n".join(str(failure.get("message") or "").strip().splitlines()[:_MESSAGE_LINES]).strip()
     parts = []

@@ -35,6 +35,7 @@ _COMPARE = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.
             ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is")}
 _ARITH = {ast.Add: ("+", "-"), ast.Sub: ("-", "+")}
 _BOOL = {ast.And: ("and", "or"), ast.Or: ("or", "and")}
+FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
 
 @dataclass(frozen=True)
@@ -104,15 +105,17 @@ class _Source:
         line = self.lines[lineno - 1]
         return self.starts[lineno - 1] + len(line.encode("utf-8")[:col].decode("utf-8", "replace"))
 
-    def span(self, node: ast.AST) -> tuple[int, int]:
-        return self.offset(node.lineno, node.col_offset), self.offset(node.end_lineno, node.end_col_offset)
+    def span(self, node: ast.expr | ast.stmt) -> tuple[int, int]:
+        end_line = node.end_lineno if node.end_lineno is not None else node.lineno  # set by ast.parse
+        end_col = node.end_col_offset if node.end_col_offset is not None else node.col_offset
+        return self.offset(node.lineno, node.col_offset), self.offset(end_line, end_col)
 
-    def segment(self, node: ast.AST) -> str:
+    def segment(self, node: ast.expr | ast.stmt) -> str:
         a, b = self.span(node)
         return self.text[a:b]
 
 
-def _find_function(tree: ast.AST, fn: Function) -> ast.AST | None:
+def _find_function(tree: ast.AST, fn: Function) -> FunctionNode | None:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == fn.name \
                 and node.lineno == fn.lineno:
@@ -120,13 +123,15 @@ def _find_function(tree: ast.AST, fn: Function) -> ast.AST | None:
     return None
 
 
-def _own_nodes(fn_node: ast.AST) -> list[ast.AST]:
-    """The nodes of a function's body, not descending into nested functions, classes or lambdas."""
-    out: list[ast.AST] = []
-    todo = list(fn_node.body)
+def _own_nodes(fn_node: FunctionNode) -> list[ast.expr | ast.stmt]:
+    """The expressions and statements of a function's body, not descending into nested functions, classes or
+    lambdas."""
+    out: list[ast.expr | ast.stmt] = []
+    todo: list[ast.AST] = list(fn_node.body)
     while todo:
         node = todo.pop(0)
-        out.append(node)
+        if isinstance(node, (ast.expr, ast.stmt)):
+            out.append(node)
         for child in ast.iter_child_nodes(node):
             if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
                 todo.append(child)
@@ -172,7 +177,7 @@ def mutations(source: str, file: str, fn: Function, tree: ast.AST | None = None)
     return sorted(set(found), key=lambda m: (m.start, m.kind, m.end))
 
 
-def _edits(src: _Source, n: ast.AST) -> list[tuple[str, int, int, str]]:
+def _edits(src: _Source, n: ast.expr | ast.stmt) -> list[tuple[str, int, int, str]]:
     out = []
     if isinstance(n, ast.Compare) and type(n.ops[0]) in _COMPARE:
         old, new = _COMPARE[type(n.ops[0])]
@@ -205,12 +210,12 @@ def _edits(src: _Source, n: ast.AST) -> list[tuple[str, int, int, str]]:
 
 
 def _in_arith_or_index(n: ast.AST) -> bool:
-    parent = getattr(n, "_albatross_parent", None)
+    parent = getattr(n, "_albatross_parent", None)  # set on ast's nodes by annotate_parents (the root has none)
     return parent is None or isinstance(parent, (ast.BinOp, ast.Slice, ast.Subscript, ast.Compare, ast.Call,
                                                  ast.AugAssign, ast.UnaryOp))
 
 
-def _operator_between(src: _Source, left: ast.AST, right: ast.AST, op: str) -> tuple[int, int] | None:
+def _operator_between(src: _Source, left: ast.expr, right: ast.expr, op: str) -> tuple[int, int] | None:
     """The span of the operator ``op`` between two operands (found by tokens, so strings and comments there
     cannot be mistaken for it)."""
     a, b = src.span(left)[1], src.span(right)[0]
@@ -235,7 +240,7 @@ def _col(text: str, pos: tuple[int, int]) -> int:
     return sum(len(line) for line in lines[: pos[0] - 1]) + pos[1]
 
 
-def _default_edits(src: _Source, fn: ast.AST) -> list[tuple[str, int, int, str, int]]:
+def _default_edits(src: _Source, fn: FunctionNode) -> list[tuple[str, int, int, str, int]]:
     args = fn.args
     defaults = [*args.defaults, *[d for d in args.kw_defaults if d is not None]]
     out = []
@@ -254,14 +259,14 @@ def _default_edits(src: _Source, fn: ast.AST) -> list[tuple[str, int, int, str, 
     return out
 
 
-def _bodies(fn: ast.AST) -> list[list[ast.stmt]]:
+def _bodies(fn: FunctionNode) -> list[list[ast.stmt]]:
     """Statement lists of the function (its body, and the bodies of its if/for/while/with/try blocks)."""
     out = []
     todo: list[ast.AST] = [fn]
     while todo:
         node = todo.pop(0)
         for name in ("body", "orelse", "finalbody"):
-            block = getattr(node, name, None)
+            block = getattr(node, name, None)  # ast's node classes: only some have each block
             if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
                 out.append(block)
                 todo += [s for s in block if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,

@@ -14,6 +14,8 @@ import json
 import os
 import sys
 import threading
+from types import CodeType, FrameType
+from typing import Any
 
 RESULTS_ENV = "ALBATROSS_SWE_RESULTS"
 TRACE_ENV = "ALBATROSS_SWE_TRACE"
@@ -23,17 +25,18 @@ _MESSAGE_CHARS = 1500
 class Recorder:
     def __init__(self, trace_root: str | None) -> None:
         self.outcome: dict[str, str] = {}
-        self.failure: dict[str, dict] = {}
-        self.calls: dict[str, list] = {}
+        self.failure: dict[str, dict[str, str]] = {}
+        self.calls: dict[str, list[tuple[str, int, str]]] = {}
         self.durations: dict[str, float] = {}
         self.trace_root = os.path.realpath(trace_root) + os.sep if trace_root else None
-        self._seen: set = set()
-        self._keys: dict = {}
+        self._seen: set[tuple[str, int, str]] = set()
+        self._keys: dict[CodeType, tuple[str, int, str] | tuple[()]] = {}
 
     # outcomes -----------------------------------------------------------------------------------
-    def pytest_runtest_logreport(self, report) -> None:
+    def pytest_runtest_logreport(self, report: Any) -> None:
         name = report.nodeid
-        self.durations[name] = round(self.durations.get(name, 0.0) + float(getattr(report, "duration", 0.0)), 4)
+        seconds = float(getattr(report, "duration", 0.0))  # pytest's report; older ones lack it
+        self.durations[name] = round(self.durations.get(name, 0.0) + seconds, 4)
         if report.failed:
             if self.outcome.get(name) != "failed":
                 self.failure[name] = _failure(report)
@@ -43,27 +46,27 @@ class Recorder:
         elif report.when == "call" and name not in self.outcome:
             self.outcome[name] = "passed"
 
-    def pytest_collectreport(self, report) -> None:
+    def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
             name = f"{report.nodeid or 'session'}::collect"
             self.outcome[name] = "failed"
             self.failure[name] = {"message": str(report.longrepr)[-_MESSAGE_CHARS:], "line": ""}
 
     # coverage -----------------------------------------------------------------------------------
-    def _profile(self, frame, event, arg) -> None:
-        if event != "call":
+    def _profile(self, frame: FrameType, event: str, arg: object) -> None:
+        root = self.trace_root
+        if event != "call" or root is None:
             return
         code = frame.f_code
         key = self._keys.get(code)
         if key is None:
             path = os.path.realpath(code.co_filename)
-            key = (path[len(self.trace_root):], code.co_firstlineno, code.co_name) \
-                if path.startswith(self.trace_root) else ()
+            key = (path[len(root):], code.co_firstlineno, code.co_name) if path.startswith(root) else ()
             self._keys[code] = key
         if key:
             self._seen.add(key)
 
-    def pytest_runtest_protocol(self, item, nextitem):
+    def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> None:
         if self.trace_root is None:
             return None
         self._seen = set()
@@ -71,14 +74,14 @@ class Recorder:
         sys.setprofile(self._profile)
         return None
 
-    def pytest_runtest_logfinish(self, nodeid, location) -> None:
+    def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
         if self.trace_root is None:
             return
         sys.setprofile(None)
         threading.setprofile(None)
         self.calls[nodeid] = sorted(self._seen)
 
-    def pytest_sessionfinish(self, session, exitstatus) -> None:
+    def pytest_sessionfinish(self, session: Any, exitstatus: int) -> None:
         path = os.environ.get(RESULTS_ENV)
         if not path:
             return
@@ -92,7 +95,7 @@ class Recorder:
         os.replace(tmp, path)
 
 
-def _failure(report) -> dict:
+def _failure(report: Any) -> dict[str, str]:
     """The error message and the failing line of the test file (the ``>`` line of its last frame there)."""
     message, line = "", ""
     longrepr = report.longrepr
@@ -102,7 +105,7 @@ def _failure(report) -> dict:
         message = str(longrepr)
     try:
         test_file = report.location[0]
-        entries = [e for e in longrepr.reprtraceback.reprentries
+        entries = [e for e in longrepr.reprtraceback.reprentries  # pytest's entries: not every kind has a location
                    if getattr(getattr(e, "reprfileloc", None), "path", "").endswith(test_file)]
         if entries:
             marked = [ln[1:].strip() for ln in entries[-1].lines if ln.startswith(">")]
@@ -112,5 +115,5 @@ def _failure(report) -> dict:
     return {"message": message[:_MESSAGE_CHARS], "line": line[:300], "when": report.when}
 
 
-def pytest_configure(config) -> None:
+def pytest_configure(config: Any) -> None:
     config.pluginmanager.register(Recorder(os.environ.get(TRACE_ENV) or None), "albatross-swe-recorder")

@@ -27,6 +27,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REWARD_DIR = "/logs/verifier"
@@ -39,7 +40,7 @@ def pytest_argv(config_file: str, repo: str, tests: list[str], extra: list[str])
 
 
 def run_pytest(repo: str, config_file: str, tests: list[str], extra: list[str], timeout: float,
-               trace: str | None = None) -> dict:
+               trace: str | None = None) -> dict[str, Any]:
     """One pytest run; returns the plugin's results plus ``status`` (ok, timeout, no-results) and ``seconds``."""
     fd, out = tempfile.mkstemp(prefix="albatross-swe-", suffix=".json")
     os.close(fd)
@@ -58,7 +59,7 @@ def run_pytest(repo: str, config_file: str, tests: list[str], extra: list[str], 
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         status = "timeout"
-    result = {"tests": {}, "failures": {}}
+    result: dict[str, Any] = {"tests": {}, "failures": {}}
     try:
         with open(out, encoding="utf-8") as f:
             result = json.load(f)
@@ -140,9 +141,9 @@ def restore(repo: str, archive: str) -> list[str]:
                 os.unlink(path)
             elif os.path.isdir(path):
                 shutil.rmtree(path)
-            data = tar.extractfile(member).read()
+            source = tar.extractfile(member)  # a regular member: never None
             with open(path, "wb") as f:
-                f.write(data)
+                f.write(source.read() if source is not None else b"")
             os.chmod(path, 0o644)
             written.append(member.name)
     return written
@@ -169,7 +170,7 @@ def clean(repo: str, keep: set[str], test_dirs: list[str]) -> None:
                 os.unlink(os.path.join(top, name))
 
 
-def reward(config: dict, outcomes: dict) -> dict:
+def reward(config: dict[str, Any], outcomes: dict[str, str]) -> dict[str, float]:
     out = {f"fail_to_pass::{t}": 1.0 if outcomes.get(t) == "passed" else 0.0 for t in config["fail_to_pass"]}
     out.update({f"pass_to_pass::{t}": 0.0 for t in config["pass_to_pass"] if outcomes.get(t) != "passed"})
     return out
@@ -180,7 +181,7 @@ def verify(config_path: str) -> None:
         config = json.load(f)
     repo = config["repo"]
     os.makedirs(REWARD_DIR, exist_ok=True)
-    outcomes: dict = {}
+    outcomes: dict[str, str] = {}
     try:
         kept = restore(repo, os.path.join(os.path.dirname(config_path), config["pristine"]))
         clean(repo, set(kept), config.get("test_dirs", []))

@@ -21,6 +21,7 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from albatross.errors import UserError
 
@@ -80,7 +81,7 @@ def local_sdist(path: Path, spec: str) -> Sdist:
     return Sdist(name, version or "0", path, digest)
 
 
-def _index_files(name: str, timeout_s: float) -> list[dict]:
+def _index_files(name: str, timeout_s: float) -> list[dict[str, Any]]:
     url = f"{index_url()}/{name}/"
     request = urllib.request.Request(url, headers={"Accept": _ACCEPT})
     try:
@@ -96,7 +97,7 @@ def _index_files(name: str, timeout_s: float) -> list[dict]:
     return [f for f in files if isinstance(f, dict) and isinstance(f.get("filename"), str)]
 
 
-def _pick(files: list[dict], name: str, version: str | None, spec: str) -> dict:
+def _pick(files: list[dict[str, Any]], name: str, version: str | None, spec: str) -> dict[str, Any]:
     from packaging.version import InvalidVersion, Version
 
     sdists = []

@@ -130,7 +130,8 @@ def instance_task(inst: dict[str, Any], clone: Path, python: str) -> RepoTask:
 
 def instance_of(task_dir: Path) -> dict[str, Any]:
     """The instance a task was imported from (the round trip of ``instance_task``)."""
-    return json.loads((Path(task_dir) / "tests" / INSTANCE_FILE).read_text(encoding="utf-8"))
+    instance: dict[str, Any] = json.loads((Path(task_dir) / "tests" / INSTANCE_FILE).read_text(encoding="utf-8"))
+    return instance
 
 
 def _export(clone: Path, commit: str, dest: Path, iid: str) -> None:
@@ -160,7 +161,7 @@ def _apply(tree: Path, patch: str, what: str) -> list[str]:
     return [item.split("\t")[-1] for item in stat.stdout.decode(errors="replace").split("\0") if "\t" in item]
 
 
-def _tree_files(root: Path) -> dict[str, bytes]:
+def _tree_files(root: Path) -> dict[str, str | bytes]:
     return {f"repo/{p.relative_to(root).as_posix()}": p.read_bytes() for p in project.walk_files(root)}
 
 
