@@ -87,8 +87,9 @@ class HFChatFormat:
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                 generation: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=self.template,
-                                                  add_generation_prompt=generation)
+        text: str = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                       chat_template=self.template, add_generation_prompt=generation)
+        return text
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -186,7 +187,8 @@ class HFChatFormat:
         ids = list(ids)
         while ids and ids[-1] in self.stop_ids:
             ids.pop()
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return text
 
 
 def check_chat_template(tokenizer: Any, model_dir: str | Path, observation_role: str | None = None) -> None:
@@ -235,7 +237,8 @@ def toy_chatml_tokenizer(corpus: list[str], vocab_size: int = 800) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=CHATML_SPECIALS[3:])
+    out = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers' tokenizer __init__ is untyped
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=CHATML_SPECIALS[3:])
     out.chat_template = CHATML_TOOLS_TEMPLATE
     return out
