@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # where commands are added
 
 
-def register(sub: Any, tasks_sub: Any) -> None:
+def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API (loopback)")
     p.add_argument("model_dir", help="directory of a transformers causal LM with its tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")

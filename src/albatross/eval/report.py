@@ -20,14 +20,16 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from albatross.errors import UserError
-from albatross.eval.run import UNCATEGORIZED, Price, load_attempts, load_prices, summarize, task_family
+from albatross.eval.run import Price, load_attempts, load_prices, summarize, task_family
 from albatross.eval.stats import DEFINITION, Interval, paired_difference, task_interval, verdict
 from albatross.records import read_jsonl
+from albatross.tasks.format import UNCATEGORIZED
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -263,7 +265,8 @@ def _labels(ax: Any, fig: Any, xs: list[float], ys: list[float], labels: list[st
     and no other point (a thin line joins a moved label to its point)."""
     pts = ax.transData.transform(list(zip(xs, ys, strict=True)))
     pt = fig.dpi / 72  # pixels per point
-    step, boxes = 7 * pt, []
+    step = 7 * pt
+    boxes: list[tuple[float, float, float]] = []
     bottom, top = ax.bbox.y0 + 6 * pt, ax.bbox.y1 - 6 * pt
     for i in sorted(range(len(xs)), key=lambda j: pts[j][1]):
         x, y = pts[i]
@@ -357,7 +360,8 @@ def _zero_signal_share(metrics: list[dict[str, Any]]) -> tuple[list[float], list
     return xs, ys
 
 
-Panel = tuple[str, str, str, list[tuple[str, list[float], list[float]]]]  # title, x label, y label, lines
+Line = tuple[str, Sequence[float], Sequence[float]]  # label, xs, ys
+Panel = tuple[str, str, str, list[Line]]  # title, x label, y label, lines
 
 
 def _training_panels(run: TrainingRun) -> list[Panel]:
@@ -365,7 +369,7 @@ def _training_panels(run: TrainingRun) -> list[Panel]:
     m, bv = run.metrics, run.by_version
     versions = list(bv)
 
-    def from_metrics_or_versions(keys: tuple[str, ...], fallback: str):
+    def from_metrics_or_versions(keys: tuple[str, ...], fallback: str) -> tuple[str, list[Line]]:
         """A per-step metric when the run logged one, else the value by policy version (trajectories)."""
         for key in keys:
             if any(key in r for r in m):
@@ -648,12 +652,12 @@ def recipe_section(source: Path, data: dict[str, Any]) -> str:
 
 
 def render_html(results: list[Result], runs: list[TrainingRun], title: str,
-                recipes: list[tuple[Path, dict[str, Any]]] = ()) -> str:
+                recipes: Sequence[tuple[Path, dict[str, Any]]] = ()) -> str:
     """The whole page as one string (``recipes``: ``bench recipe`` JSONs and their directories)."""
     models = [r for r in results if r.role == "model"]
     body = [f"<h1>{_esc(title)}</h1>",
             f"<p class='meta'>generated {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))} from "
-            f"{_esc(', '.join(sorted({str(x.source) for x in [*results, *runs]})))}</p>"]
+            f"{_esc(', '.join(sorted({str(r.source) for r in results} | {str(r.source) for r in runs})))}</p>"]
     if results:
         body.append(_headline_section(results))
         body.append(_family_section(results))

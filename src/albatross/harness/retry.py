@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 
 class Runner(Protocol):
-    """What the retry loop uses of an agent (``harness.agent.AgentLoop``, ``eval.oracle.OracleAgent``)."""
+    """Anything that runs one attempt: the harness's agent (``harness.agent.AgentLoop``) or
+    ``eval.oracle.OracleAgent``."""
 
     def run(self, spec: AttemptSpec) -> Trajectory: ...
 
