@@ -191,6 +191,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_shell(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.sandbox.holder import STATE_FILE
     from albatross.sandbox.local import LocalAttempt
+    from albatross.sandbox.process import ProcessAttempt
 
     task, backend, attempt = _open(args)
     try:
@@ -198,6 +199,7 @@ def cmd_shell(args: argparse.Namespace, extra: list[str]) -> int:
               file=sys.stderr)
         if isinstance(attempt, LocalAttempt):
             return attempt.terminal(["/bin/bash", "--rcfile", STATE_FILE, "-i"], relay_terminal)
+        assert isinstance(attempt, ProcessAttempt)  # --sandbox is local or process
         import subprocess
 
         return subprocess.call(["bash", "-i"], cwd=attempt.host_path(task.workdir))

@@ -398,7 +398,7 @@ def _training_panels(run: TrainingRun) -> list[Panel]:
     ]
 
 
-def smooth(ys: list[float], weight: float = 0.8) -> list[float]:
+def smooth(ys: Sequence[float], weight: float = 0.8) -> list[float]:
     """Exponential moving average with bias correction (TensorBoard's smoothing): the early points are not
     pulled towards 0."""
     out, acc, norm = [], 0.0, 0.0
