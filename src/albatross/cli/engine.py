@@ -17,13 +17,13 @@ def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--served-model-name", help="model id in requests and /v1/models (default: directory name)")
-    p.add_argument("--max-batch-size", type=int, default=64, help="largest running batch")
+    p.add_argument("--max-batch-size", type=int, help="largest running batch (default: engine.max_batch_size's)")
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at once; more get "
                    "HTTP 429 with Retry-After")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="n-gram speculative decoding: draft tokens per step (0 = off)")
     p.add_argument("--weight-version", type=int, default=0, help="policy version of the initial weights")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--threads", type=int, help="torch threads (default: engine.threads's)")
     p.set_defaults(fn=cmd_serve)
     group = sub.add_parser("engines", help="rollout engines (vLLM, SGLang) for `engine.type`")
     gsub = group.add_subparsers(dest="engines_command", required=True)
@@ -38,8 +38,15 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
-    """One-line errors for out-of-range `serve` options (before the model is loaded)."""
+    """One-line errors for out-of-range `serve` options (before the model is loaded); the options left out take
+    their ``[engine]`` field's default."""
+    from albatross.config import default
     from albatross.errors import UserError
+
+    if args.max_batch_size is None:
+        args.max_batch_size = default("engine", "max_batch_size")
+    if args.threads is None:
+        args.threads = default("engine", "threads")
 
     for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-concurrency",
                              args.max_concurrency, 1), ("--threads", args.threads, 1),

@@ -61,7 +61,8 @@ def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
                    "transformers one): required with a URL; default: the model directory")
     p.add_argument("--name", help="label of the model in tables and plots (default: from --model)")
     p.add_argument("--workers", type=int, default=16, help="attempts run concurrently (default 16)")
-    p.add_argument("--retries", type=int, default=3, help="fresh forks after an infrastructure error")
+    p.add_argument("--retries", type=int, help="fresh forks after an infrastructure error (default: the config's "
+                   "sandbox.max_infra_retries)")
     p.add_argument("--prices", metavar="TOML", help='price table: ["name"] input, cached_input, output '
                    "in USD per million tokens (default: 0, a local model)")
     p.add_argument("--sandbox", choices=("auto", "local", "process", "docker"), default="auto",
@@ -108,6 +109,8 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"--out {args.out}: exists and is not a directory")
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     cfg.sampling.temperature = cfg.eval.temperature
+    if args.retries is None:
+        args.retries = cfg.sandbox.max_infra_retries
     if args.network:
         cfg.sandbox.network = args.network
     if args.sandbox == "docker" and cfg.sandbox.network != "none":
@@ -137,7 +140,7 @@ def _check_counts(args: argparse.Namespace) -> None:
     for name in ("trials", "workers"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1")
-    if args.retries < 0:
+    if args.retries is not None and args.retries < 0:
         raise UserError("--retries must be 0 or more")
 
 

@@ -25,6 +25,7 @@ from math import comb
 from pathlib import Path
 from typing import Any
 
+from albatross.config import default
 from albatross.harness.agent import AttemptSpec
 from albatross.harness.retry import Runner, run_with_retries
 from albatross.records import STATUS_INFRA_ERROR, Trajectory, append_jsonl, read_jsonl
@@ -150,7 +151,7 @@ def _task_se(outcomes: list[list[bool]]) -> float | None:
 
 
 def evaluate(agent: Runner, tasks: list[Task], trials: int, workers: int = 16,
-             out_jsonl: Path | None = None, retries: int = 3,
+             out_jsonl: Path | None = None, retries: int = default("sandbox", "max_infra_retries"),
              progress: Callable[[int, int], None] | None = None,
              skip: Iterable[tuple[str, int]] = (),
              on_try: Callable[[Trajectory], None] | None = None,

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from albatross.config import default
 from albatross.harness.edit_helper import HELP as EDIT_USAGE
 from albatross.harness.jobs import JOB_SCRIPT, JOB_USAGE, job_command
 from albatross.harness.parsers import SUBMIT, Action
@@ -168,8 +169,8 @@ class _Rendered:
 class Toolbox:
     """The tools of one attempt. ``limit``: the longest output shown whole (characters / bytes)."""
 
-    def __init__(self, attempt: Attempt, limit: int, command_timeout_s: float, redirect: bool = True
-                 ) -> None:
+    def __init__(self, attempt: Attempt, limit: int, command_timeout_s: float,
+                 redirect: bool = default("harness", "redirect_output")) -> None:
         self.attempt, self.limit, self.timeout_s, self.redirect = attempt, limit, command_timeout_s, redirect
         self.half = max(1, (limit - 120) // 2)  # bytes of head and of tail shown of a long output
         self.deadline: float | None = None  # time.monotonic() when the attempt's wall budget ends
