@@ -15,8 +15,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-if TYPE_CHECKING:  # annotations only: the tasks package is heavy
+if TYPE_CHECKING:  # annotations only: these imports are heavy
+    from albatross.config import SandboxConfig
+    from albatross.sandbox.base import Backend
     from albatross.tasks.format import Task
+    from albatross.tasks.gates import TaskReport
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # where commands are added
 
@@ -217,7 +220,7 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"[gates] resuming {args.json}: {len(done)} tasks already gated, {len(todo)} to go", flush=True)
     finished = dict(done)
 
-    def progress(report: Any) -> None:
+    def progress(report: TaskReport) -> None:
         print(f"[gates] {report.task}: {'passed' if report.passed else 'FAILED'} ({report.seconds:.1f} s)",
               flush=True)
         finished[report.path] = report
@@ -257,7 +260,7 @@ def _resumed(args: argparse.Namespace, record: dict[str, Any], paths: list[str])
     return {r.path: r for r in reports if r.path in paths and (r.passed or not args.redo_failed)}
 
 
-def _write_report(path: str, reports: list[Any], record: dict[str, Any]) -> None:
+def _write_report(path: str, reports: list[TaskReport], record: dict[str, Any]) -> None:
     from albatross.tasks.gates import reports_json
 
     data = {**reports_json(reports), "options": record}
@@ -353,7 +356,7 @@ def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Tas
     return tasks
 
 
-def _backend(kind: str, hide: list[str], registries: list[str], sc: Any = None) -> Any:
+def _backend(kind: str, hide: list[str], registries: list[str], sc: SandboxConfig | None = None) -> Backend:
     """The sandbox for a command (``sc``: the config's ``[sandbox]``, its defaults when None)."""
     from albatross.cache import cache_root
     from albatross.config import SandboxConfig
@@ -385,7 +388,7 @@ def _normalise(override: str) -> str:
     return key.replace("-", "_") + sep + value
 
 
-def _write_json(path: str, data: Any) -> None:
+def _write_json(path: str, data: dict[str, Any]) -> None:
     from albatross.errors import UserError
 
     try:

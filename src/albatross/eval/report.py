@@ -23,13 +23,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.errors import UserError
 from albatross.eval.run import Price, load_attempts, load_prices, summarize, task_family
 from albatross.eval.stats import DEFINITION, Interval, paired_difference, task_interval, verdict
 from albatross.records import read_jsonl
 from albatross.tasks.format import UNCATEGORIZED
+
+if TYPE_CHECKING:  # annotations only: matplotlib is imported when a figure is drawn
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -196,7 +201,7 @@ def _by_version(path: Path) -> dict[int, dict[str, float]]:
 # ------------------------------------------------------------------------------------------ figures
 
 
-def _png(fig: Any) -> str:
+def _png(fig: Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -260,7 +265,7 @@ def fig_pareto(results: list[Result]) -> str:
     return _png(fig)
 
 
-def _labels(ax: Any, fig: Any, xs: list[float], ys: list[float], labels: list[str]) -> None:
+def _labels(ax: Axes, fig: Figure, xs: list[float], ys: list[float], labels: list[str]) -> None:
     """Label each point to its right, at the nearest height where the label overlaps no other label
     and no other point (a thin line joins a moved label to its point)."""
     pts = ax.transData.transform(list(zip(xs, ys, strict=True)))
@@ -292,7 +297,7 @@ def _collides(x0: float, x1: float, y: float, boxes: list[tuple[float, float, fl
     return any(x0 - 7 * pt <= px <= x1 and abs(py - y) < 10 * pt for px, py in points)
 
 
-def _log_ticks(ax: Any, xs: list[float], dollars: bool) -> None:
+def _log_ticks(ax: Axes, xs: list[float], dollars: bool) -> None:
     """Pad the log axis around the points and label ticks as plain numbers (dollars for cost)."""
     from matplotlib.ticker import FuncFormatter
 
@@ -302,7 +307,7 @@ def _log_ticks(ax: Any, xs: list[float], dollars: bool) -> None:
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: ""))
 
 
-def _percent() -> Any:
+def _percent() -> PercentFormatter:
     from matplotlib.ticker import PercentFormatter
 
     return PercentFormatter(xmax=1.0)
