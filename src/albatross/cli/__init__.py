@@ -322,10 +322,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _runtime_failures() -> tuple[type[BaseException], ...]:
     """Failures of a component that stop a run cleanly (no traceback; the message says what to do)."""
-    import importlib.util
-
-    if importlib.util.find_spec("albatross.orchestrator.loop") is None:  # pragma: no cover
-        return ()
     from albatross.orchestrator.loop import TrainerDied
 
     return (TrainerDied,)

@@ -187,10 +187,6 @@ def _tokenizer_dir(directory: str | Path) -> Path:
 
 def _remote_model(args: argparse.Namespace, url: str) -> _Model:
     """Connect to a vLLM / SGLang / OpenAI-compatible server; its tokenizer must be local (token-in/out)."""
-    import importlib.util
-
-    if importlib.util.find_spec("albatross.engine.remote") is None:
-        raise UserError(f"{url}: remote engines: not available yet (use a local model directory)")
     if not args.tokenizer:
         raise UserError(f"{url}: --tokenizer DIR is required with a server URL (the served model's tokenizer)")
     tokenizer = _tokenizer_dir(args.tokenizer)

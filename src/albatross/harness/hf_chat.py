@@ -73,6 +73,7 @@ class HFChatFormat:
         from albatross.engine.tokenizer import stop_token_id, turn_end
 
         self.tokenizer, self.system, self.observation_role = tokenizer, system, observation_role
+        # a transformers tokenizer's chat_template is unset (None) or missing when the directory ships none
         self.template = template or getattr(tokenizer, "chat_template", None) or CHATML_TOOLS_TEMPLATE
         self._turn_end = turn_end(tokenizer, self.template)  # what follows an assistant message
         stop = stop_token_id(tokenizer, self.template)
@@ -198,7 +199,7 @@ def check_chat_template(tokenizer: Any, model_dir: str | Path, observation_role:
     (the harness starts a new sample per turn); ``observation_role`` defaults to what ``action_format = "auto"``
     picks."""
     where = str(model_dir)
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None):  # a transformers tokenizer: unset or missing
         raise ValueError(f"{where}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json "
                          "chat_template)")
     try:
