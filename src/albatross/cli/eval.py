@@ -449,7 +449,7 @@ class Progress:
         self.start = time.monotonic()
         self._last_line = -1
 
-    def on_try(self, traj: Any) -> None:
+    def on_try(self, traj: Trajectory) -> None:
         self.solved += bool(traj.success)
         self.infra += traj.status == "infra_error"
 
