@@ -22,7 +22,8 @@ def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--served-model-name", help="model id in requests and /v1/models (default: directory name)")
-    p.add_argument("--max-batch-size", type=int, help="largest running batch (default: the config default of engine.max_batch_size)")
+    p.add_argument("--max-batch-size", type=int, help="largest running batch (default: the config default of "
+                   "engine.max_batch_size)")
     p.add_argument("--max-concurrency", type=int, help="requests in flight at once; more get HTTP 429 with "
                    "Retry-After (default: the server's DEFAULT_MAX_CONCURRENCY)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
