@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from albatross.records import STATUS_INFRA_ERROR, Trajectory
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only
     from albatross.harness.agent import AttemptSpec
 
 
