@@ -12,7 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from albatross.errors import UserError
 
@@ -154,7 +163,7 @@ class SandboxConfig(_Section):
 
     @field_validator("network")
     @classmethod
-    def _network_needs_local(cls, value: str, info: Any) -> str:
+    def _network_needs_local(cls, value: str, info: ValidationInfo) -> str:
         if value != "none" and info.data.get("type") == "docker":
             raise ValueError(f"network {value!r} needs type = \"local\" (the docker sandbox runs attempts with no "
                              "network)")
@@ -480,7 +489,7 @@ def default(section: str, name: str) -> Any:
     return model.model_fields[name].get_default(call_default_factory=True)
 
 
-def _parse_value(raw: str, field: Any = None) -> Any:
+def _parse_value(raw: str, field: FieldInfo | None = None) -> Any:
     """An override's value: JSON where it parses (numbers, booleans, lists), else the text itself. A list
     field also takes a comma-separated list or a single item (``tasks.train=/data/a,/data/b``), a table field
     comma-separated ``key=value`` pairs (``tasks.mix=tasks/swe=2,count_lines=1``)."""
@@ -496,18 +505,18 @@ def _parse_value(raw: str, field: Any = None) -> Any:
     return value
 
 
-def _number(text: str) -> Any:
+def _number(text: str) -> float | str:
     try:
         return float(text)
     except ValueError:
         return text
 
 
-def _is_list(field: Any) -> bool:
+def _is_list(field: FieldInfo | None) -> bool:
     return field is not None and get_origin(field.annotation) is list
 
 
-def _field(dotted: str) -> Any:
+def _field(dotted: str) -> FieldInfo | None:
     """The pydantic field of a dotted config name, or None when there is none."""
     model: Any = RunConfig
     info = None

@@ -7,9 +7,12 @@ without CUDA everything runs on the CPU. Asking for ``cuda`` without one is an e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from albatross.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: torch is imported when a device is resolved
+    import torch
 
 
 def _cuda_count(setting: str, field: str) -> int:
@@ -21,7 +24,7 @@ def _cuda_count(setting: str, field: str) -> int:
     return n if setting in ("auto", "cuda") else 0
 
 
-def trainer_device(setting: str, rank: int = 0) -> Any:
+def trainer_device(setting: str, rank: int = 0) -> torch.device:
     """The device of trainer rank ``rank``."""
     import torch
 
@@ -33,7 +36,7 @@ def trainer_device(setting: str, rank: int = 0) -> Any:
     return torch.device("cuda", rank)
 
 
-def engine_device(setting: str, trainer_gpus: int = 1) -> Any:
+def engine_device(setting: str, trainer_gpus: int) -> torch.device:
     """The device of the built-in engine, next to a trainer holding ``trainer_gpus`` GPUs."""
     import torch
 

@@ -57,3 +57,13 @@ def test_an_own_agent_loop_plugs_in_by_config(tokenizer, tmp_path):
         with pytest.raises(UserError) as e:
             build_agent(load_config(None, [f"harness.agent={spec}"]), None, None, tokenizer)
         assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_attempt_without_an_engine_is_a_clear_error_before_any_fork(tokenizer, tmp_path):
+    from albatross.harness.agent import AttemptSpec
+    from albatross.tasks.format import Task
+
+    agent = _agent(tokenizer)  # no engine, no sandbox backend: the check comes first
+    with pytest.raises(ValueError, match="needs an engine"):
+        agent.run(AttemptSpec(Task("t", tmp_path, "count the lines", 60.0, 60.0, tmp_path / "environment",
+                                   tmp_path / "tests", tmp_path / "solution"), "g", 0))

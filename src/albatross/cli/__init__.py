@@ -11,16 +11,19 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 from albatross.errors import UserError  # the one user-error type: printed as one line, exit code 2
 
 EXIT_USER_ERROR = 2
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # where commands are added
 
 
 def _overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """Overrides of any config field: ``--set a.b=v``, the ``--a.b v`` / ``--a.b=v`` flags taken out of the
     command line before parsing (``split_overrides``), ``--backend`` / ``--out``, and any left ``--name v``
     (top-level fields such as ``--seed 3``)."""
+    # argparse: a command without --backend / --out has no such attribute
     out = list(args.set or []) + list(getattr(args, "overrides", []))
     if getattr(args, "backend", None):
         out.append(f"orchestrator.backend={args.backend}")
@@ -204,14 +207,14 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 PLUGINS = ("albatross.cli.sandbox", "albatross.cli.tasks", "albatross.cli.engine", "albatross.cli.eval")
 
 
-def _register_plugins(sub, tasks_sub) -> None:
+def _register_plugins(sub: Subparsers, tasks_sub: Subparsers) -> None:
     import importlib
 
     for name in PLUGINS:
         importlib.import_module(name).register(sub, tasks_sub)
 
 
-def _add_bench(sub) -> None:
+def _add_bench(sub: Subparsers) -> None:
     import importlib
     import importlib.util
 
@@ -225,8 +228,7 @@ def _add_bench(sub) -> None:
         module = importlib.import_module(mod)
         p = bsub.add_parser(name, help=_summary(module.__doc__ or ""), description=_paragraph(module.__doc__ or ""))
         p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(p)
+        module.add_arguments(p)  # every bench module has add_arguments(parser)
         p.set_defaults(fn=cmd_bench)
 
 
@@ -320,10 +322,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _runtime_failures() -> tuple[type[BaseException], ...]:
     """Failures of a component that stop a run cleanly (no traceback; the message says what to do)."""
-    import importlib.util
-
-    if importlib.util.find_spec("albatross.orchestrator.loop") is None:  # pragma: no cover
-        return ()
     from albatross.orchestrator.loop import TrainerDied
 
     return (TrainerDied,)
@@ -340,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     fn: Callable[[argparse.Namespace, list[str]], int] = args.fn
     takes_overrides = fn in (cmd_demo, cmd_train, cmd_config)
     if overrides and not takes_overrides:
-        if not hasattr(args, "set"):
+        if not hasattr(args, "set"):  # argparse: only commands with --set have it
             parser.error(f"{args.command} takes no config fields: unrecognized arguments: "
                          + " ".join(f"--{o}" for o in overrides))
         args.set = [*(args.set or []), *overrides]  # commands with --set (eval, tasks probe)

@@ -6,22 +6,30 @@ from __future__ import annotations
 import argparse
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:  # annotations only: these imports are heavy
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.engine.server import EngineServer
+    from albatross.engine.tokenizer import HFText
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # where commands are added
 
 
-def register(sub: Any, tasks_sub: Any) -> None:
+def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API (loopback)")
     p.add_argument("model_dir", help="directory of a transformers causal LM with its tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--served-model-name", help="model id in requests and /v1/models (default: directory name)")
-    p.add_argument("--max-batch-size", type=int, default=64, help="largest running batch")
-    p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at once; more get "
-                   "HTTP 429 with Retry-After")
+    p.add_argument("--max-batch-size", type=int, help="largest running batch (default: the config default of "
+                   "engine.max_batch_size)")
+    p.add_argument("--max-concurrency", type=int, help="requests in flight at once; more get HTTP 429 with "
+                   "Retry-After (default: the server's DEFAULT_MAX_CONCURRENCY)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="n-gram speculative decoding: draft tokens per step (0 = off)")
     p.add_argument("--weight-version", type=int, default=0, help="policy version of the initial weights")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--threads", type=int, help="torch threads (default: the config default of engine.threads)")
     p.set_defaults(fn=cmd_serve)
     group = sub.add_parser("engines", help="rollout engines (vLLM, SGLang) for `engine.type`")
     gsub = group.add_subparsers(dest="engines_command", required=True)
@@ -36,8 +44,18 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
-    """One-line errors for out-of-range `serve` options (before the model is loaded)."""
+    """One-line errors for out-of-range `serve` options (before the model is loaded); the options left out take
+    their ``[engine]`` field's default."""
+    from albatross.config import default
+    from albatross.engine.server import DEFAULT_MAX_CONCURRENCY
     from albatross.errors import UserError
+
+    if args.max_concurrency is None:
+        args.max_concurrency = DEFAULT_MAX_CONCURRENCY
+    if args.max_batch_size is None:
+        args.max_batch_size = default("engine", "max_batch_size")
+    if args.threads is None:
+        args.threads = default("engine", "threads")
 
     for flag, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-concurrency",
                              args.max_concurrency, 1), ("--threads", args.threads, 1),
@@ -48,7 +66,7 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise UserError(f"serve: --port must be between 0 and 65535, got {args.port}")
 
 
-def _listen(engine: Any, tok: Any, name: str, args: argparse.Namespace) -> Any:
+def _listen(engine: BuiltinEngine, tok: HFText, name: str, args: argparse.Namespace) -> EngineServer:
     """The HTTP server on ``--host``/``--port``; a port in use or a bad host is a one-line error."""
     from albatross.engine.server import EngineServer
     from albatross.errors import UserError

@@ -13,12 +13,23 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 from albatross.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: these imports are heavy
+    from albatross.config import RunConfig, SandboxConfig
+    from albatross.engine.base import Engine
+    from albatross.eval.run import Price
+    from albatross.harness.retry import Runner
+    from albatross.records import Trajectory
+    from albatross.sandbox.base import Backend
+    from albatross.tasks.format import Task
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # where commands are added
 
 AGENTS = ("model", "oracle", "noop")
 NETWORK_POLICIES = ("none", "registries", "open")  # sandbox.base.NETWORK_POLICIES (not imported: it is heavy)
@@ -30,7 +41,7 @@ TINY_TOKENIZER = "albatross_tokenizer.json"
 TOKENIZER_FILES = (TINY_TOKENIZER, "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def register(sub: Any, tasks_sub: Any) -> None:
+def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
     """Add the ``eval`` and ``report`` commands to the top-level subparsers."""
     p = sub.add_parser("eval", help="evaluate a model (or the tasks' oracle) on tasks: Pass@1, pass@k, "
                        "tokens, cost; resumable")
@@ -50,7 +61,8 @@ def register(sub: Any, tasks_sub: Any) -> None:
                    "transformers one): required with a URL; default: the model directory")
     p.add_argument("--name", help="label of the model in tables and plots (default: from --model)")
     p.add_argument("--workers", type=int, default=16, help="attempts run concurrently (default 16)")
-    p.add_argument("--retries", type=int, default=3, help="fresh forks after an infrastructure error")
+    p.add_argument("--retries", type=int, help="fresh forks after an infrastructure error (default: the config's "
+                   "sandbox.max_infra_retries)")
     p.add_argument("--prices", metavar="TOML", help='price table: ["name"] input, cached_input, output '
                    "in USD per million tokens (default: 0, a local model)")
     p.add_argument("--sandbox", choices=("auto", "local", "process", "docker"), default="auto",
@@ -85,7 +97,7 @@ class _Model:
     spec: str | None = None  # a resolved model directory or a server URL
     directory: Path | None = None
     tokenizer: Path | None = None
-    remote: Any = None  # a connected remote engine (closed by cmd_eval)
+    remote: Engine | None = None  # a connected remote engine (closed by cmd_eval)
     adapter: Path | None = None  # a LoRA adapter on ``directory`` (served as weight version 1)
 
 
@@ -97,6 +109,8 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"--out {args.out}: exists and is not a directory")
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
     cfg.sampling.temperature = cfg.eval.temperature
+    if args.retries is None:
+        args.retries = cfg.sandbox.max_infra_retries
     if args.network:
         cfg.sandbox.network = args.network
     if args.sandbox == "docker" and cfg.sandbox.network != "none":
@@ -126,7 +140,7 @@ def _check_counts(args: argparse.Namespace) -> None:
     for name in ("trials", "workers"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1")
-    if args.retries < 0:
+    if args.retries is not None and args.retries < 0:
         raise UserError("--retries must be 0 or more")
 
 
@@ -173,10 +187,6 @@ def _tokenizer_dir(directory: str | Path) -> Path:
 
 def _remote_model(args: argparse.Namespace, url: str) -> _Model:
     """Connect to a vLLM / SGLang / OpenAI-compatible server; its tokenizer must be local (token-in/out)."""
-    import importlib.util
-
-    if importlib.util.find_spec("albatross.engine.remote") is None:
-        raise UserError(f"{url}: remote engines: not available yet (use a local model directory)")
     if not args.tokenizer:
         raise UserError(f"{url}: --tokenizer DIR is required with a server URL (the served model's tokenizer)")
     tokenizer = _tokenizer_dir(args.tokenizer)
@@ -189,7 +199,7 @@ def _remote_model(args: argparse.Namespace, url: str) -> _Model:
     return _Model(str(engine.model), url, None, tokenizer, engine)
 
 
-def _price(path: str | None, label: str):
+def _price(path: str | None, label: str) -> Price:
     from albatross.eval.run import Price, load_prices
 
     if path is None:
@@ -204,7 +214,7 @@ def _price(path: str | None, label: str):
     return price or Price()
 
 
-def _usable_tasks(paths: list[str], oracle: bool, overrides: str | None = None) -> list:
+def _usable_tasks(paths: list[str], oracle: bool, overrides: str | None = None) -> list[Task]:
     """The tasks under ``paths`` that can run here. A task that cannot (malformed, a Dockerfile the sandbox
     cannot build, no solve.sh for ``--agent oracle``) is reported on stderr and skipped; the others run."""
     from albatross.tasks.buildable import dockerfile_problem
@@ -215,8 +225,10 @@ def _usable_tasks(paths: list[str], oracle: bool, overrides: str | None = None) 
         changes = load_overrides(overrides)
     except TaskFormatError as e:
         raise UserError(str(e)) from None
-    tasks, seen = [], {}
-    for task_dir in find_task_dirs(paths):
+    tasks: list[Task] = []
+    seen: dict[str, Path] = {}
+    dirs: list[str | Path] = [*paths]
+    for task_dir in find_task_dirs(dirs):
         try:
             task = apply_overrides(load_task(task_dir), changes)
             problem = dockerfile_problem(task) or _solution_problem(task, oracle)
@@ -234,13 +246,13 @@ def _usable_tasks(paths: list[str], oracle: bool, overrides: str | None = None) 
     return tasks
 
 
-def _solution_problem(task: Any, oracle: bool) -> str:
+def _solution_problem(task: Task, oracle: bool) -> str:
     solve = task.solution_dir / "solve.sh"
     return f"{solve}: missing (needed by --agent oracle)" if oracle and not solve.is_file() else ""
 
 
-def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, label: str,
-                 price: Any) -> dict[str, Any]:
+def _eval_config(args: argparse.Namespace, cfg: RunConfig, tasks: list[Task], model: _Model, label: str,
+                 price: Price) -> dict[str, Any]:
     from dataclasses import asdict
 
     import albatross
@@ -253,7 +265,7 @@ def _eval_config(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model,
             "trials": args.trials, "retries": args.retries, "sandbox": args.sandbox,
             "price_per_million": asdict(price), "harness": cfg.harness.model_dump(),
             "sampling": cfg.sampling.model_dump(), "limits": cfg.sandbox.model_dump(),
-            "albatross_version": getattr(albatross, "__version__", "")}
+            "albatross_version": albatross.__version__}
 
 
 def _check_resume(out: Path, config: dict[str, Any]) -> None:
@@ -292,8 +304,8 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Path,
-         config: dict[str, Any], price: Any) -> int:
+def _run(args: argparse.Namespace, cfg: RunConfig, tasks: list[Task], model: _Model, out: Path,
+         config: dict[str, Any], price: Price) -> int:
     from albatross.eval.run import evaluate, finished_pairs, load_attempts
 
     try:
@@ -307,7 +319,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
           + (f" ({len(records)} tries already in {out / ATTEMPTS_FILE})" if records else ""), flush=True)
     backend = _backend(args.sandbox, [out, *args.tasks, *(p for p in (model.directory, model.adapter) if p)],
                        cfg.sandbox)
-    engine = None
+    engine: Engine | None = None
     start = time.monotonic()
     try:
         agent, engine = _agent(args, cfg, backend, model, out)
@@ -325,7 +337,7 @@ def _run(args: argparse.Namespace, cfg: Any, tasks: list, model: _Model, out: Pa
     return _finish(out, tasks, args.trials, config, time.monotonic() - start)
 
 
-def _backend(kind: str, hide: list, sc: Any):
+def _backend(kind: str, hide: Sequence[str | Path], sc: SandboxConfig) -> Backend:
     from albatross.cache import cache_root
     from albatross.sandbox import local_available, make_backend
 
@@ -337,7 +349,8 @@ def _backend(kind: str, hide: list, sc: Any):
                         layer_cache=sc.layer_cache, build_min_free_mb=sc.build_min_free_mb)
 
 
-def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model, out: Path):
+def _agent(args: argparse.Namespace, cfg: RunConfig, backend: Backend, model: _Model, out: Path
+           ) -> tuple[Runner, Engine | None]:
     """The runner for ``--agent`` and the engine to close afterwards (None when there is none). A model directory
     is served by the config's ``[engine]`` (its logs in ``OUT/engine/logs``)."""
     if args.agent == "oracle":
@@ -348,18 +361,21 @@ def _agent(args: argparse.Namespace, cfg: Any, backend: Any, model: _Model, out:
         return OracleAgent(backend, Limits.from_config(sc)), None
     if args.agent == "noop":
         from albatross.engine.scripted import ScriptedEngine
+        from albatross.harness.agent import builtin_agent
         from albatross.harness.chat import TinyTokenizer
         from albatross.tasks.builtin import corpus_strings
 
         cfg.harness.action_format = "bash_block"  # the no-op's one action is a fenced `submit`
-        agent = _harness_agent(cfg, None, backend, TinyTokenizer.from_corpus(corpus_strings()))
+        agent = builtin_agent(cfg, None, backend, TinyTokenizer.from_corpus(corpus_strings()))
         agent.engine = ScriptedEngine([NOOP_ACTION], agent.fmt.action)
         return agent, None
+    assert model.tokenizer is not None  # _resolve_model sets it for --agent model
     tokenizer = _load_tokenizer(model.tokenizer)
     if model.remote is not None:  # closed by cmd_eval
         return _harness_agent(cfg, model.remote, backend, tokenizer), None
     from albatross.pipeline.probe import model_agent
 
+    assert model.directory is not None  # a model directory when there is no server
     return model_agent(cfg, backend, model.directory, model.tokenizer, out / "engine", adapter=model.adapter)
 
 
@@ -370,14 +386,16 @@ def _load_tokenizer(directory: Path) -> Any:
     return load_tokenizer(directory)
 
 
-def _harness_agent(cfg: Any, engine: Any, backend: Any, tokenizer: Any) -> Any:
-    """The training harness of the run config, with the tokenizer's chat format (``build_agent``)."""
+def _harness_agent(cfg: RunConfig, engine: Engine | None, backend: Backend, tokenizer: Any) -> Runner:
+    """The training harness of the run config, with the tokenizer's chat format (``build_agent``; ``tokenizer``:
+    a transformers tokenizer or the demo's)."""
     from albatross.harness.agent import build_agent
 
     return build_agent(cfg, engine, backend, tokenizer)
 
 
-def _writer(path: Path, tasks: list, label: str, price: Any, progress: Progress):
+def _writer(path: Path, tasks: list[Task], label: str, price: Price, progress: Progress
+            ) -> Callable[[Trajectory], None]:
     """Appends each try to the attempts file with its category, model, token usage and cost."""
     from dataclasses import asdict
 
@@ -387,7 +405,7 @@ def _writer(path: Path, tasks: list, label: str, price: Any, progress: Progress)
     categories = task_categories(tasks)
     sources = {t.id: str(t.metadata.get("source") or categories[t.id]) for t in tasks}  # per-source figures
 
-    def write(traj: Any) -> None:
+    def write(traj: Trajectory) -> None:
         record = traj.to_dict()
         usage = record_usage(record)
         record.update(category=categories[traj.task_id], source=sources[traj.task_id], model=label,
@@ -398,15 +416,15 @@ def _writer(path: Path, tasks: list, label: str, price: Any, progress: Progress)
     return write
 
 
-def task_categories(tasks: list) -> dict[str, str]:
+def task_categories(tasks: list[Task]) -> dict[str, str]:
     """Task id -> its [metadata] category (else family, else "uncategorized")."""
-    from albatross.eval.run import UNCATEGORIZED
+    from albatross.tasks.format import UNCATEGORIZED
 
     return {t.id: str(t.metadata.get("category") or t.metadata.get("family") or UNCATEGORIZED)
             for t in tasks}
 
 
-def _finish(out: Path, tasks: list, trials: int, config: dict[str, Any], seconds: float) -> int:
+def _finish(out: Path, tasks: list[Task], trials: int, config: dict[str, Any], seconds: float) -> int:
     from albatross.eval.run import load_attempts, summarize
 
     summary = summarize(load_attempts(out / ATTEMPTS_FILE), tasks=[t.id for t in tasks], trials=trials)
@@ -431,7 +449,7 @@ class Progress:
         self.start = time.monotonic()
         self._last_line = -1
 
-    def on_try(self, traj: Any) -> None:
+    def on_try(self, traj: Trajectory) -> None:
         self.solved += bool(traj.success)
         self.infra += traj.status == "infra_error"
 

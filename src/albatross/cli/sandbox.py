@@ -22,12 +22,23 @@ import math
 import os
 import shlex
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:  # annotations only: these imports are heavy
+    import select
+
+    from albatross.sandbox.base import Attempt, Backend
+    from albatross.tasks.format import Task
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # where commands are added
+
+Command = Callable[[argparse.Namespace, list[str]], int]
 
 EXIT_TIMEOUT = 124
 
 
-def register(sub: Any, tasks_sub: Any) -> None:
+def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
     """Add the ``sandbox`` command group to the top-level subparsers."""
     group = sub.add_parser("sandbox", help="a shell or one command in a fresh sandboxed attempt of a task")
     gsub = group.add_subparsers(dest="sandbox_command", required=True)
@@ -102,7 +113,7 @@ def _split_command(args: argparse.Namespace) -> list[str]:
     return rest
 
 
-def _open(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _open(args: argparse.Namespace) -> tuple[Task, Backend, Attempt]:
     """Load the task, make the backend, fork one attempt (tests copied in if asked)."""
     from albatross.sandbox import Limits, make_backend
     from albatross.sandbox.local import local_available, unavailable_reason
@@ -127,7 +138,7 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return task, backend, attempt
 
 
-def _check(args: argparse.Namespace, task: Any) -> None:
+def _check(args: argparse.Namespace, task: Task) -> None:
     """One-line errors for a bad ``--timeout`` and for a Dockerfile the sandbox cannot build (unsupported
     instruction, an image it cannot stand in for, ...: the build gate's own check)."""
     from albatross.tasks.buildable import dockerfile_problem
@@ -139,7 +150,7 @@ def _check(args: argparse.Namespace, task: Any) -> None:
         raise _user_error(problem)
 
 
-def _sandbox_errors(fn: Any) -> Any:
+def _sandbox_errors(fn: Command) -> Command:
     """User errors (and a failed environment build: the task author's) are one line, exit code 2; an
     infrastructure failure is one line, exit code 1."""
     @functools.wraps(fn)
@@ -180,6 +191,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_shell(args: argparse.Namespace, extra: list[str]) -> int:
     from albatross.sandbox.holder import STATE_FILE
     from albatross.sandbox.local import LocalAttempt
+    from albatross.sandbox.process import ProcessAttempt
 
     task, backend, attempt = _open(args)
     try:
@@ -187,6 +199,7 @@ def cmd_shell(args: argparse.Namespace, extra: list[str]) -> int:
               file=sys.stderr)
         if isinstance(attempt, LocalAttempt):
             return attempt.terminal(["/bin/bash", "--rcfile", STATE_FILE, "-i"], relay_terminal)
+        assert isinstance(attempt, ProcessAttempt)  # --sandbox is local or process
         import subprocess
 
         return subprocess.call(["bash", "-i"], cwd=attempt.host_path(task.workdir))
@@ -217,7 +230,7 @@ def relay_terminal(master: int) -> None:
             termios.tcsetattr(stdin, termios.TCSADRAIN, saved)
 
 
-def _pump(poller: Any, master: int, stdin: int, stdout: int) -> bool:
+def _pump(poller: select.poll, master: int, stdin: int, stdout: int) -> bool:
     for fd, _event in poller.poll():
         try:
             data = os.read(fd, 65536)

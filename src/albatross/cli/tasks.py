@@ -13,7 +13,15 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:  # annotations only: these imports are heavy
+    from albatross.config import SandboxConfig
+    from albatross.sandbox.base import Backend
+    from albatross.tasks.format import Task
+    from albatross.tasks.gates import TaskReport
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # where commands are added
 
 EXIT_FAILED, EXIT_USER_ERROR = 1, 2
 SANDBOXES = ("auto", "local", "process", "docker")
@@ -26,7 +34,7 @@ NETWORK_HELP = ("network policy of builds' and attempts' egress: none (attempts 
                 "proxy), open (any host but the host's own services); a task may narrow it (default: %s)")
 
 
-def register(sub: Any, tasks_sub: Any) -> None:
+def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
     _add_validate(tasks_sub)
     _add_probe(tasks_sub)
     _add_filter(tasks_sub)
@@ -34,7 +42,7 @@ def register(sub: Any, tasks_sub: Any) -> None:
     _add_import(tasks_sub)
 
 
-def _add_validate(tasks_sub: Any) -> None:
+def _add_validate(tasks_sub: Subparsers) -> None:
     p = tasks_sub.add_parser("validate", help="run the nine validation gates on task directories")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="task directories, or folders of them")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON: every task's gates, a summary of "
@@ -60,7 +68,7 @@ def _add_validate(tasks_sub: Any) -> None:
     p.set_defaults(fn=cmd_validate)
 
 
-def _add_probe(tasks_sub: Any) -> None:
+def _add_probe(tasks_sub: Subparsers) -> None:
     p = tasks_sub.add_parser("probe", help="probe tasks (>= 4 attempts each) under the training configuration")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="task directories, or folders of them")
     p.add_argument("--model", required=True, metavar="DIR", help="the base model: a local transformers "
@@ -79,7 +87,7 @@ def _add_probe(tasks_sub: Any) -> None:
     p.set_defaults(fn=cmd_probe)
 
 
-def _add_filter(tasks_sub: Any) -> None:
+def _add_filter(tasks_sub: Subparsers) -> None:
     p = tasks_sub.add_parser("filter", help="keep probed tasks whose pass rate lies in a band")
     p.add_argument("probe_json", metavar="PROBE_JSON", help="the table written by `tasks probe --json`")
     p.add_argument("--low", type=float, default=0.15, help="lowest pass rate kept (default: 0.15)")
@@ -91,7 +99,7 @@ def _add_filter(tasks_sub: Any) -> None:
     p.set_defaults(fn=cmd_filter)
 
 
-def _add_swe(tasks_sub: Any) -> None:
+def _add_swe(tasks_sub: Subparsers) -> None:
     p = tasks_sub.add_parser("swe", help="make bug-fix tasks from a Python project's source distribution")
     p.add_argument("--package", required=True, metavar="NAME[==VERSION]", help="the project on the package index "
                    "(no version: its newest release with an sdist); its sdist must hold its test suite")
@@ -110,7 +118,7 @@ def _add_swe(tasks_sub: Any) -> None:
     p.set_defaults(fn=cmd_swe)
 
 
-def _add_import(tasks_sub: Any) -> None:
+def _add_import(tasks_sub: Subparsers) -> None:
     p = tasks_sub.add_parser("import", help="turn SWE-bench instances into task directories")
     p.add_argument("format", choices=["swebench"], help="the instance format")
     p.add_argument("file", metavar="FILE.jsonl", help="one instance per line (repo, instance_id, base_commit, patch, "
@@ -212,7 +220,7 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"[gates] resuming {args.json}: {len(done)} tasks already gated, {len(todo)} to go", flush=True)
     finished = dict(done)
 
-    def progress(report: Any) -> None:
+    def progress(report: TaskReport) -> None:
         print(f"[gates] {report.task}: {'passed' if report.passed else 'FAILED'} ({report.seconds:.1f} s)",
               flush=True)
         finished[report.path] = report
@@ -252,7 +260,7 @@ def _resumed(args: argparse.Namespace, record: dict[str, Any], paths: list[str])
     return {r.path: r for r in reports if r.path in paths and (r.passed or not args.redo_failed)}
 
 
-def _write_report(path: str, reports: list[Any], record: dict[str, Any]) -> None:
+def _write_report(path: str, reports: list[TaskReport], record: dict[str, Any]) -> None:
     from albatross.tasks.gates import reports_json
 
     data = {**reports_json(reports), "options": record}
@@ -328,7 +336,7 @@ def cmd_filter(args: argparse.Namespace, extra: list[str]) -> int:
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Any]:
+def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Task]:
     """The tasks under ``paths`` whose Dockerfile the sandbox can build (with ``overrides`` applied); each
     other one is reported on stderr and skipped (the build gate's check), so one bad task does not stop the
     others."""
@@ -337,8 +345,9 @@ def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Any
     from albatross.tasks.overrides import apply_overrides, load_overrides
 
     changes = load_overrides(overrides)
-    tasks = []
-    for task in (apply_overrides(t, changes) for t in load_tasks(paths)):
+    tasks: list[Task] = []
+    dirs: list[str | Path] = [*paths]
+    for task in (apply_overrides(t, changes) for t in load_tasks(dirs)):
         problem = dockerfile_problem(task)
         if problem:
             print(f"albatross: skipping task {task.path}: {problem.splitlines()[0]}", file=sys.stderr)
@@ -347,7 +356,7 @@ def _buildable_tasks(paths: list[str], overrides: str | None = None) -> list[Any
     return tasks
 
 
-def _backend(kind: str, hide: list[str], registries: list[str], sc: Any = None) -> Any:
+def _backend(kind: str, hide: list[str], registries: list[str], sc: SandboxConfig | None = None) -> Backend:
     """The sandbox for a command (``sc``: the config's ``[sandbox]``, its defaults when None)."""
     from albatross.cache import cache_root
     from albatross.config import SandboxConfig
@@ -379,7 +388,7 @@ def _normalise(override: str) -> str:
     return key.replace("-", "_") + sep + value
 
 
-def _write_json(path: str, data: Any) -> None:
+def _write_json(path: str, data: dict[str, Any]) -> None:
     from albatross.errors import UserError
 
     try:

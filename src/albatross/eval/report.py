@@ -20,14 +20,21 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.errors import UserError
-from albatross.eval.run import UNCATEGORIZED, Price, load_attempts, load_prices, summarize, task_family
+from albatross.eval.run import Price, load_attempts, load_prices, summarize, task_family
 from albatross.eval.stats import DEFINITION, Interval, paired_difference, task_interval, verdict
 from albatross.records import read_jsonl
+from albatross.tasks.format import UNCATEGORIZED
+
+if TYPE_CHECKING:  # annotations only: matplotlib is imported when a figure is drawn
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -194,7 +201,7 @@ def _by_version(path: Path) -> dict[int, dict[str, float]]:
 # ------------------------------------------------------------------------------------------ figures
 
 
-def _png(fig: Any) -> str:
+def _png(fig: Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -258,12 +265,13 @@ def fig_pareto(results: list[Result]) -> str:
     return _png(fig)
 
 
-def _labels(ax: Any, fig: Any, xs: list[float], ys: list[float], labels: list[str]) -> None:
+def _labels(ax: Axes, fig: Figure, xs: list[float], ys: list[float], labels: list[str]) -> None:
     """Label each point to its right, at the nearest height where the label overlaps no other label
     and no other point (a thin line joins a moved label to its point)."""
     pts = ax.transData.transform(list(zip(xs, ys, strict=True)))
     pt = fig.dpi / 72  # pixels per point
-    step, boxes = 7 * pt, []
+    step = 7 * pt
+    boxes: list[tuple[float, float, float]] = []
     bottom, top = ax.bbox.y0 + 6 * pt, ax.bbox.y1 - 6 * pt
     for i in sorted(range(len(xs)), key=lambda j: pts[j][1]):
         x, y = pts[i]
@@ -289,7 +297,7 @@ def _collides(x0: float, x1: float, y: float, boxes: list[tuple[float, float, fl
     return any(x0 - 7 * pt <= px <= x1 and abs(py - y) < 10 * pt for px, py in points)
 
 
-def _log_ticks(ax: Any, xs: list[float], dollars: bool) -> None:
+def _log_ticks(ax: Axes, xs: list[float], dollars: bool) -> None:
     """Pad the log axis around the points and label ticks as plain numbers (dollars for cost)."""
     from matplotlib.ticker import FuncFormatter
 
@@ -299,7 +307,7 @@ def _log_ticks(ax: Any, xs: list[float], dollars: bool) -> None:
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: ""))
 
 
-def _percent() -> Any:
+def _percent() -> PercentFormatter:
     from matplotlib.ticker import PercentFormatter
 
     return PercentFormatter(xmax=1.0)
@@ -357,7 +365,8 @@ def _zero_signal_share(metrics: list[dict[str, Any]]) -> tuple[list[float], list
     return xs, ys
 
 
-Panel = tuple[str, str, str, list[tuple[str, list[float], list[float]]]]  # title, x label, y label, lines
+Line = tuple[str, Sequence[float], Sequence[float]]  # label, xs, ys
+Panel = tuple[str, str, str, list[Line]]  # title, x label, y label, lines
 
 
 def _training_panels(run: TrainingRun) -> list[Panel]:
@@ -365,7 +374,7 @@ def _training_panels(run: TrainingRun) -> list[Panel]:
     m, bv = run.metrics, run.by_version
     versions = list(bv)
 
-    def from_metrics_or_versions(keys: tuple[str, ...], fallback: str):
+    def from_metrics_or_versions(keys: tuple[str, ...], fallback: str) -> tuple[str, list[Line]]:
         """A per-step metric when the run logged one, else the value by policy version (trajectories)."""
         for key in keys:
             if any(key in r for r in m):
@@ -394,7 +403,7 @@ def _training_panels(run: TrainingRun) -> list[Panel]:
     ]
 
 
-def smooth(ys: list[float], weight: float = 0.8) -> list[float]:
+def smooth(ys: Sequence[float], weight: float = 0.8) -> list[float]:
     """Exponential moving average with bias correction (TensorBoard's smoothing): the early points are not
     pulled towards 0."""
     out, acc, norm = [], 0.0, 0.0
@@ -648,12 +657,12 @@ def recipe_section(source: Path, data: dict[str, Any]) -> str:
 
 
 def render_html(results: list[Result], runs: list[TrainingRun], title: str,
-                recipes: list[tuple[Path, dict[str, Any]]] = ()) -> str:
+                recipes: Sequence[tuple[Path, dict[str, Any]]] = ()) -> str:
     """The whole page as one string (``recipes``: ``bench recipe`` JSONs and their directories)."""
     models = [r for r in results if r.role == "model"]
     body = [f"<h1>{_esc(title)}</h1>",
             f"<p class='meta'>generated {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))} from "
-            f"{_esc(', '.join(sorted({str(x.source) for x in [*results, *runs]})))}</p>"]
+            f"{_esc(', '.join(sorted({str(r.source) for r in results} | {str(r.source) for r in runs})))}</p>"]
     if results:
         body.append(_headline_section(results))
         body.append(_family_section(results))

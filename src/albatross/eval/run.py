@@ -23,10 +23,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from albatross.config import default
 from albatross.harness.agent import AttemptSpec
-from albatross.harness.retry import run_with_retries
+from albatross.harness.retry import Runner, run_with_retries
 from albatross.records import STATUS_INFRA_ERROR, Trajectory, append_jsonl, read_jsonl
 from albatross.tasks.format import UNCATEGORIZED, Task, family_of_id
 
@@ -44,16 +45,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-class Runner(Protocol):
-    """Anything that runs one attempt: the harness ``Agent`` or ``eval.oracle.OracleAgent``."""
-
-    def run(self, spec: AttemptSpec) -> Trajectory: ...
-
-
 @dataclass
 class EvalResult:
     trajectories: list[Trajectory]
-    counts: Counter = field(default_factory=Counter)
+    counts: Counter[str] = field(default_factory=Counter)
 
     def per_task(self) -> dict[str, list[bool]]:
         out: dict[str, list[bool]] = {}
@@ -123,14 +118,14 @@ def by_source(records: Iterable[dict[str, Any]], sources: dict[str, str] | None 
     attempts, Pass@1 (mean over tasks of their pass rates) and, for repository tasks, the share of FAIL_TO_PASS
     tests fixed (mean over tasks of the mean over their attempts; None for a source without such tasks).
     Infrastructure errors are left out."""
-    per_task: dict[str, dict[str, list]] = {}
+    per_task: dict[str, dict[str, tuple[list[bool], list[float]]]] = {}
     for r in records:
         if r.get("status") == STATUS_INFRA_ERROR:
             continue
         name = (sources or {}).get(r["task_id"]) or r.get("source")
         if name is None:
             continue
-        entry = per_task.setdefault(name, {}).setdefault(r["task_id"], [[], []])
+        entry = per_task.setdefault(name, {}).setdefault(r["task_id"], ([], []))
         reward = r.get("reward", {})
         entry[0].append(bool(reward.get("success")))
         share = fail_to_pass_share(reward.get("metrics", {}))
@@ -156,7 +151,8 @@ def _task_se(outcomes: list[list[bool]]) -> float | None:
 
 
 def evaluate(agent: Runner, tasks: list[Task], trials: int, workers: int = 16,
-             out_jsonl: Path | None = None, retries: int = 3, progress=None,
+             out_jsonl: Path | None = None, retries: int = default("sandbox", "max_infra_retries"),
+             progress: Callable[[int, int], None] | None = None,
              skip: Iterable[tuple[str, int]] = (),
              on_try: Callable[[Trajectory], None] | None = None,
              sources: dict[str, str] | None = None) -> EvalResult:
@@ -169,7 +165,7 @@ def evaluate(agent: Runner, tasks: list[Task], trials: int, workers: int = 16,
     done_pairs = set(skip)
     specs = [AttemptSpec(task, f"eval-{task.id}", i) for task in tasks for i in range(trials)
              if (task.id, i) not in done_pairs]
-    counts: Counter = Counter()
+    counts: Counter[str] = Counter()
     lock, stop = threading.Lock(), threading.Event()
     finished = [0]
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from albatross.config import HarnessConfig
+from albatross.config import HarnessConfig, RunConfig
 from albatross.engine.base import Completion, Engine, EngineError, SamplingParams
 from albatross.harness.chat import ChatFormat, make_chat_format, resolve_action_format
 from albatross.harness.context import SUMMARY_HEADER, SUMMARY_REQUEST, Context
@@ -42,17 +43,6 @@ from albatross.records import (
 from albatross.sandbox.base import Attempt, Backend, Limits, SandboxError
 from albatross.tasks.format import Task, attempt_limits
 from albatross.tasks.verify import VerifierError, verify_attempt
-
-# Knobs read with their defaults, so the harness also runs with a HarnessConfig that predates them.
-DEFAULTS: dict[str, Any] = {
-    "redirect_output": True, "bash_tools_hint": False, "max_generated_tokens": 0,
-    "compression": "mask_summary", "compress_at": 1.0, "compress_target": 0.5, "keep_observations": 3,
-    "summary_max_tokens": 256, "reasoning": "keep", "tools": [], "agent": "",
-}
-
-
-def knob(cfg: HarnessConfig, name: str) -> Any:
-    return getattr(cfg, name, DEFAULTS[name])
 
 
 class _Done(Exception):
@@ -78,8 +68,8 @@ class Agent:
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=cfg.max_tokens_per_turn, stop_token_ids=fmt.stop_ids, seed=sampling.seed)
         self.tool_calls = resolve_action_format(cfg, fmt) == "tool_calls"
-        self.rerender = not getattr(fmt, "append_only", True) or knob(cfg, "reasoning") == "strip"
-        offered = set(knob(cfg, "tools") or TOOL_SCHEMAS) | {SUBMIT}  # harness.tools: a subset of the built-ins
+        self.rerender = not fmt.append_only or cfg.reasoning == "strip"
+        offered = set(cfg.tools or TOOL_SCHEMAS) | {SUBMIT}  # harness.tools: a subset of the built-ins
         self.tools = [t for t in TOOLS if t["function"]["name"] in offered]
         self.parser: Parser = (ToolCallParser({n: s for n, s in TOOL_SCHEMAS.items() if n in offered})
                                if self.tool_calls else BashBlockParser())
@@ -90,7 +80,9 @@ class Agent:
         attempt: Attempt | None = None
         episode: Episode | None = None
         engine = engine or self.engine
-        session = None
+        if engine is None:
+            raise ValueError("Agent.run needs an engine (set agent.engine or pass engine=)")
+        session: Engine | None = None
         try:
             # an engine pool keeps the attempt on one replica (the one holding its KV cache)
             session = engine.session()
@@ -129,18 +121,16 @@ class Agent:
 class Episode:
     """The state of one attempt in progress: its context, tools, budgets and trajectory."""
 
-    def __init__(self, agent: Agent, task: Task, attempt: Attempt, traj: Trajectory, engine: Engine | None,
+    def __init__(self, agent: Agent, task: Task, attempt: Attempt, traj: Trajectory, engine: Engine,
                  start: float) -> None:
-        if engine is None:
-            raise ValueError("Agent.run needs an engine (set agent.engine or pass engine=)")
         self.agent, self.cfg, self.fmt, self.traj, self.engine = agent, agent.cfg, agent.fmt, traj, engine
         self.wall_limit = min(self.cfg.attempt_timeout_s, task.agent_timeout_s or self.cfg.attempt_timeout_s)
         self.start = start
         self.toolbox = Toolbox(attempt, self.cfg.max_observation_chars, agent.limits.command_timeout_s,
-                               redirect=knob(self.cfg, "redirect_output"))
+                               redirect=self.cfg.redirect_output)
         self.toolbox.deadline = start + self.wall_limit
         instruction = task.instruction
-        if not agent.tool_calls and knob(self.cfg, "bash_tools_hint"):
+        if not agent.tool_calls and self.cfg.bash_tools_hint:
             instruction = instruction.strip() + "\n" + BASH_TOOLS_HINT
         self.ctx = Context(self.fmt, instruction, agent.tools if agent.tool_calls else None)
         self._new_sample(len(self.ctx))
@@ -159,8 +149,8 @@ class Episode:
     # budgets and compression ------------------------------------------------------------------------
     def _check_budgets(self) -> None:
         cfg, per_turn = self.cfg, self.cfg.max_tokens_per_turn
-        trigger = knob(cfg, "compress_at") * cfg.max_context_tokens
-        if knob(cfg, "compression") != "none" and len(self.ctx) + per_turn > trigger:
+        trigger = cfg.compress_at * cfg.max_context_tokens
+        if cfg.compression != "none" and len(self.ctx) + per_turn > trigger:
             self._compress()
         if len(self.ctx) + per_turn > cfg.max_context_tokens:
             raise _Done(STATUS_MAX_CONTEXT)
@@ -170,18 +160,18 @@ class Episode:
             raise _Done(STATUS_MAX_TOKENS)
 
     def _generation_left(self) -> int:
-        budget = knob(self.cfg, "max_generated_tokens")
+        budget = self.cfg.max_generated_tokens
         return budget - self.traj.completion_tokens if budget > 0 else 1 << 62
 
     def _compress(self) -> None:
-        cfg, keep = self.cfg, knob(self.cfg, "keep_observations")
+        cfg, keep = self.cfg, self.cfg.keep_observations
         if self.traj.compressions and self.traj.compressions[-1]["turn"] == len(self.traj.turns):
             return  # compressed already before this turn: the context budget decides
         before = len(self.ctx)
         ids = self.ctx.masked_ids(keep)
         method, extra = "mask", {}
-        if (len(ids) + cfg.max_tokens_per_turn > knob(cfg, "compress_target") * cfg.max_context_tokens
-                and knob(cfg, "compression") == "mask_summary"):
+        if (len(ids) + cfg.max_tokens_per_turn > cfg.compress_target * cfg.max_context_tokens
+                and cfg.compression == "mask_summary"):
             method, extra = "summary", {"summary_tokens": self._summarise(ids)}
             ids = self.ctx.summarised(self.ctx.summary_text, keep)
         elif len(ids) >= before:
@@ -200,7 +190,7 @@ class Episode:
         request = self.fmt.user(SUMMARY_REQUEST, closed=False)
         self.ctx.sample.extend(request, model=False)
         self.traj.prompt_tokens += len(request)
-        room = min(knob(self.cfg, "summary_max_tokens"), self.cfg.max_context_tokens - len(self.ctx),
+        room = min(self.cfg.summary_max_tokens, self.cfg.max_context_tokens - len(self.ctx),
                    self._generation_left())
         self.ctx.summary_text = ""
         if room < 1:
@@ -262,7 +252,7 @@ class Episode:
         actions without their reasoning when ``reasoning = "strip"``), since the template rewrites history.
         After a summary the conversation starts from the summarised instruction; masked observations are
         not re-rendered masked."""
-        strip = knob(self.cfg, "reasoning") == "strip"
+        strip = self.cfg.reasoning == "strip"
         turns = [(strip_reasoning(t.action) if strip else t.action, t.observation)
                  for t in self.traj.turns[self.ctx.base:]]
         summary = self.ctx.summary_text.strip()
@@ -285,18 +275,29 @@ class AgentLoop(Protocol):
     def run(self, spec: AttemptSpec, engine: Engine | None = None) -> Trajectory: ...
 
 
-def build_agent(cfg: Any, engine: Engine | None, backend: Backend, tokenizer: Any) -> Agent:
-    """The agent of a run config (``RunConfig``): the one constructor ``train`` and ``eval`` share; with
-    ``harness.agent`` set, the agent that function builds."""
-    if knob(cfg.harness, "agent"):
+# ``harness.agent``'s function: (run config, engine, sandbox backend, tokenizer) -> the agent; the tokenizer is a
+# transformers tokenizer (untyped) or the demo's ``TinyTokenizer``
+AgentFactory = Callable[[RunConfig, Engine | None, Backend, Any], AgentLoop]
+
+
+def build_agent(cfg: RunConfig, engine: Engine | None, backend: Backend, tokenizer: Any) -> AgentLoop:
+    """The agent of a run config: the one constructor ``train`` and ``eval`` share; with ``harness.agent`` set,
+    the agent that function builds, else the built-in one (``builtin_agent``). ``tokenizer``: a transformers
+    tokenizer or the demo's ``TinyTokenizer``."""
+    if cfg.harness.agent:
         return load_agent_factory(cfg.harness.agent)(cfg, engine, backend, tokenizer)
+    return builtin_agent(cfg, engine, backend, tokenizer)
+
+
+def builtin_agent(cfg: RunConfig, engine: Engine | None, backend: Backend, tokenizer: Any) -> Agent:
+    """The built-in agent loop of a run config, whatever ``harness.agent`` says (demonstrations, the no-op agent)."""
     limits = Limits.from_config(cfg.sandbox)
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k)
     return Agent(engine, backend, make_chat_format(tokenizer, cfg.harness), cfg.harness, sampling, limits)
 
 
-def load_agent_factory(spec: str) -> Any:
+def load_agent_factory(spec: str) -> AgentFactory:
     """The function ``harness.agent`` names: ``package.module:function`` or ``path/to/file.py:function``.
     A spec that does not resolve is a ``UserError`` naming it."""
     import importlib
@@ -323,4 +324,4 @@ def load_agent_factory(spec: str) -> Any:
     factory = getattr(module, name, None)
     if not callable(factory):
         raise UserError(f"harness.agent {spec!r}: {where} has no function {name!r}")
-    return factory
+    return cast(AgentFactory, factory)  # the user's function: only that it is callable can be checked

@@ -21,8 +21,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
+from albatross.config import HarnessConfig
 from albatross.engine.tokenizer import LEGACY_TINY, SPECIALS, SYMBOLS, WORD_PATTERN, tiny_vocab
 
 _WORD_RE = re.compile(WORD_PATTERN)
@@ -122,12 +123,23 @@ class ChatFormat(Protocol):
     ``initial_prompt`` ends where the model writes its first action; ``observation`` and ``user`` are the
     ids appended after a completion (``closed``: the completion ended with a stop token) that end where
     the model writes its next action; ``action`` is the ids of a model action (demonstrations, scripted
-    policies)."""
+    policies). ``supports_tool_calls``: the layout has a JSON tool-call format (``action_format = "auto"``
+    picks it). ``append_only``: rendering a whole conversation gives the concatenation the harness builds;
+    when False the agent starts each turn from ``conversation``, the whole conversation re-rendered."""
 
     tokenizer: Any
 
     @property
     def stop_ids(self) -> list[int]: ...
+
+    @property
+    def supports_tool_calls(self) -> bool: ...
+
+    @property
+    def append_only(self) -> bool: ...
+
+    def conversation(self, instruction: str, tools: list[dict[str, Any]] | None,
+                     turns: list[tuple[str, str]]) -> list[int]: ...
 
     def initial_prompt(self, instruction: str, tools: list[dict[str, Any]] | None = None) -> list[int]: ...
 
@@ -151,12 +163,18 @@ class TinyChatFormat:
     """
 
     tokenizer: TinyTokenizer
-    append_only: ClassVar[bool] = True  # the layout never rewrites history
-    supports_tool_calls: ClassVar[bool] = False  # the demo model writes fenced bash blocks
 
     @property
     def stop_ids(self) -> list[int]:
         return [self.tokenizer.special("<|end|>"), self.tokenizer.eos_id]
+
+    @property
+    def supports_tool_calls(self) -> bool:
+        return False  # the demo model writes fenced bash blocks
+
+    @property
+    def append_only(self) -> bool:
+        return True  # the layout never rewrites history
 
     def conversation(self, instruction: str, tools: list[dict[str, Any]] | None,
                      turns: list[tuple[str, str]]) -> list[int]:
@@ -188,11 +206,11 @@ class TinyChatFormat:
         return self.tokenizer.decode(ids)
 
 
-def make_chat_format(tokenizer: Any, harness_cfg: Any) -> ChatFormat:
+def make_chat_format(tokenizer: Any, harness_cfg: HarnessConfig) -> ChatFormat:
     """The demo's ``TinyChatFormat`` for a ``TinyTokenizer``; otherwise the tokenizer's own chat template
     (``hf_chat.HFChatFormat``), with observations as ``tool`` messages when actions are JSON tool calls
     (``resolve_action_format``) and as ``user`` messages otherwise."""
-    system = getattr(harness_cfg, "system_prompt", "")
+    system = harness_cfg.system_prompt
     if isinstance(tokenizer, TinyTokenizer):
         if system:
             from albatross.errors import UserError
@@ -208,10 +226,9 @@ def make_chat_format(tokenizer: Any, harness_cfg: Any) -> ChatFormat:
     return fmt
 
 
-def resolve_action_format(harness_cfg: Any, fmt: ChatFormat) -> str:
+def resolve_action_format(harness_cfg: HarnessConfig, fmt: ChatFormat) -> str:
     """``harness.action_format``, with ``auto`` resolved: ``tool_calls`` when the chat template has a tool-call
     format (``supports_tool_calls``), else ``bash_block``."""
-    choice = getattr(harness_cfg, "action_format", "auto")
-    if choice != "auto":
-        return str(choice)
-    return "tool_calls" if getattr(fmt, "supports_tool_calls", False) else "bash_block"
+    if harness_cfg.action_format != "auto":
+        return harness_cfg.action_format
+    return "tool_calls" if fmt.supports_tool_calls else "bash_block"

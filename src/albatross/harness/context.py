@@ -16,6 +16,7 @@ the old sample keeps its tokens (and the summary's tokens, which the model gener
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from albatross.harness.chat import ChatFormat
 from albatross.records import Sample
@@ -48,7 +49,7 @@ class Context:
 
     fmt: ChatFormat
     instruction: str
-    tools: list[dict] | None = None
+    tools: list[dict[str, Any]] | None = None
     prompt: list[int] = field(default_factory=list)  # the first prompt (with the summary, once summarised)
     turns: list[TurnIds] = field(default_factory=list)
     base: int = 0  # turns before this one are covered by the summary

@@ -73,6 +73,7 @@ class HFChatFormat:
         from albatross.engine.tokenizer import stop_token_id, turn_end
 
         self.tokenizer, self.system, self.observation_role = tokenizer, system, observation_role
+        # a transformers tokenizer's chat_template is unset (None) or missing when the directory ships none
         self.template = template or getattr(tokenizer, "chat_template", None) or CHATML_TOOLS_TEMPLATE
         self._turn_end = turn_end(tokenizer, self.template)  # what follows an assistant message
         stop = stop_token_id(tokenizer, self.template)
@@ -87,8 +88,9 @@ class HFChatFormat:
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                 generation: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=self.template,
-                                                  add_generation_prompt=generation)
+        text: str = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                       chat_template=self.template, add_generation_prompt=generation)
+        return text
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -186,7 +188,8 @@ class HFChatFormat:
         ids = list(ids)
         while ids and ids[-1] in self.stop_ids:
             ids.pop()
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return text
 
 
 def check_chat_template(tokenizer: Any, model_dir: str | Path, observation_role: str | None = None) -> None:
@@ -196,7 +199,7 @@ def check_chat_template(tokenizer: Any, model_dir: str | Path, observation_role:
     (the harness starts a new sample per turn); ``observation_role`` defaults to what ``action_format = "auto"``
     picks."""
     where = str(model_dir)
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None):  # a transformers tokenizer: unset or missing
         raise ValueError(f"{where}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json "
                          "chat_template)")
     try:
@@ -235,7 +238,8 @@ def toy_chatml_tokenizer(corpus: list[str], vocab_size: int = 800) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=CHATML_SPECIALS[3:])
+    out = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers' tokenizer __init__ is untyped
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=CHATML_SPECIALS[3:])
     out.chat_template = CHATML_TOOLS_TEMPLATE
     return out

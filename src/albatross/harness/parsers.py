@@ -63,7 +63,7 @@ def write_command(command: str, tool_calls: bool) -> str:
 
 def parse_bash_block(text: str) -> str:
     """Return the command of exactly one fenced bash block."""
-    blocks = _BLOCK_RE.findall(text)
+    blocks: list[str] = _BLOCK_RE.findall(text)
     if not blocks:
         raise FormatError("Format error: write exactly one command in a ```bash block.")
     if len(blocks) > 1:

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from albatross.records import STATUS_INFRA_ERROR, Trajectory
 
+if TYPE_CHECKING:  # annotations only
+    from albatross.harness.agent import AttemptSpec
 
-def run_with_retries(agent: Any, spec: Any, retries: int, counts: Counter,
+
+class Runner(Protocol):
+    """Anything that runs one attempt: the harness's agent (``harness.agent.AgentLoop``) or
+    ``eval.oracle.OracleAgent``."""
+
+    def run(self, spec: AttemptSpec) -> Trajectory: ...
+
+
+def run_with_retries(agent: Runner, spec: AttemptSpec, retries: int, counts: Counter[str],
                      on_try: Callable[[Trajectory], None] | None = None) -> Trajectory:
     """Run ``spec`` with ``agent`` up to ``retries + 1`` times, until a try is not an infrastructure error.
 

@@ -116,7 +116,8 @@ def toy_tokenizer(style: str, corpus: list[str], vocab_size: int = 800) -> Any:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     extra = [s for s in specials if s not in (eos, pad, bos)]
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, bos_token=bos,
-                                  clean_up_tokenization_spaces=False, additional_special_tokens=extra)
+    out = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers' tokenizer __init__ is untyped
+        tokenizer_object=tok, eos_token=eos, pad_token=pad, bos_token=bos, clean_up_tokenization_spaces=False,
+        additional_special_tokens=extra)
     out.chat_template = template
     return out

@@ -28,10 +28,12 @@ import re
 import secrets
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from albatross.config import default
 from albatross.harness.edit_helper import HELP as EDIT_USAGE
 from albatross.harness.jobs import JOB_SCRIPT, JOB_USAGE, job_command
 from albatross.harness.parsers import SUBMIT, Action
@@ -167,8 +169,8 @@ class _Rendered:
 class Toolbox:
     """The tools of one attempt. ``limit``: the longest output shown whole (characters / bytes)."""
 
-    def __init__(self, attempt: Attempt, limit: int, command_timeout_s: float, redirect: bool = True
-                 ) -> None:
+    def __init__(self, attempt: Attempt, limit: int, command_timeout_s: float,
+                 redirect: bool = default("harness", "redirect_output")) -> None:
         self.attempt, self.limit, self.timeout_s, self.redirect = attempt, limit, command_timeout_s, redirect
         self.half = max(1, (limit - 120) // 2)  # bytes of head and of tail shown of a long output
         self.deadline: float | None = None  # time.monotonic() when the attempt's wall budget ends
@@ -204,13 +206,20 @@ class Toolbox:
     # dispatch -----------------------------------------------------------------------------------
     def call(self, action: Action) -> Observation:
         """Run one tool call; a ``ToolError`` becomes an observation that says what went wrong."""
-        method = getattr(self, f"tool_{action.tool}", None)
+        method = self._tools().get(action.tool)
         if method is None:
             return Observation(f"Error: unknown tool {action.tool!r}\n")
         try:
             return method(**action.args)
         except ToolError as e:
             return Observation(f"Error: {e}\n")
+
+    def _tools(self) -> dict[str, Callable[..., Observation]]:
+        """The tools by name (each takes the arguments of its schema in ``TOOLS``)."""
+        return {"bash": self.tool_bash, "job_start": self.tool_job_start, "job_list": self.tool_job_list,
+                "job_log": self.tool_job_log, "job_wait": self.tool_job_wait, "job_kill": self.tool_job_kill,
+                "read_file": self.tool_read_file, "write_file": self.tool_write_file,
+                "edit_file": self.tool_edit_file}
 
     def _exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         """Run a shell command with ``timeout_s`` (default: the command timeout), never past the deadline."""

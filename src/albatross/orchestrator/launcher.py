@@ -9,7 +9,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from albatross.harness.agent import Agent, AttemptSpec
+from albatross.harness.agent import AgentLoop, AttemptSpec
 from albatross.harness.retry import run_with_retries
 from albatross.orchestrator.trainer_worker import trainer_main
 
@@ -46,7 +46,7 @@ class Launcher(Protocol):
 class ThreadRollouts:
     """Attempts on threads of this process (the sandboxes run on this machine)."""
 
-    def __init__(self, agent: Agent, workers: int, retries: int, counts: Counter) -> None:
+    def __init__(self, agent: AgentLoop, workers: int, retries: int, counts: Counter) -> None:
         self.agent, self.retries, self.counts = agent, retries, counts
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="rollout")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from albatross.config import RunConfig
-from albatross.harness.agent import Agent, AttemptSpec
+from albatross.harness.agent import AgentLoop, AttemptSpec
 from albatross.orchestrator.buffer import BatchBuilder, admissible
 from albatross.orchestrator.launcher import Launcher, LocalLauncher
 from albatross.orchestrator.metrics import MetricsSink
@@ -57,7 +57,7 @@ class _PendingGroup:
 class AsyncLoop:
     """One training run: ``run()`` returns the final state; metrics and attempts go to ``run_dir``."""
 
-    def __init__(self, cfg: RunConfig, agent: Agent, engine, tasks: list[Task], model_dir: Path,
+    def __init__(self, cfg: RunConfig, agent: AgentLoop, engine, tasks: list[Task], model_dir: Path,
                  run_dir: Path, log: Callable[[str], None] = print, resume: bool = False,
                  launcher: Any = None, sink: MetricsSink | None = None,
                  sources: dict[str, str] | None = None, weights: dict[str, float] | None = None) -> None:
