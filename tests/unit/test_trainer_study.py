@@ -255,11 +255,13 @@ def test_options_the_model_lacks_are_refused():
 
 
 def test_host_params_keep_the_ngram_tables_on_the_host_and_train():
+    from albatross.config import TrainerConfig
     from albatross.trainer.step import Trainer
 
     model = tiny_model("qwen4_exp", seed=0)
     tables = [m.ngram_embedding.weight for m in model.modules() if type(m).__name__.endswith("NGramEmbedding")]
-    trainer = Trainer(model, host_params=["ngram"], offload_optimizer=True, micro_batch_tokens=1024, lr=1e-2)
+    knobs = TrainerConfig(host_params=["ngram"], offload_optimizer=True, micro_batch_tokens=1024, lr=1e-2)
+    trainer = Trainer(model, knobs)
     assert trainer.model_options["host_param_bytes"] == sum(t.numel() * 4 for t in tables)
     assert all(t.device.type == "cpu" for t in tables)
     before = [t.detach().clone() for t in tables]

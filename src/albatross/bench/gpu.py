@@ -142,12 +142,14 @@ def trainer_figures(model_dir: Path, steps: int, peak: float | None, device: str
     """tokens/s, MFU and peak memory of ``Trainer.step`` on one GPU with 8K-token micro-batches."""
     import torch
 
+    from albatross.config import TrainerConfig
     from albatross.trainer.model import load_model
     from albatross.trainer.step import Trainer
 
     model = load_model(model_dir).to(device)
     cfg = {**QWEN3_05B, "vocab_size": model.config.vocab_size}
-    trainer = Trainer(model, micro_batch_tokens=TOKENS, precision="bf16", activation_checkpointing=True, lr=1e-5)
+    trainer = Trainer(model, TrainerConfig(micro_batch_tokens=TOKENS, precision="bf16", activation_checkpointing=True,
+                                     lr=1e-5))
     batch, lengths = packed_batch(TOKENS, random.Random(TOKENS), 1000)
     trainer.step(batch)  # warm-up
     torch.cuda.synchronize()

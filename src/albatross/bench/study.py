@@ -207,13 +207,14 @@ def applicable(model: Any, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _trainer(model: Any, options: dict[str, Any], tokens: int, device: str) -> Any:
+    from albatross.config import TrainerConfig
     from albatross.trainer.step import Trainer
 
     opts = {k: v for k, v in options.items() if k != "packed"}
-    opts.setdefault("logprob_chunk", None)
+    opts.setdefault("logprob_chunk", 0)  # one chunk: full logits
     opts.setdefault("logprob_loss_only", False)
-    return Trainer(model, micro_batch_tokens=tokens, lr=1e-4, attention="varlen",
-                   precision="bf16" if device == "cuda" else "fp32", **opts)
+    return Trainer(model, TrainerConfig(micro_batch_tokens=tokens, lr=1e-4, attention="varlen",
+                                        precision="bf16" if device == "cuda" else "fp32", **opts))
 
 
 def _padded(model: Any, device: str, batch_size: int) -> Any:

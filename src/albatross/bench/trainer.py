@@ -180,6 +180,7 @@ def _variants(batch, cfg: dict[str, int], quick: bool) -> dict[str, Any]:
     """name -> a function running one full step on ``batch``, each with its own model and optimizer."""
     import torch
 
+    from albatross.config import TrainerConfig
     from albatross.trainer.model import tiny_causal_lm
     from albatross.trainer.step import Trainer
 
@@ -188,7 +189,7 @@ def _variants(batch, cfg: dict[str, int], quick: bool) -> dict[str, Any]:
 
     steps: dict[str, Any] = {}
     for name, attention in [("packed", "varlen")] + ([] if quick else [("packed-dense", "dense")]):
-        trainer = Trainer(model(), micro_batch_tokens=4096, attention=attention, lr=1e-4)
+        trainer = Trainer(model(), TrainerConfig(micro_batch_tokens=4096, attention=attention, lr=1e-4))
         steps[name] = lambda trainer=trainer: trainer.step(batch)
     for name, sort in (("padded", False), ("padded-sorted", True)):
         base = model()
@@ -241,13 +242,14 @@ def memory_child(spec: dict[str, Any]) -> dict[str, Any]:
     """One training step on one sequence of ``seq_len`` tokens; runs in a fresh process."""
     import torch
 
+    from albatross.config import TrainerConfig
     from albatross.trainer.model import tiny_causal_lm
     from albatross.trainer.step import Trainer
 
     cfg = MEMORY_MODEL
     model = tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"])
-    trainer = Trainer(model, micro_batch_tokens=spec["seq_len"], logprob_chunk=spec["chunk"],
-                      activation_checkpointing=spec["ckpt"])
+    trainer = Trainer(model, TrainerConfig(micro_batch_tokens=spec["seq_len"], logprob_chunk=spec["chunk"] or 0,
+                                           activation_checkpointing=spec["ckpt"]))
     batch = synthetic_batch([spec["seq_len"] + 1], cfg["vocab_size"])
     base = status_bytes(os.getpid(), "VmRSS")
     seconds, metrics = _timed(lambda: trainer.step(batch))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from albatross.config import LoRAConfig, RunConfig, default
+from albatross.config import ConfigError, LoRAConfig, RLConfig, RunConfig, TrainerConfig, default
 from albatross.records import Batch, Sample, TrainSample
 from albatross.rl.losses import (
     LossFn,
@@ -43,6 +43,8 @@ SUM_KEYS = frozenset({"loss", "tokens", "active_tokens", "stale_tokens_dropped",
                       "kl_penalty", "entropy_bonus", "mtp_tokens"})
 SUM_PREFIXES = ("staleness_hist/",)
 MAX_KEYS = frozenset({"staleness_max", "ratio_max"})
+
+BETAS = (0.9, 0.95)  # AdamW's moment decay rates (not a config knob)
 
 LossOf = Callable[[MicroBatch, Tensor, Tensor, int], tuple[Tensor, dict[str, float]]]
 Regularizer = Callable[[MicroBatch, Tensor, Tensor, int], tuple[Tensor, dict[str, float]]]
@@ -115,7 +117,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def _prepare_mtp(model: nn.Module, mode: str, freeze: Sequence[str]) -> nn.Module | None:
     """Apply ``trainer.mtp`` to the model's MTP head (``model.mtp``, loaded by ``load_model``); return the
     head when it stays. ``train`` needs one; ``frozen`` keeps it without gradients; ``off`` drops it."""
-    from albatross.config import ConfigError
     from albatross.models import family
     from albatross.models.mtp import detach_mtp, get_mtp
 
@@ -141,76 +142,51 @@ def _prepare_mtp(model: nn.Module, mode: str, freeze: Sequence[str]) -> nn.Modul
 class Trainer:
     """AdamW over a causal LM's trainable parameters; ``step`` for RL, ``sft_step`` for the warm start.
 
-    Knobs beyond the optimizer (each resolved once, here; docs/trainer.md has the table):
-    ``micro_batch_tokens`` packing budget; ``loss`` / ``loss_kwargs`` the policy loss (``rl.losses``);
-    ``kl_coef`` / ``entropy_coef`` optional extra terms (0: none); ``logprob_chunk`` tokens per
-    LM-head chunk (None: full logits); ``logprob_loss_only`` the head at loss tokens only;
-    ``logprob_recompute`` recompute the head's logits in the backward (None: when a micro-batch's [T, V] probabilities
-    would pass ``logprobs.KEEP_BYTES``, 256 MiB, or on a CPU one chunk's would pass ``logprobs.MMAP_BYTES``);
-    ``attention`` document masking (``auto``, ``varlen``, ``flash``, ``dense``); ``activation_checkpointing``; ``freeze`` glob
-    patterns of parameter names; ``offload_optimizer`` optimizer state in host memory; ``precision``
-    (``auto``: bf16 on GPU, fp32 on CPU); ``fsdp`` shard across the ranks of an initialised group;
-    ``grouped_experts`` / ``fast_indexer`` / ``fused_hyper`` / ``host_params`` model-specific kernels and
-    host-resident parts (``trainer.model.apply_model_options``).
+    Every knob is a field of ``TrainerConfig`` (``[trainer]``) or ``RLConfig`` (``[rl]``), read once, here;
+    docs/trainer.md has the table. The log-prob head recomputes its logits in the backward when a micro-batch's
+    [T, V] probabilities would pass ``logprobs.KEEP_BYTES`` (256 MiB), or on a CPU when one chunk's would pass
+    ``logprobs.MMAP_BYTES``; model-specific kernels and host-resident parts: ``trainer.model.apply_model_options``.
     """
 
     def __init__(
         self,
         model: nn.Module,
+        trainer: TrainerConfig | None = None,
+        rl: RLConfig | None = None,
         *,
-        lr: float = default("trainer", "lr"),
-        weight_decay: float = default("trainer", "weight_decay"),
-        betas: tuple[float, float] = (0.9, 0.95),
-        grad_clip: float | None = default("trainer", "grad_clip"),
-        micro_batch_tokens: int = default("trainer", "micro_batch_tokens"),
-        loss: str = default("rl", "loss"),
-        loss_kwargs: dict[str, Any] | None = None,
-        kl_coef: float = default("rl", "kl_coef"),
-        entropy_coef: float = default("rl", "entropy_coef"),
-        logprob_chunk: int | None = default("trainer", "logprob_chunk"),
-        logprob_recompute: bool | None = None,
-        logprob_loss_only: bool = default("trainer", "logprob_loss_only"),
         temperature: float = default("sampling", "temperature"),
-        attention: str = default("trainer", "attention"),
-        activation_checkpointing: bool = default("trainer", "activation_checkpointing"),
-        freeze: Sequence[str] = (),
-        offload_optimizer: bool = default("trainer", "offload_optimizer"),
-        host_params: Sequence[str] = (),
-        grouped_experts: bool = default("trainer", "grouped_experts"),
-        fast_indexer: bool = default("trainer", "fast_indexer"),
-        fused_hyper: bool = default("trainer", "fused_hyper"),
-        precision: str = default("trainer", "precision"),
+        seed: int = default("", "seed"),
         fsdp: bool = False,
-        seed: int = 0,
-        mtp: str = default("trainer", "mtp"),
-        mtp_loss_weight: float = default("trainer", "mtp_loss_weight"),
-        lora: LoRAConfig | None = None,
     ) -> None:
+        """``trainer`` / ``rl``: the ``[trainer]`` and ``[rl]`` sections (their defaults when None);
+        ``temperature`` the sampler's (> 0: ``sampling_temperature``); ``fsdp`` shard across the ranks of an
+        initialised group."""
+        tc = trainer if trainer is not None else TrainerConfig()
+        rl = rl if rl is not None else RLConfig()
         torch.manual_seed(seed)
         self.model = model.train()
-        self.mtp = _prepare_mtp(model, mtp, freeze)
-        if fsdp and mtp == "train":
-            from albatross.config import ConfigError
-
+        self.mtp = _prepare_mtp(model, tc.mtp, tc.freeze)
+        if fsdp and tc.mtp == "train":
             raise ConfigError("trainer.mtp = \"train\" is not supported with FSDP (trainer.gpus > 1) yet")
-        self.mtp_loss_weight = mtp_loss_weight
-        if host_params and fsdp:
+        self.mtp_loss_weight = tc.mtp_loss_weight
+        if tc.host_params and fsdp:
             raise ValueError("trainer.host_params is not supported with FSDP (gpus > 1) yet")
-        self.model_options = apply_model_options(model, grouped_experts=grouped_experts, fast_indexer=fast_indexer,
-                                                 fused_hyper=fused_hyper, host_params=host_params)
+        self.model_options = apply_model_options(model, grouped_experts=tc.grouped_experts,
+                                                 fast_indexer=tc.fast_indexer, fused_hyper=tc.fused_hyper,
+                                                 host_params=tc.host_params)
         self.device = next(model.parameters()).device
-        bf16 = _use_bf16(precision, self.device)
-        self.lora = self._prepare_lora(lora, fsdp, mtp, bf16)
-        self.frozen = self._prepare_model(freeze, activation_checkpointing)
-        self.attention = attention_inputs(model, attention)
-        self.policy = TokenLogprobs(model, chunk_size=logprob_chunk, temperature=temperature,
-                                    entropy_grad=bool(entropy_coef), recompute=logprob_recompute)
-        self.loss_only = logprob_loss_only
+        bf16 = _use_bf16(tc.precision, self.device)
+        self.lora = self._prepare_lora(tc.lora, fsdp, tc.mtp, bf16)
+        self.frozen = self._prepare_model(tc.freeze, tc.activation_checkpointing)
+        self.attention = attention_inputs(model, tc.attention)
+        self.policy = TokenLogprobs(model, chunk_size=tc.logprob_chunk or None, temperature=temperature,
+                                    entropy_grad=bool(rl.entropy_coef))
+        self.loss_only = tc.logprob_loss_only
         self.fsdp = fsdp
         if fsdp:
             if not dist.is_distributed():
                 raise RuntimeError("fsdp=True needs an initialised process group of >1 ranks (torchrun)")
-            dist.shard(self.policy, model, bf16=bf16, offload=offload_optimizer)
+            dist.shard(self.policy, model, bf16=bf16, offload=tc.offload_optimizer)
         self.grad_scale = float(dist.world_size()) if fsdp else 1.0  # FSDP averages over ranks; we sum
         self.autocast = self._autocast(bf16 and not fsdp)
         # the MTP head's parameters are clipped apart from the policy's, so its loss never rescales them
@@ -221,34 +197,27 @@ class Trainer:
         if self.mtp_params:
             model.get_decoder().register_forward_hook(self._keep_hidden)
         # under FSDP the optimizer state is offloaded by FSDP's own CPUOffloadPolicy
-        self.optimizer = _optimizer(self.params + self.mtp_params, offload_optimizer and not fsdp, lr=lr,
-                                    weight_decay=weight_decay, betas=betas)
-        self.loss_fn: LossFn = get_loss_fn(loss, **(loss_kwargs or {}))
-        self.regularizers = _regularizers(kl_coef, entropy_coef)
-        self.grad_clip = grad_clip
-        self.micro_batch_tokens = micro_batch_tokens
+        self.optimizer = _optimizer(self.params + self.mtp_params, tc.offload_optimizer and not fsdp, lr=tc.lr,
+                                    weight_decay=tc.weight_decay, betas=BETAS)
+        self.loss_fn: LossFn = get_loss_fn(rl.loss, **loss_knobs(rl))
+        self.regularizers = _regularizers(rl.kl_coef, rl.entropy_coef)
+        self.grad_clip = tc.grad_clip
+        self.micro_batch_tokens = tc.micro_batch_tokens
         self.version = 0
         self.steps = 0
 
     @classmethod
     def from_config(cls, model: nn.Module, cfg: RunConfig, *, fsdp: bool = False, lr: float | None = None,
                     lora: bool = True) -> Trainer:
-        """The trainer of a run config: ``[trainer]`` and ``[rl]`` knobs, the loss of ``rl.loss`` with its own
-        knobs, log-probs at the sampling temperature (so importance ratios compare like with like); ``lr``
-        overrides ``trainer.lr`` (the warm start's own rate); ``lora=False`` ignores ``[trainer.lora]`` (the warm
-        start trains the whole model)."""
-        rl, tc = cfg.rl, cfg.trainer
-        return cls(
-            model, lr=tc.lr if lr is None else lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
-            micro_batch_tokens=tc.micro_batch_tokens, loss=rl.loss, loss_kwargs=loss_knobs(rl),
-            kl_coef=rl.kl_coef, entropy_coef=rl.entropy_coef, logprob_chunk=tc.logprob_chunk or None,
-            logprob_loss_only=tc.logprob_loss_only,
-            temperature=sampling_temperature(cfg.sampling.temperature), attention=tc.attention,
-            activation_checkpointing=tc.activation_checkpointing, freeze=tc.freeze,
-            offload_optimizer=tc.offload_optimizer, host_params=tc.host_params, grouped_experts=tc.grouped_experts,
-            fast_indexer=tc.fast_indexer, fused_hyper=tc.fused_hyper, precision=tc.precision, fsdp=fsdp,
-            seed=cfg.seed, mtp=tc.mtp, mtp_loss_weight=tc.mtp_loss_weight, lora=tc.lora if lora else None,
-        )
+        """The trainer of a run config: its ``[trainer]`` and ``[rl]`` sections, log-probs at the sampling
+        temperature (so importance ratios compare like with like), the run's seed; ``lr`` overrides
+        ``trainer.lr`` (the warm start's own rate); ``lora=False`` ignores ``[trainer.lora]`` (the warm start
+        trains the whole model)."""
+        tc = cfg.trainer
+        if lr is not None or not lora:
+            tc = tc.model_copy(update={"lr": tc.lr if lr is None else lr, "lora": tc.lora if lora else LoRAConfig()})
+        return cls(model, tc, cfg.rl, temperature=sampling_temperature(cfg.sampling.temperature), seed=cfg.seed,
+                   fsdp=fsdp)
 
     def _prepare_lora(self, lora: LoRAConfig | None, fsdp: bool, mtp: str, bf16: bool) -> Any:
         """Inject ``[trainer.lora]``'s adapters (base frozen; ``trainer/lora.py``); the ``peft.LoraConfig``, or
