@@ -143,10 +143,10 @@ def trainer_figures(model_dir: Path, steps: int, peak: float | None, device: str
     import torch
 
     from albatross.config import TrainerConfig
-    from albatross.trainer.model import load_model
+    from albatross.trainer.model import load_model, to_device
     from albatross.trainer.step import Trainer
 
-    model = load_model(model_dir).to(device)
+    model = to_device(load_model(model_dir), device)
     cfg = {**QWEN3_05B, "vocab_size": model.config.vocab_size}
     trainer = Trainer(model, TrainerConfig(micro_batch_tokens=TOKENS, precision="bf16", activation_checkpointing=True,
                                      lr=1e-5))
@@ -261,7 +261,7 @@ def bench_pipeline(ranks_before_engine: int, results: dict[str, Any], device: st
             import torch
 
             from albatross.engine.launch import make_engine
-            from albatross.trainer.model import load_model
+            from albatross.trainer.model import load_model, to_device
             from albatross.trainer.weights.nccl import NCCLSender
             from albatross.trainer.weights.tensors import declared_dtype
 
@@ -269,7 +269,7 @@ def bench_pipeline(ranks_before_engine: int, results: dict[str, Any], device: st
             engine = make_engine(self.cfg, base_dir, self.out / "run", self.log, trainer_gpus=ranks_before_engine)
             results["engine_start_s"] = time.perf_counter() - t0
             ec = self.cfg.engine
-            model = load_model(base_dir).to(device)
+            model = to_device(load_model(base_dir), device)
             nccl = NCCLSender(ec.type, self.out / "run", dtype="bfloat16", device=device,
                               names="served" if ec.type == "vllm" else "unique") if ec.weight_sync == "nccl" else None
             try:

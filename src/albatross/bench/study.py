@@ -126,6 +126,8 @@ def build_model(model_dir: str | None, device: str) -> Any:
     """A fresh model (seed 0, fp32 weights) on ``device``, experts as transformers' eager loop."""
     import torch
 
+    from albatross.trainer.model import to_device
+
     torch.manual_seed(0)
     if model_dir:
         from albatross.trainer.model import load_model
@@ -138,7 +140,7 @@ def build_model(model_dir: str | None, device: str) -> Any:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if hasattr(model, "set_experts_implementation") and _has_experts(model):
         model.set_experts_implementation("eager")
-    return model.to(device).train()
+    return to_device(model, device).train()
 
 
 def _has_experts(model: Any) -> bool:

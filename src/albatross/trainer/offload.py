@@ -12,7 +12,7 @@ Under FSDP2 the same role is played by ``CPUOffloadPolicy`` (see ``distributed.p
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -89,3 +89,7 @@ class HostOffloadAdamW:
         moments = sum(t.numel() * t.element_size() for s in self.inner.state.values()
                       for t in s.values() if isinstance(t, Tensor))
         return moments + sum(m.numel() * m.element_size() for m in self.masters)
+
+
+# What the trainer steps with: ``torch.optim.AdamW``, or its host-offloaded twin (not a ``torch.optim.Optimizer``)
+TrainerOptimizer: TypeAlias = torch.optim.Optimizer | HostOffloadAdamW

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -34,9 +34,14 @@ from albatross.rl.losses import (
 from albatross.trainer import distributed as dist
 from albatross.trainer.checkpoint import load_state, save_state
 from albatross.trainer.logprobs import TokenLogprobs
-from albatross.trainer.model import apply_model_options, enable_activation_checkpointing, freeze
-from albatross.trainer.offload import HostOffloadAdamW
+from albatross.trainer.model import apply_model_options, decoder_of, enable_activation_checkpointing, freeze
+from albatross.trainer.offload import HostOffloadAdamW, TrainerOptimizer
 from albatross.trainer.packing import MicroBatch, attention_inputs, pack
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from albatross.models.mtp import Mtp
 
 # How per-micro-batch loss metrics combine into batch metrics; anything else is a mean weighted by tokens.
 SUM_KEYS = frozenset({"loss", "tokens", "active_tokens", "stale_tokens_dropped", "floored_tokens",
@@ -90,8 +95,10 @@ def _use_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
-def _optimizer(params: list[nn.Parameter], offload: bool, **adamw: Any) -> Any:
-    return HostOffloadAdamW(params, **adamw) if offload else torch.optim.AdamW(params, **adamw)
+def _optimizer(params: list[nn.Parameter], offload: bool, lr: float, weight_decay: float) -> TrainerOptimizer:
+    if offload:
+        return HostOffloadAdamW(params, lr=lr, weight_decay=weight_decay, betas=BETAS)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=BETAS)
 
 
 def sampling_temperature(temperature: float) -> float:
@@ -114,7 +121,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _prepare_mtp(model: nn.Module, mode: str, freeze: Sequence[str]) -> nn.Module | None:
+def _prepare_mtp(model: PreTrainedModel, mode: str, freeze: Sequence[str]) -> Mtp | None:
     """Apply ``trainer.mtp`` to the model's MTP head (``model.mtp``, loaded by ``load_model``); return the
     head when it stays. ``train`` needs one; ``frozen`` keeps it without gradients; ``off`` drops it."""
     from albatross.models import family
@@ -150,7 +157,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         trainer: TrainerConfig | None = None,
         rl: RLConfig | None = None,
         *,
@@ -164,16 +171,15 @@ class Trainer:
         tc = trainer if trainer is not None else TrainerConfig()
         rl = rl if rl is not None else RLConfig()
         torch.manual_seed(seed)
-        self.model = model.train()
+        model.train()
+        self.model = model
         self.mtp = _prepare_mtp(model, tc.mtp, tc.freeze)
         if fsdp and tc.mtp == "train":
             raise ConfigError("trainer.mtp = \"train\" is not supported with FSDP (trainer.gpus > 1) yet")
         self.mtp_loss_weight = tc.mtp_loss_weight
         if tc.host_params and fsdp:
             raise ValueError("trainer.host_params is not supported with FSDP (gpus > 1) yet")
-        self.model_options = apply_model_options(model, grouped_experts=tc.grouped_experts,
-                                                 fast_indexer=tc.fast_indexer, fused_hyper=tc.fused_hyper,
-                                                 host_params=tc.host_params)
+        self.model_options = apply_model_options(model, tc)
         self.device = next(model.parameters()).device
         bf16 = _use_bf16(tc.precision, self.device)
         self.lora = self._prepare_lora(tc.lora, fsdp, tc.mtp, bf16)
@@ -195,10 +201,10 @@ class Trainer:
         self.mtp_params = [p for p in model.parameters() if p.requires_grad and id(p) in mtp_ids]
         self._hidden: list[Tensor] = []
         if self.mtp_params:
-            model.get_decoder().register_forward_hook(self._keep_hidden)
+            decoder_of(model).register_forward_hook(self._keep_hidden)
         # under FSDP the optimizer state is offloaded by FSDP's own CPUOffloadPolicy
-        self.optimizer = _optimizer(self.params + self.mtp_params, tc.offload_optimizer and not fsdp, lr=tc.lr,
-                                    weight_decay=tc.weight_decay, betas=BETAS)
+        self.optimizer = _optimizer(self.params + self.mtp_params, tc.offload_optimizer and not fsdp, tc.lr,
+                                    tc.weight_decay)
         self.loss_fn: LossFn = get_loss_fn(rl.loss, **loss_knobs(rl))
         self.regularizers = _regularizers(rl.kl_coef, rl.entropy_coef)
         self.grad_clip = tc.grad_clip
@@ -207,7 +213,7 @@ class Trainer:
         self.steps = 0
 
     @classmethod
-    def from_config(cls, model: nn.Module, cfg: RunConfig, *, fsdp: bool = False, lr: float | None = None,
+    def from_config(cls, model: PreTrainedModel, cfg: RunConfig, *, fsdp: bool = False, lr: float | None = None,
                     lora: bool = True) -> Trainer:
         """The trainer of a run config: its ``[trainer]`` and ``[rl]`` sections, log-probs at the sampling
         temperature (so importance ratios compare like with like), the run's seed; ``lr`` overrides
@@ -267,7 +273,7 @@ class Trainer:
             enable_activation_checkpointing(self.model)
         return frozen
 
-    def _autocast(self, bf16: bool) -> Callable[[], contextlib.AbstractContextManager]:
+    def _autocast(self, bf16: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         if not bf16:
             return contextlib.nullcontext
         return functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16)
@@ -284,21 +290,23 @@ class Trainer:
         d = self.device
         attn = self.attention(mb, torch.float32, d)
         with self.autocast():
-            return self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d), **attn,
-                               **self._scored(mb))
+            out: tuple[Tensor, Tensor] = self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d),
+                                                     **attn, **self._scored(mb))
+        return out
 
     # gradients -----------------------------------------------------------------------------------
     def _keep_hidden(self, module: nn.Module, args: Any, output: Any) -> None:
         """Decoder forward hook (``trainer.mtp = "train"``): keep the final hidden states for the MTP loss."""
+        # a transformers model output, or the plain tuple of a decoder returning one
         self._hidden[:] = [output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]]
 
-    def _mtp_loss(self, mb: MicroBatch, n_batch: int) -> tuple[Tensor, dict[str, float]]:
+    def _mtp_loss(self, head: Mtp, mb: MicroBatch, n_batch: int) -> tuple[Tensor, dict[str, float]]:
         """The MTP head's auxiliary loss on the micro-batch's DETACHED hidden states (``models/mtp.py``)."""
         from albatross.models.mtp import mtp_loss
 
         hidden, self._hidden[:] = self._hidden[0], []
         with self.autocast():
-            loss, metrics = mtp_loss(self.mtp, hidden, mb.input_ids.to(self.device), list(mb.seq_lens),
+            loss, metrics = mtp_loss(head, hidden, mb.input_ids.to(self.device), list(mb.seq_lens),
                                      mb.loss_mask.to(self.device), n_batch)
         return self.mtp_loss_weight * loss, metrics
 
@@ -321,11 +329,11 @@ class Trainer:
             extra, m = reg(mb, logprobs, entropy, n_batch)
             loss = loss + extra
             metrics.update(m)
-        if self.mtp_params:
-            extra, m = self._mtp_loss(mb, n_batch)
+        if self.mtp_params and self.mtp is not None:
+            extra, m = self._mtp_loss(self.mtp, mb, n_batch)
             loss = loss + extra
             metrics.update(m)
-        (loss * self.grad_scale).backward()
+        torch.autograd.backward(loss * self.grad_scale)
         mask = mb.loss_mask.to(entropy.device)
         tokens = float(mask.sum())
         metrics["entropy"] = float((entropy.detach() * mask).sum()) / tokens if tokens else 0.0
@@ -352,7 +360,7 @@ class Trainer:
     def rl_gradients(self, batch: Batch, current_version: int) -> dict[str, float]:
         """Accumulate the RL loss gradient of ``batch`` into ``.grad`` (no optimizer step)."""
 
-        def loss_of(mb: MicroBatch, logprobs: Tensor, entropy: Tensor, n: int) -> tuple[Tensor, dict]:
+        def loss_of(mb: MicroBatch, logprobs: Tensor, entropy: Tensor, n: int) -> tuple[Tensor, dict[str, float]]:
             d = logprobs.device
             return self.loss_fn(logprobs, mb.logprobs.to(d), mb.advantages.to(d), mb.loss_mask.to(d),
                                 mb.versions.to(d), current_version=current_version, num_batch_tokens=n)
@@ -397,7 +405,7 @@ class Trainer:
         """One supervised step: masked cross-entropy on ``loss_mask`` tokens (the warm start)."""
         t0 = time.perf_counter()
 
-        def loss_of(mb: MicroBatch, logprobs: Tensor, entropy: Tensor, n: int) -> tuple[Tensor, dict]:
+        def loss_of(mb: MicroBatch, logprobs: Tensor, entropy: Tensor, n: int) -> tuple[Tensor, dict[str, float]]:
             return sft_loss(logprobs, mb.loss_mask.to(logprobs.device), num_batch_tokens=n)
 
         micro = pack([TrainSample(sample=s, advantage=0.0) for s in samples], self.micro_batch_tokens)
@@ -405,7 +413,7 @@ class Trainer:
         return self._apply(metrics, t0, sum(len(s.token_ids) for s in samples))
 
     # resume --------------------------------------------------------------------------------------
-    def save(self, path: str | Path, dtype: str = "float32", background: bool = False) -> Future:
+    def save(self, path: str | Path, dtype: str = "float32", background: bool = False) -> Future[int]:
         """Model (in ``dtype``), optimizer, step, version and every rank's RNG state (every rank must call it);
         ``background``: written from a thread after a copy to host memory. A future of the bytes written."""
         extra = {"version": self.version, "rng": dist.gather(rng_state())}

@@ -72,11 +72,12 @@ class TorchGroup:
 
     def open(self, world: int) -> None:
         from torch.distributed import distributed_c10d as c10d
+        from torch.distributed.rendezvous import rendezvous
 
-        store, rank, world = next(c10d.rendezvous(f"tcp://{self.address}:{self.port}", 0, world, timeout=TIMEOUT))
+        store, rank, world = next(rendezvous(f"tcp://{self.address}:{self.port}", 0, world, timeout=TIMEOUT))
         store.set_timeout(TIMEOUT)
         self.group, _ = c10d._new_process_group_helper(world, rank, [], self.backend, c10d.PrefixStore(GROUP, store),
-                                                       group_name=GROUP, timeout=TIMEOUT)
+                                                       group_name=c10d.GroupName(GROUP), timeout=TIMEOUT)
         c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world)}
 
     def broadcast(self, tensor: Any) -> None:

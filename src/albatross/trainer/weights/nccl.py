@@ -17,14 +17,17 @@ a resumed trainer sends the weights of its checkpoint before the first step.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from albatross.engine.base import EngineError
 from albatross.trainer.weights.comm import Communicator, NcclUid, TorchGroup, master_address
 from albatross.trainer.weights.servers import WeightServer, server
 from albatross.trainer.weights.tensors import Names, TensorMeta, buckets, gather, plan
+
+T = TypeVar("T")
 
 BUCKET_BYTES = 1 << 30  # full tensors held at once on rank 0 while they are broadcast
 
@@ -137,15 +140,16 @@ class NCCLSender:
         self.comm, self.urls, self.servers = None, [], []
 
 
-def _raise_failed(futures: list[Future]) -> None:
+def _raise_failed(futures: list[Future[Any]]) -> None:
     for f in futures:
-        if f.done() and f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
+        error = f.exception() if f.done() else None
+        if error is not None:
+            raise error
 
 
-def _in_daemon_thread(fn: Any, *args: Any) -> Future:
+def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
     """``fn(*args)`` in a daemon thread (one stuck in a rendezvous must not keep the trainer from exiting)."""
-    future: Future = Future()
+    future: Future[T] = Future()
 
     def run() -> None:
         try:
