@@ -5,16 +5,12 @@ import random
 import pytest
 import torch
 
-from albatross.bench.trainer import (
-    MEMORY_CONFIGS,
-    _memory_result,
+from albatross.bench.trainer import MEMORY_CONFIGS, _memory_result, fit_line, fit_max_len, sweep_plan
+from albatross.bench.trajectories import (
     agent_lengths,
-    fit_line,
-    fit_max_len,
     padded_order,
     padded_step,
     padded_tokens,
-    sweep_plan,
     synthetic_batch,
 )
 from albatross.config import TrainerConfig
