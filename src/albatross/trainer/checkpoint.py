@@ -29,10 +29,15 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from albatross.config import default
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 from albatross.trainer.distributed import barrier, is_distributed, rank
 from albatross.trainer.offload import TrainerOptimizer
@@ -83,7 +88,7 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for m in metas:
         t = model.state_dict()[m.source].detach()
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor shard (FSDP2) or a plain tensor
         out[m.name] = full.contiguous().cpu()
     return out
 
@@ -133,8 +138,9 @@ def _write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def export_weights(model: nn.Module, out_root: str | Path, version: int, keep: int = 3, dtype: str = "float32",
-                   names: Names = "unique", shard_bytes: int = SHARD_BYTES) -> Path:
+def export_weights(model: nn.Module, out_root: str | Path, version: int,
+                   keep: int = default("trainer", "keep_versions"), dtype: str = "float32", names: Names = "unique",
+                   shard_bytes: int = SHARD_BYTES) -> Path:
     """Write version ``version`` in ``dtype`` atomically, point LATEST at it, prune to the newest ``keep``; return
     its dir. Every rank calls it (the gathers are collectives); rank 0 writes. ``names``: ``"served"`` also writes
     tied aliases (``lm_head.weight``), which vLLM's in-place reload needs."""
@@ -224,7 +230,7 @@ def _optim_sd(model: nn.Module, optimizer: TrainerOptimizer) -> dict[str, Any]:
     return get_optimizer_state_dict(model, optimizer)
 
 
-_GROUP: list[Any] = []
+_GROUP: list[ProcessGroup] = []
 
 
 @contextlib.contextmanager
@@ -237,7 +243,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _checkpoint_group() -> Any:
+def _checkpoint_group() -> ProcessGroup | None:
     """A gloo group of every rank for background writes (kept apart from the training collectives); None in a
     single process. Created by every rank at its first checkpoint."""
     if not is_distributed():

@@ -10,9 +10,12 @@ leaves that directory on disk (the trainer then need not write ``<out>/final`` i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from albatross.config import RunConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 ADAPTERS_DIR = "adapters"  # beside the run's ``weights``: one PEFT adapter per version (serve = "adapter")
 
@@ -21,7 +24,7 @@ class WeightSender(Protocol):
     name: str
     exports: bool
 
-    def send(self, model: Any, version: int) -> str:
+    def send(self, model: nn.Module, version: int) -> str:
         """Publish ``model``'s weights as ``version``; return the locator for ``engine.update_weights``."""
         ...
 

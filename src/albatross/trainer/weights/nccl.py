@@ -20,12 +20,15 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from albatross.engine.base import EngineError
 from albatross.trainer.weights.comm import Communicator, NcclUid, TorchGroup, master_address
 from albatross.trainer.weights.servers import WeightServer, server
 from albatross.trainer.weights.tensors import Names, TensorMeta, buckets, gather, plan
+
+if TYPE_CHECKING:
+    from torch import nn
 
 T = TypeVar("T")
 
@@ -51,7 +54,7 @@ class NCCLSender:
         self.comm: Communicator | None = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="albatross-weights")
 
-    def send(self, model: Any, version: int) -> str:
+    def send(self, model: nn.Module, version: int) -> str:
         """Every rank calls it; rank 0 pushes version ``version`` into every server. Returns ``""``: the weights
         are in the servers already and only the engines' version label moves."""
         plan_ = buckets(plan(model, self.dtype, self.names), self.bucket_bytes)
@@ -77,7 +80,7 @@ class NCCLSender:
                 self.close()  # a broken transfer leaves the group unusable: the next send builds it again
         return ""
 
-    def _bucket(self, model: Any, bucket: list[TensorMeta], last: bool, version: int) -> None:
+    def _bucket(self, model: nn.Module, bucket: list[TensorMeta], last: bool, version: int) -> None:
         """The servers post their receives while rank 0 gathers and broadcasts each tensor, in order."""
         assert self.comm is not None
         waiting = [self.pool.submit(s.receive, bucket, last, version) for s in self.servers]
