@@ -225,13 +225,13 @@ class Trainer:
         return cls(model, tc, cfg.rl, temperature=sampling_temperature(cfg.sampling.temperature), seed=cfg.seed,
                    fsdp=fsdp)
 
-    def _prepare_lora(self, lora: LoRAConfig | None, fsdp: bool, mtp: str, bf16: bool) -> Any:
+    def _prepare_lora(self, lora: LoRAConfig, fsdp: bool, mtp: str, bf16: bool) -> Any:
         """Inject ``[trainer.lora]``'s adapters (base frozen; ``trainer/lora.py``); the ``peft.LoraConfig``, or
         None for a full fine-tune. Under bf16 autocast the frozen base is stored in bf16 (its matmuls run in bf16
         anyway); the adapters stay fp32 with their fp32 optimizer state."""
         from albatross.trainer.lora import LoRAError, apply_lora
 
-        if lora is None or not lora.on:
+        if not lora.on:
             return None
         if fsdp:
             raise LoRAError("trainer.lora with trainer.gpus > 1 (FSDP2) is not supported yet: use one trainer GPU")
@@ -371,10 +371,9 @@ class Trainer:
 
     def _apply(self, metrics: dict[str, float], t0: float, tokens: int) -> dict[str, float]:
         """Clip, step the optimizer, and add the step-level metrics."""
-        clip = self.grad_clip if self.grad_clip else float("inf")
-        grad_norm = dist.full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        grad_norm = dist.full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         if self.mtp_params:
-            torch.nn.utils.clip_grad_norm_(self.mtp_params, clip)
+            torch.nn.utils.clip_grad_norm_(self.mtp_params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
