@@ -484,7 +484,7 @@ def default(section: str, name: str) -> Any:
     """The default of config field ``section.name``: code that takes a setting as an argument uses this as its
     own default, so every default is written once, here."""
     model: Any = RunConfig
-    for key in section.split("."):  # a nested section: ``default("trainer.lora", "rank")``
+    for key in section.split(".") if section else ():  # nested: ``default("trainer.lora", "rank")``; top: ""
         model = model.model_fields[key].annotation
     return model.model_fields[name].get_default(call_default_factory=True)
 

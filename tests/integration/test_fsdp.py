@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from albatross.config import TrainerConfig
 from albatross.records import Batch, Sample, TrainSample
 from albatross.trainer.checkpoint import load_weights
 from albatross.trainer.model import tiny_causal_lm
@@ -37,8 +38,9 @@ def make_batch(seed: int) -> Batch:
 
 
 def make_trainer(fsdp: bool, **knobs) -> Trainer:
-    return Trainer(tiny_causal_lm(VOCAB, 64, 2, seed=3), lr=1e-3, weight_decay=0.01, micro_batch_tokens=24,
-                   fsdp=fsdp, seed=3, **knobs)
+    # model_construct: a 24-token budget, below [trainer]'s floor of 64, so the tiny batch packs into 3 rows
+    section = TrainerConfig.model_construct(lr=1e-3, weight_decay=0.01, micro_batch_tokens=24, **knobs)
+    return Trainer(tiny_causal_lm(VOCAB, 64, 2, seed=3), section, fsdp=fsdp, seed=3)
 
 
 def worker(out: Path) -> None:

@@ -241,7 +241,7 @@ def mismatch_at(engine: VLLMEngine, model_dir: Path, temperature: float, trainer
         n, m = len(prompt), len(c.token_ids)
         samples.append(TrainSample(Sample(prompt + c.token_ids, [0] * n + [1] * m, [0.0] * n + c.logprobs,
                                           [-1] * n + c.versions), 1.0))
-    trainer = Trainer(load_model(model_dir), temperature=trainer_temperature, lr=1e-9)
+    trainer = Trainer(load_model(model_dir), TrainerConfig(lr=1e-9), temperature=trainer_temperature)
     return trainer.rl_gradients(Batch(samples, groups=1, min_version=0), current_version=0)["mismatch_kl"]
 
 
@@ -357,7 +357,7 @@ def test_a_lora_trainer_serves_vllm_with_the_mismatch_of_a_full_model(vllm_pool,
 
     vllm_pool.update_weights(str(weights[0]), 0)
     try:
-        lora = Trainer(load_model(weights[0]), lr=3e-2, lora=LoRAConfig(rank=4))
+        lora = Trainer(load_model(weights[0]), TrainerConfig(lr=3e-2, lora=LoRAConfig(rank=4)))
         first = Batch(_lora_samples(vllm_pool, 0), groups=1, min_version=0)
         lora.step(first, current_version=0)
         lora.step(first, current_version=1)  # B moved: now A does too
@@ -366,8 +366,9 @@ def test_a_lora_trainer_serves_vllm_with_the_mismatch_of_a_full_model(vllm_pool,
         vllm_pool.update_weights(path, 2)
         fresh = Batch(_lora_samples(vllm_pool, 2), groups=1, min_version=2)
         lora_kl = lora.rl_gradients(fresh, current_version=2)["mismatch_kl"]
-        full_kl = Trainer(load_model(merged), lr=1e-9).rl_gradients(fresh, current_version=2)["mismatch_kl"]
-        base_kl = Trainer(load_model(weights[0]), lr=1e-9).rl_gradients(fresh, current_version=2)["mismatch_kl"]
+        still = TrainerConfig(lr=1e-9)
+        full_kl = Trainer(load_model(merged), still).rl_gradients(fresh, current_version=2)["mismatch_kl"]
+        base_kl = Trainer(load_model(weights[0]), still).rl_gradients(fresh, current_version=2)["mismatch_kl"]
     finally:
         vllm_pool.update_weights(str(weights[0]), 0)  # a full reload: later requests go to the base model again
     print(f"\nmismatch KL at staleness 0 after 2 LoRA steps ({serve}): LoRA trainer {lora_kl:.2e}, full model "

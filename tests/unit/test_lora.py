@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from albatross.config import LoRAConfig, load_config
+from albatross.config import LoRAConfig, TrainerConfig, load_config
 from albatross.records import Batch, Sample, TrainSample
 from albatross.trainer.checkpoint import export_weights, load_weights
 from albatross.trainer.lora import LoRAError, check_run, is_adapter, target_modules
@@ -29,7 +29,8 @@ def batch(seed: int) -> Batch:
 
 
 def lora_trainer(seed: int = 0, **lora) -> Trainer:
-    return Trainer(tiny_causal_lm(VOCAB, seed=seed), lr=1e-2, seed=seed, lora=LoRAConfig(rank=4, **lora))
+    knobs = TrainerConfig(lr=1e-2, lora=LoRAConfig(rank=4, **lora))
+    return Trainer(tiny_causal_lm(VOCAB, seed=seed), knobs, seed=seed)
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

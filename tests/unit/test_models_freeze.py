@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from albatross.config import TrainerConfig
 from albatross.models.parts import part_sizes, resolve_freeze
 from albatross.models.tiny import TEXT_VOCAB, tiny_model
 from albatross.records import Batch, Sample, TrainSample
@@ -68,7 +69,7 @@ def _batch(n_samples: int = 3) -> Batch:
 def test_trainer_freezes_parts_gives_them_no_optimizer_state_and_trains_the_rest():
     model = tiny_model("qwen4_exp")
     specs = ["first_layers:1", "ngram", "indexer", "router"]
-    trainer = Trainer(model, lr=1e-2, micro_batch_tokens=64, freeze=specs)
+    trainer = Trainer(model, TrainerConfig(lr=1e-2, micro_batch_tokens=64, freeze=specs))
     frozen = set(resolve_freeze(model, specs))
     assert set(trainer.frozen) == frozen
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -106,8 +107,8 @@ def test_a_frozen_bottom_stops_the_backward_and_trains_the_rest_as_before(checkp
     grads = {}
     for bottom in (specs, specs[1:]):
         model = tiny_model("qwen4_exp", mtp=False, seed=0)
-        trainer = Trainer(model, lr=1e-2, micro_batch_tokens=256, freeze=bottom,
-                          activation_checkpointing=checkpointing)
+        trainer = Trainer(model, TrainerConfig(lr=1e-2, micro_batch_tokens=256, freeze=bottom,
+                                               activation_checkpointing=checkpointing))
         calls = []
         mlp = model.get_decoder().layers[0].mlp
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from albatross.config import ConfigError
+from albatross.config import ConfigError, TrainerConfig
 from albatross.models.mtp import (
     MTP_LAYOUT,
     MtpError,
@@ -126,8 +126,8 @@ def test_trained_mtp_never_moves_the_policy(family):
     head's parameters get gradients (through DETACHED hidden states and the shared embedding / LM head)."""
     model = tiny_model(family)
     with_mtp, without = copy.deepcopy(model), copy.deepcopy(model)
-    a = Trainer(with_mtp, mtp="train", mtp_loss_weight=1.0)
-    b = Trainer(without, mtp="frozen")
+    a = Trainer(with_mtp, TrainerConfig(mtp="train", mtp_loss_weight=1.0))
+    b = Trainer(without, TrainerConfig(mtp="frozen"))
     metrics = a.rl_gradients(_batch(), 0)
     b.rl_gradients(_batch(), 0)
     grads_b = {n: p.grad for n, p in without.named_parameters()}
@@ -145,7 +145,7 @@ def test_trained_mtp_never_moves_the_policy(family):
 def test_trained_mtp_learns_and_logs_per_step():
     model = tiny_model("qwen3_next")
     before = copy.deepcopy(get_mtp(model).state_dict())
-    trainer = Trainer(model, mtp="train", mtp_loss_weight=1.0, lr=1e-2)
+    trainer = Trainer(model, TrainerConfig(mtp="train", mtp_loss_weight=1.0, lr=1e-2))
     losses = [trainer.step(_batch())["mtp_loss"] for _ in range(4)]
     assert losses[-1] < losses[0]
     after = get_mtp(model).state_dict()
@@ -155,7 +155,7 @@ def test_trained_mtp_learns_and_logs_per_step():
 
 def test_frozen_mtp_has_no_gradients_and_no_optimizer_state():
     model = tiny_model("glm_moe_dsa")
-    trainer = Trainer(model, mtp="frozen", lr=1e-2)
+    trainer = Trainer(model, TrainerConfig(mtp="frozen", lr=1e-2))
     before = copy.deepcopy(get_mtp(model).state_dict())
     metrics = trainer.step(_batch())
     head = list(get_mtp(model).parameters())
@@ -170,11 +170,11 @@ def test_frozen_mtp_has_no_gradients_and_no_optimizer_state():
 
 def test_off_drops_the_head_and_train_without_one_is_a_config_error():
     model = tiny_model("qwen3_next")
-    Trainer(model, mtp="off")
+    Trainer(model, TrainerConfig(mtp="off"))
     assert get_mtp(model) is None and not any(n.startswith("mtp.") for n, _ in model.named_parameters())
     with pytest.raises(ConfigError, match="no MTP head"):
-        Trainer(tiny_model("qwen3"), mtp="train")
+        Trainer(tiny_model("qwen3"), TrainerConfig(mtp="train"))
     with pytest.raises(ConfigError, match="trainer.freeze"):
-        Trainer(tiny_model("qwen3_next"), mtp="train", freeze=["mtp"])
+        Trainer(tiny_model("qwen3_next"), TrainerConfig(mtp="train", freeze=["mtp"]))
     with pytest.raises(ConfigError, match='trainer.mtp = "frozen"'):  # freezing a head that "off" drops
-        Trainer(tiny_model("qwen3_next"), mtp="off", freeze=["mtp"])
+        Trainer(tiny_model("qwen3_next"), TrainerConfig(mtp="off", freeze=["mtp"]))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from albatross.bench.replay import rollouts as engine_rollouts
+from albatross.config import TrainerConfig
 from albatross.models.routing import install, moe_routers, routing_tensor, sparse_indexers
 from albatross.records import Batch, Sample, TrainSample, Trajectory
 from albatross.trainer.logprobs import TokenLogprobs
@@ -162,7 +163,7 @@ def test_a_step_with_replay_also_logs_the_mismatch_kl_without_it() -> None:
     trained = drift(model, samples, steps=4)
     want_replayed, _ = mismatch(copy.deepcopy(trained), samples, replay=True)
     want_live, _ = mismatch(copy.deepcopy(trained), samples, replay=False)
-    trainer = Trainer(trained.train(), temperature=1.0, micro_batch_tokens=64)  # several micro-batches
+    trainer = Trainer(trained.train(), TrainerConfig(micro_batch_tokens=64), temperature=1.0)  # several micro-batches
     metrics = trainer.step(Batch([TrainSample(s, 1.0) for s in samples], groups=1, min_version=0))
     assert metrics["mismatch_kl"] == pytest.approx(want_replayed, rel=1e-4)
     assert metrics["mismatch_kl_no_replay"] == pytest.approx(want_live, rel=1e-4)

@@ -65,10 +65,12 @@ def test_code_defaults_are_the_config_defaults():
 
     from albatross.rl.losses import tis_loss
 
-    params = inspect.signature(Trainer.__init__).parameters
     tc = RunConfig().trainer
-    for name in ("lr", "weight_decay", "grad_clip", "micro_batch_tokens", "attention", "precision"):
-        assert params[name].default == getattr(tc, name), name
+    trainer = Trainer(tiny_causal_lm(VOCAB, 32, 1))  # no sections given: the config's
+    group = trainer.optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (tc.lr, tc.weight_decay)
+    assert (trainer.grad_clip, trainer.micro_batch_tokens) == (tc.grad_clip, tc.micro_batch_tokens)
+    assert trainer.policy.chunk_size == tc.logprob_chunk and trainer.loss_only == tc.logprob_loss_only
     loss_params = inspect.signature(tis_loss).parameters
     rl = RunConfig().rl
     assert loss_params["p_floor"].default == rl.p_floor and loss_params["n_floor"].default == rl.n_floor

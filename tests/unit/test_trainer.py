@@ -7,6 +7,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from albatross.config import RLConfig, TrainerConfig
 from albatross.records import Batch, Sample, TrainSample
 from albatross.rl.losses import tis_loss
 from albatross.trainer.checkpoint import (
@@ -101,7 +102,7 @@ def test_packed_equals_one_by_one(attention: str, attn: str):
         loss, _ = tis_loss(*_inputs(reference, one), current_version=0, num_batch_tokens=n)
         loss.backward()
         single_loss += loss.item()
-    trainer = Trainer(tiny_model(attn), micro_batch_tokens=4096, attention=attention)
+    trainer = Trainer(tiny_model(attn), TrainerConfig(micro_batch_tokens=4096, attention=attention))
     logprobs, _ = trainer.forward_logprobs(mb)
     packed_loss, _ = tis_loss(logprobs, mb.logprobs, mb.advantages, mb.loss_mask, mb.versions,
                               current_version=0, num_batch_tokens=n)
@@ -127,7 +128,8 @@ def test_packing_without_mask_would_leak_across_samples():
     (mb,) = pack(batch.samples, 4096)
     hidden = model.get_decoder()(input_ids=mb.input_ids, attention_mask=None).last_hidden_state[0]
     leaky, _ = chunked_logprobs(hidden, model.get_output_embeddings(), mb.targets)
-    masked, _ = Trainer(model, attention="varlen", logprob_loss_only=False).forward_logprobs(mb)  # every token
+    every = TrainerConfig(attention="varlen", logprob_loss_only=False)
+    masked, _ = Trainer(model, every).forward_logprobs(mb)  # every token
     assert not torch.allclose(leaky[7:], masked[7:], atol=1e-4)
     torch.testing.assert_close(leaky[:7], masked[:7], atol=1e-5, rtol=1e-5)
 
@@ -170,8 +172,8 @@ def test_chunked_logprobs_temperature_and_no_grad():
 
 def test_gradient_accumulation_is_invariant_to_micro_batching():
     batch = make_batch([12, 10, 9], [1.0, -0.5, 0.25])
-    one = Trainer(tiny_model(), micro_batch_tokens=4096)
-    three = Trainer(tiny_model(), micro_batch_tokens=11)
+    one = Trainer(tiny_model(), TrainerConfig(micro_batch_tokens=4096))
+    three = Trainer(tiny_model(), TrainerConfig.model_construct(micro_batch_tokens=11))  # below the floor (64)
     assert len(pack(batch.samples, 11)) == 3
     m1 = one.rl_gradients(batch, current_version=0)
     m3 = three.rl_gradients(batch, current_version=0)
@@ -186,7 +188,7 @@ def test_gradient_accumulation_is_invariant_to_micro_batching():
 
 def test_stale_batch_gives_no_gradient():
     batch = make_batch([8, 6], [1.0, 1.0])
-    trainer = Trainer(tiny_model(), loss_kwargs={"max_staleness": 2})
+    trainer = Trainer(tiny_model(), rl=RLConfig(max_staleness=2))
     metrics = trainer.rl_gradients(batch, current_version=3)
     assert metrics["stale_tokens_dropped"] == 5 + 3
     assert metrics["staleness_max"] == 3.0
@@ -204,7 +206,7 @@ def _mean_logprob(trainer: Trainer, batch: Batch) -> float:
 
 
 def test_rl_step_raises_logprob_of_positive_advantage_tokens():
-    trainer = Trainer(tiny_model(), lr=1e-3)
+    trainer = Trainer(tiny_model(), TrainerConfig(lr=1e-3))
     batch = make_batch([12, 10], [1.0, 1.0])
     before = _mean_logprob(trainer, batch)
     for _ in range(5):
@@ -218,7 +220,7 @@ def test_rl_step_raises_logprob_of_positive_advantage_tokens():
 
 
 def test_rl_step_negative_advantage_lowers_logprob():
-    trainer = Trainer(tiny_model(), lr=1e-3)
+    trainer = Trainer(tiny_model(), TrainerConfig(lr=1e-3))
     batch = make_batch([12, 10], [-1.0, -1.0])
     before = _mean_logprob(trainer, batch)
     for _ in range(3):
@@ -227,7 +229,7 @@ def test_rl_step_negative_advantage_lowers_logprob():
 
 
 def test_sft_step_reduces_loss():
-    trainer = Trainer(tiny_model(), lr=3e-3)
+    trainer = Trainer(tiny_model(), TrainerConfig(lr=3e-3))
     batch = make_batch([16, 12], [0.0, 0.0])
     samples = [ts.sample for ts in batch.samples]
     first = trainer.sft_step(samples)["loss"]
@@ -295,7 +297,7 @@ def test_exported_weights_load_back(tmp_path):
 
 def _dropout_trainer(seed: int) -> Trainer:
     # Dropout makes every step draw random numbers, so an exact resume needs the RNG state too.
-    return Trainer(tiny_causal_lm(VOCAB, seed=seed, attention_dropout=0.3), lr=1e-3, seed=seed)
+    return Trainer(tiny_causal_lm(VOCAB, seed=seed, attention_dropout=0.3), TrainerConfig(lr=1e-3), seed=seed)
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
@@ -453,7 +455,7 @@ def test_a_background_checkpoint_in_bf16_resumes_the_served_weights(tmp_path):
     """Written from a thread after a copy to host memory (later steps do not change it), in the model's dtype:
     half the weight bytes of fp32, and resuming gives the weights the engines served (bf16-rounded)."""
     batch = make_batch([10, 8, 12], [1.0, -1.0, 0.5])
-    trainer = Trainer(tiny_model(seed=1), lr=1e-3)
+    trainer = Trainer(tiny_model(seed=1), TrainerConfig(lr=1e-3))
     trainer.step(batch)
     saved = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     write = trainer.save(tmp_path / "bf16", dtype="bfloat16", background=True)
@@ -461,7 +463,7 @@ def test_a_background_checkpoint_in_bf16_resumes_the_served_weights(tmp_path):
     assert write.result() > 0 and (tmp_path / "bf16" / "meta.pt").is_file()
     fp32 = trainer.save(tmp_path / "fp32").result()
     assert write.result() / fp32 == pytest.approx(10 / 12, abs=0.03)  # weights in 2 bytes, not 4; AdamW moments 8
-    resumed = Trainer(tiny_model(seed=2), lr=1e-3)
+    resumed = Trainer(tiny_model(seed=2), TrainerConfig(lr=1e-3))
     resumed.load(tmp_path / "bf16")
     assert resumed.steps == 1 and resumed.version == 1
     for name, t in resumed.model.state_dict().items():

@@ -5,18 +5,15 @@ import random
 import pytest
 import torch
 
-from albatross.bench.trainer import (
-    MEMORY_CONFIGS,
-    _memory_result,
+from albatross.bench.trainer import MEMORY_CONFIGS, _memory_result, fit_line, fit_max_len, sweep_plan
+from albatross.bench.trajectories import (
     agent_lengths,
-    fit_line,
-    fit_max_len,
     padded_order,
     padded_step,
     padded_tokens,
-    sweep_plan,
     synthetic_batch,
 )
+from albatross.config import TrainerConfig
 from albatross.trainer.model import tiny_causal_lm
 from albatross.trainer.step import Trainer
 
@@ -31,7 +28,7 @@ def test_agent_lengths_many_short_long_tail():
 
 def test_padded_baseline_is_the_same_loss_and_update():
     batch = synthetic_batch([40, 9, 23, 17, 31], vocab=300, seed=2)
-    packed = Trainer(tiny_causal_lm(300), lr=1e-3, micro_batch_tokens=64)
+    packed = Trainer(tiny_causal_lm(300), TrainerConfig(lr=1e-3, micro_batch_tokens=64))
     padded = tiny_causal_lm(300)
     optimizer = torch.optim.AdamW(padded.parameters(), lr=1e-3, betas=(0.9, 0.95))
     a = packed.step(batch)

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from albatross.config import RLConfig, TrainerConfig
 from albatross.records import Batch, Sample, TrainSample
 from albatross.trainer.distributed import assign, decoder_layers
 from albatross.trainer.logprobs import TokenLogprobs, chunked_logprobs, full_logprobs
@@ -58,7 +59,7 @@ def _saved_bytes_and_grads(trainer: Trainer) -> tuple[int, dict[str, torch.Tenso
 def test_activation_checkpointing_same_gradients_fewer_saved_activations():
     plain, plain_grads = _saved_bytes_and_grads(Trainer(tiny_causal_lm(VOCAB, 64, 4)))
     ckpt, ckpt_grads = _saved_bytes_and_grads(
-        Trainer(tiny_causal_lm(VOCAB, 64, 4), activation_checkpointing=True)
+        Trainer(tiny_causal_lm(VOCAB, 64, 4), TrainerConfig(activation_checkpointing=True))
     )
     assert ckpt < plain / 3
     for name, g in plain_grads.items():
@@ -79,7 +80,7 @@ def test_token_logprobs_chunked_equals_full_logits():
 
 def _step_grads(**options) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    trainer = Trainer(tiny_causal_lm(VOCAB, 64, 2), kl_coef=0.1, entropy_coef=0.01, **options)
+    trainer = Trainer(tiny_causal_lm(VOCAB, 64, 2), TrainerConfig(**options), RLConfig(kl_coef=0.1, entropy_coef=0.01))
     metrics = trainer.rl_gradients(BATCH, current_version=0)
     return metrics, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
@@ -159,24 +160,25 @@ def test_varlen_model_still_generates_like_sdpa():
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0  # left padding
     ref = tiny_causal_lm(VOCAB)(input_ids=ids, attention_mask=mask).logits
-    trainer = Trainer(tiny_causal_lm(VOCAB), attention="varlen")
+    trainer = Trainer(tiny_causal_lm(VOCAB), TrainerConfig(attention="varlen"))
     out = trainer.model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, 3:], ref[1, 3:], atol=1e-5, rtol=1e-5)
 
 
 def test_attention_mode_checked_at_start_up():
-    with pytest.raises(ValueError, match="unknown attention"):
-        Trainer(tiny_causal_lm(VOCAB), attention="ring")
+    with pytest.raises(ValueError, match="attention"):  # the config refuses the name
+        Trainer(tiny_causal_lm(VOCAB), TrainerConfig(attention="ring"))
     with pytest.raises(ValueError, match="flash"):
-        Trainer(tiny_causal_lm(VOCAB), attention="flash")
+        Trainer(tiny_causal_lm(VOCAB), TrainerConfig(attention="flash"))
 
 
 # frozen modules ------------------------------------------------------------------------------------
 
 
 def test_frozen_parameters_get_no_gradient_and_no_update():
-    trainer = Trainer(tiny_causal_lm(VOCAB), lr=1e-2, freeze=["model.layers.0.*", "model.norm.weight"])
+    knobs = TrainerConfig(lr=1e-2, freeze=["model.layers.0.*", "model.norm.weight"])
+    trainer = Trainer(tiny_causal_lm(VOCAB), knobs)
     before = params(trainer.model)
     trainer.step(BATCH)
     after = params(trainer.model)
@@ -200,8 +202,8 @@ def test_freeze_pattern_must_match():
 
 
 def test_host_offload_optimizer_equals_adamw():
-    plain = Trainer(tiny_causal_lm(VOCAB), lr=1e-2, weight_decay=0.1)
-    offload = Trainer(tiny_causal_lm(VOCAB), lr=1e-2, weight_decay=0.1, offload_optimizer=True)
+    plain = Trainer(tiny_causal_lm(VOCAB), TrainerConfig(lr=1e-2, weight_decay=0.1))
+    offload = Trainer(tiny_causal_lm(VOCAB), TrainerConfig(lr=1e-2, weight_decay=0.1, offload_optimizer=True))
     assert isinstance(offload.optimizer, HostOffloadAdamW)
     for _ in range(3):
         a, b = plain.step(BATCH), offload.step(BATCH)
@@ -216,10 +218,10 @@ def test_host_offload_optimizer_equals_adamw():
 
 
 def test_host_offload_optimizer_resumes(tmp_path):
-    a = Trainer(tiny_causal_lm(VOCAB, seed=1), lr=1e-2, offload_optimizer=True)
+    a = Trainer(tiny_causal_lm(VOCAB, seed=1), TrainerConfig(lr=1e-2, offload_optimizer=True))
     a.step(BATCH)
     a.save(tmp_path / "state.pt")
-    b = Trainer(tiny_causal_lm(VOCAB, seed=2), lr=1e-2, offload_optimizer=True)
+    b = Trainer(tiny_causal_lm(VOCAB, seed=2), TrainerConfig(lr=1e-2, offload_optimizer=True))
     b.load(tmp_path / "state.pt")
     assert a.step(BATCH)["loss"] == b.step(BATCH)["loss"]
 
@@ -228,8 +230,8 @@ def test_host_offload_optimizer_resumes(tmp_path):
 
 
 def test_bf16_autocast_close_to_fp32():
-    fp32 = Trainer(tiny_causal_lm(VOCAB), precision="fp32").rl_gradients(BATCH, 0)
-    bf16 = Trainer(tiny_causal_lm(VOCAB), precision="bf16")
+    fp32 = Trainer(tiny_causal_lm(VOCAB), TrainerConfig(precision="fp32")).rl_gradients(BATCH, 0)
+    bf16 = Trainer(tiny_causal_lm(VOCAB), TrainerConfig(precision="bf16"))
     (mb,) = pack(BATCH.samples, 4096)
     logprobs, _ = bf16.forward_logprobs(mb)
     assert logprobs.dtype == torch.float32
@@ -237,7 +239,7 @@ def test_bf16_autocast_close_to_fp32():
     assert metrics["loss"] == pytest.approx(fp32["loss"], rel=3e-2)
     assert metrics["loss"] != fp32["loss"]  # it really ran in bf16
     with pytest.raises(ValueError, match="precision"):
-        Trainer(tiny_causal_lm(VOCAB), precision="fp16")
+        Trainer(tiny_causal_lm(VOCAB), TrainerConfig(precision="fp16"))
 
 
 # extra loss terms ----------------------------------------------------------------------------------
@@ -246,7 +248,7 @@ def test_bf16_autocast_close_to_fp32():
 def test_optional_kl_and_entropy_terms():
     base = Trainer(tiny_causal_lm(VOCAB)).rl_gradients(BATCH, 0)
     assert "kl_penalty" not in base and "entropy_bonus" not in base
-    both = Trainer(tiny_causal_lm(VOCAB), kl_coef=0.1, entropy_coef=0.01).rl_gradients(BATCH, 0)
+    both = Trainer(tiny_causal_lm(VOCAB), rl=RLConfig(kl_coef=0.1, entropy_coef=0.01)).rl_gradients(BATCH, 0)
     assert both["kl_penalty"] == pytest.approx(0.1 * both["mismatch_kl"], rel=1e-5)
     assert both["entropy_bonus"] == pytest.approx(-0.01 * both["entropy"], rel=1e-5)
     assert both["loss"] == pytest.approx(base["loss"], rel=1e-6)  # the policy term alone
@@ -254,7 +256,7 @@ def test_optional_kl_and_entropy_terms():
 
 def test_entropy_bonus_gradient_raises_entropy():
     batch = make_batch([14, 9], [0.0, 0.0])  # no policy gradient: only the entropy term moves weights
-    trainer = Trainer(tiny_causal_lm(VOCAB), lr=3e-3, entropy_coef=1.0)
+    trainer = Trainer(tiny_causal_lm(VOCAB), TrainerConfig(lr=3e-3), RLConfig(entropy_coef=1.0))
     first = trainer.step(batch)["entropy"]
     for _ in range(3):
         last = trainer.step(batch)["entropy"]

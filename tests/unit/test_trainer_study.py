@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from albatross.config import TrainerConfig
 from albatross.models import experts as ex
 from albatross.models import hyper as hx
 from albatross.models import indexer as ix
@@ -44,7 +45,7 @@ def _logprobs_and_grads(family: str, checkpointing: bool = False, saved: list[in
     model = tiny_model(family, seed=0).train()
     if family != "qwen4_exp":
         model.set_experts_implementation("eager")
-    apply_model_options(model, **options)
+    apply_model_options(model, TrainerConfig(**options))
     if checkpointing:
         enable_activation_checkpointing(model)
     mb = _packed_row()
@@ -123,7 +124,7 @@ def test_checkpointed_layers_leave_the_fast_indexers_attention_out_of_their_reco
     assert calls["select"] == once  # not again in a recompute
     assert checkpointed[0] < saved[0] / 3
     model = tiny_model("qwen4_exp", seed=0)
-    apply_model_options(model, **options)
+    apply_model_options(model, TrainerConfig(**options))
     from albatross.trainer.model import enable_activation_checkpointing
 
     enable_activation_checkpointing(model)
@@ -137,7 +138,7 @@ def test_checkpointed_layers_leave_the_fast_indexers_attention_out_of_their_reco
 def test_options_change_the_computation():
     """The installed forwards are the ones that run: the swapped modules no longer call transformers'."""
     model = tiny_model("qwen4_exp", seed=0)
-    done = apply_model_options(model, grouped_experts=True, fast_indexer=True, fused_hyper=True)
+    done = apply_model_options(model, TrainerConfig(grouped_experts=True, fast_indexer=True, fused_hyper=True))
     layers = len(model.model.layers)  # 4: the indexed attention is the last; plus the final stream mixer
     assert done == {"grouped_experts": len(ex.expert_modules(model)), "fast_indexer": 1, "fused_hyper": layers + 1}
     assert done["grouped_experts"] >= layers
@@ -248,7 +249,7 @@ def test_options_the_model_lacks_are_refused():
     model = tiny_model("qwen3", seed=0)
     for option in ("grouped_experts", "fast_indexer", "fused_hyper"):
         with pytest.raises(ModelOptionError, match=f"trainer.{option}"):
-            apply_model_options(model, **{option: True})
+            apply_model_options(model, TrainerConfig(**{option: True}))
     with pytest.raises(ModelOptionError, match="ngram"):
         keep_on_host(model, ["ngram"])
     with pytest.raises(ModelOptionError, match="expected one of"):
@@ -260,7 +261,8 @@ def test_host_params_keep_the_ngram_tables_on_the_host_and_train():
 
     model = tiny_model("qwen4_exp", seed=0)
     tables = [m.ngram_embedding.weight for m in model.modules() if type(m).__name__.endswith("NGramEmbedding")]
-    trainer = Trainer(model, host_params=["ngram"], offload_optimizer=True, micro_batch_tokens=1024, lr=1e-2)
+    knobs = TrainerConfig(host_params=["ngram"], offload_optimizer=True, micro_batch_tokens=1024, lr=1e-2)
+    trainer = Trainer(model, knobs)
     assert trainer.model_options["host_param_bytes"] == sum(t.numel() * 4 for t in tables)
     assert all(t.device.type == "cpu" for t in tables)
     before = [t.detach().clone() for t in tables]

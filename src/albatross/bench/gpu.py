@@ -130,7 +130,7 @@ def save_model(directory: Path, tokenizer: Any, dtype: str = "bfloat16") -> Path
 def packed_batch(budget: int, rng: random.Random, vocab: int) -> tuple[Any, list[int]]:
     """Agent-like samples (log-normal lengths, median 2K tokens, up to ``budget``) filling about 4 micro-batches
     of ``budget`` tokens; returns (batch, document lengths)."""
-    from albatross.bench.trainer import synthetic_batch
+    from albatross.bench.trajectories import synthetic_batch
 
     lengths: list[int] = []
     while sum(lengths) < 4 * budget * 0.9:
@@ -142,12 +142,14 @@ def trainer_figures(model_dir: Path, steps: int, peak: float | None, device: str
     """tokens/s, MFU and peak memory of ``Trainer.step`` on one GPU with 8K-token micro-batches."""
     import torch
 
-    from albatross.trainer.model import load_model
+    from albatross.config import TrainerConfig
+    from albatross.trainer.model import load_model, to_device
     from albatross.trainer.step import Trainer
 
-    model = load_model(model_dir).to(device)
+    model = to_device(load_model(model_dir), device)
     cfg = {**QWEN3_05B, "vocab_size": model.config.vocab_size}
-    trainer = Trainer(model, micro_batch_tokens=TOKENS, precision="bf16", activation_checkpointing=True, lr=1e-5)
+    trainer = Trainer(model, TrainerConfig(micro_batch_tokens=TOKENS, precision="bf16", activation_checkpointing=True,
+                                     lr=1e-5))
     batch, lengths = packed_batch(TOKENS, random.Random(TOKENS), 1000)
     trainer.step(batch)  # warm-up
     torch.cuda.synchronize()
@@ -259,7 +261,7 @@ def bench_pipeline(ranks_before_engine: int, results: dict[str, Any], device: st
             import torch
 
             from albatross.engine.launch import make_engine
-            from albatross.trainer.model import load_model
+            from albatross.trainer.model import load_model, to_device
             from albatross.trainer.weights.nccl import NCCLSender
             from albatross.trainer.weights.tensors import declared_dtype
 
@@ -267,7 +269,7 @@ def bench_pipeline(ranks_before_engine: int, results: dict[str, Any], device: st
             engine = make_engine(self.cfg, base_dir, self.out / "run", self.log, trainer_gpus=ranks_before_engine)
             results["engine_start_s"] = time.perf_counter() - t0
             ec = self.cfg.engine
-            model = load_model(base_dir).to(device)
+            model = to_device(load_model(base_dir), device)
             nccl = NCCLSender(ec.type, self.out / "run", dtype="bfloat16", device=device,
                               names="served" if ec.type == "vllm" else "unique") if ec.weight_sync == "nccl" else None
             try:

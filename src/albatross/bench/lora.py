@@ -84,14 +84,14 @@ def _model(args: argparse.Namespace, size: dict[str, int]) -> Any:
 def measure(model: Any, rank: int, steps: int, tokens: int, vocab: int) -> dict[str, dict[str, float]]:
     """Full and LoRA trainers on copies of ``model``: parameters, trainable parameters, optimizer and gradient
     bytes (per model parameter too), median step seconds."""
-    from albatross.config import LoRAConfig
+    from albatross.config import LoRAConfig, TrainerConfig
     from albatross.trainer.step import Trainer
 
     batch = _batch(vocab, tokens)
     params = sum(p.numel() for p in model.parameters())
-    trainers = {"full": Trainer(copy.deepcopy(model), lr=1e-5, micro_batch_tokens=tokens),
-                "lora": Trainer(copy.deepcopy(model), lr=1e-5, micro_batch_tokens=tokens,
-                                lora=LoRAConfig(rank=rank))}
+    full = TrainerConfig(lr=1e-5, micro_batch_tokens=tokens)
+    trainers = {"full": Trainer(copy.deepcopy(model), full),
+                "lora": Trainer(copy.deepcopy(model), full.model_copy(update={"lora": LoRAConfig(rank=rank)}))}
     times: dict[str, list[float]] = {k: [] for k in trainers}
     for i in range(steps + 1):
         for name, trainer in trainers.items():  # alternately: load on the machine weighs on both alike

@@ -53,6 +53,7 @@ def rollouts(model: Any, vocab: int, n: int = PROMPTS, new: int = NEW_TOKENS, pr
 
 def drift_kl(model: Any, vocab: int, lr: float, steps: int) -> list[dict[str, float]]:
     """Per trainer step (= versions behind): the mismatch KL with and without routing replay."""
+    from albatross.config import TrainerConfig
     from albatross.records import Batch, TrainSample
     from albatross.trainer.step import Trainer
 
@@ -61,7 +62,7 @@ def drift_kl(model: Any, vocab: int, lr: float, steps: int) -> list[dict[str, fl
         raise UserError("bench replay: the model recorded no routing (not an MoE model?)")
     batch = Batch([TrainSample(s, 1.0 if i % 2 else -1.0) for i, s in enumerate(samples)], groups=1,
                   min_version=0)
-    trainer = Trainer(copy.deepcopy(model).train(), lr=lr, temperature=1.0, precision="fp32")
+    trainer = Trainer(copy.deepcopy(model).train(), TrainerConfig(lr=lr, precision="fp32"), temperature=1.0)
     rows = []
     for behind in range(steps):
         m = trainer.step(batch, current_version=behind)

@@ -9,7 +9,7 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
 
 0. transformers as shipped: batches of 8 trajectories right-padded to their longest, eager experts (a loop
    over experts), the QSA indexer's Python loop over positions and its dense [B, 1, T, T] masks, full
-   [B, T, V] logits, no checkpointing (``bench.trainer.padded_step``);
+   [B, T, V] logits, no checkpointing (``bench.trajectories.padded_step``);
 1. exact packing: albatross' trainer, first-fit-decreasing rows, packed-aware layers (``models/``);
 2. ``trainer.grouped_experts``; 3. ``trainer.fast_indexer``; 4. ``trainer.fused_hyper``;
 5. chunked log-probs at the loss tokens only (``trainer.logprob_chunk``, ``trainer.logprob_loss_only``);
@@ -54,6 +54,7 @@ import time
 from typing import Any
 
 from albatross.bench.common import GIB, run_watched, status_bytes
+from albatross.bench.trajectories import agent_lengths, padded_step, synthetic_batch
 
 MEMORY_LIMIT_GIB = 2.0
 VOCAB = 16_384
@@ -126,6 +127,8 @@ def build_model(model_dir: str | None, device: str) -> Any:
     """A fresh model (seed 0, fp32 weights) on ``device``, experts as transformers' eager loop."""
     import torch
 
+    from albatross.trainer.model import to_device
+
     torch.manual_seed(0)
     if model_dir:
         from albatross.trainer.model import load_model
@@ -138,7 +141,7 @@ def build_model(model_dir: str | None, device: str) -> Any:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if hasattr(model, "set_experts_implementation") and _has_experts(model):
         model.set_experts_implementation("eager")
-    return model.to(device).train()
+    return to_device(model, device).train()
 
 
 def _has_experts(model: Any) -> bool:
@@ -152,16 +155,12 @@ def vocab_of(model: Any) -> int:
 
 
 def study_lengths(quick: bool) -> list[int]:
-    """Agent-like trajectory lengths (``bench.trainer.agent_lengths``: log-normal, median 400, clipped)."""
-    from albatross.bench.trainer import agent_lengths
-
+    """Agent-like trajectory lengths (``bench.trajectories.agent_lengths``: log-normal, median 400, clipped)."""
     return agent_lengths(6 if quick else 8, random.Random(1), cap=512 if quick else 2048)
 
 
 def batch_of(lengths: list[int], vocab: int, seed: int = 0) -> Any:
     """Random trajectories with prompts, model turns and observations; ids avoid the special tokens."""
-    from albatross.bench.trainer import synthetic_batch
-
     batch = synthetic_batch(lengths, vocab - 3, seed)
     for ts in batch.samples:  # ids 3.. so no document holds an EOS (the n-gram hashes reset on it)
         ts.sample.token_ids[:] = [t + 3 for t in ts.sample.token_ids]
@@ -207,23 +206,22 @@ def applicable(model: Any, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _trainer(model: Any, options: dict[str, Any], tokens: int, device: str) -> Any:
+    from albatross.config import TrainerConfig
     from albatross.trainer.step import Trainer
 
     opts = {k: v for k, v in options.items() if k != "packed"}
-    opts.setdefault("logprob_chunk", None)
+    opts.setdefault("logprob_chunk", 0)  # one chunk: full logits
     opts.setdefault("logprob_loss_only", False)
-    return Trainer(model, micro_batch_tokens=tokens, lr=1e-4, attention="varlen",
-                   precision="bf16" if device == "cuda" else "fp32", **opts)
+    return Trainer(model, TrainerConfig(micro_batch_tokens=tokens, lr=1e-4, attention="varlen",
+                                        precision="bf16" if device == "cuda" else "fp32", **opts))
 
 
 def _padded(model: Any, device: str, batch_size: int) -> Any:
-    """Row 0's step: ``bench.trainer.padded_step`` (bf16 autocast on a GPU); ``batch_size`` 1: each trajectory
+    """Row 0's step: ``bench.trajectories.padded_step`` (bf16 autocast on a GPU); ``batch_size`` 1: each trajectory
     alone, no padding."""
     import contextlib
 
     import torch
-
-    from albatross.bench.trainer import padded_step
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     cast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext())

@@ -29,12 +29,18 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from albatross.config import default
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 from albatross.trainer.distributed import barrier, is_distributed, rank
+from albatross.trainer.offload import TrainerOptimizer
 from albatross.trainer.weights.tensors import Names, buckets, plan
 from albatross.trainer.weights.tensors import gather as gather_tensors
 
@@ -82,7 +88,7 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for m in metas:
         t = model.state_dict()[m.source].detach()
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor shard (FSDP2) or a plain tensor
         out[m.name] = full.contiguous().cpu()
     return out
 
@@ -120,7 +126,7 @@ def write_weights(model: nn.Module, directory: Path | None, dtype: str = "float3
 
 def _write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     """The model's ``config.json``, declaring ``dtype`` (the dtype its weights were written in)."""
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", None)  # a transformers model's (or MergedView's); a bare torch module has none
     if config is None:
         return
     config.save_pretrained(directory)
@@ -132,8 +138,9 @@ def _write_config(model: nn.Module, directory: Path, dtype: str) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def export_weights(model: nn.Module, out_root: str | Path, version: int, keep: int = 3, dtype: str = "float32",
-                   names: Names = "unique", shard_bytes: int = SHARD_BYTES) -> Path:
+def export_weights(model: nn.Module, out_root: str | Path, version: int,
+                   keep: int = default("trainer", "keep_versions"), dtype: str = "float32", names: Names = "unique",
+                   shard_bytes: int = SHARD_BYTES) -> Path:
     """Write version ``version`` in ``dtype`` atomically, point LATEST at it, prune to the newest ``keep``; return
     its dir. Every rank calls it (the gathers are collectives); rank 0 writes. ``names``: ``"served"`` also writes
     tied aliases (``lm_head.weight``), which vLLM's in-place reload needs."""
@@ -207,11 +214,12 @@ def _model_sd(model: nn.Module, dtype: str) -> dict[str, Any]:
     """The model's (sharded) state dict, floating tensors cast to ``dtype``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    want = getattr(torch, dtype)
-    return {k: v.detach().to(want) if v.is_floating_point() else v for k, v in get_model_state_dict(model).items()}
+    want = getattr(torch, dtype)  # "float32" -> torch.float32
+    return {k: v.detach().to(want) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in get_model_state_dict(model).items()}
 
 
-def _optim_sd(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+def _optim_sd(model: nn.Module, optimizer: TrainerOptimizer) -> dict[str, Any]:
     """Optimizer state keyed by parameter name (a ``torch.optim`` optimizer, sharded under FSDP2) or its own
     ``state_dict()`` (``HostOffloadAdamW``); state that does not exist yet is created (zeros) first."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -222,7 +230,7 @@ def _optim_sd(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return get_optimizer_state_dict(model, optimizer)
 
 
-_GROUP: list[Any] = []
+_GROUP: list[ProcessGroup] = []
 
 
 @contextlib.contextmanager
@@ -235,7 +243,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _checkpoint_group() -> Any:
+def _checkpoint_group() -> ProcessGroup | None:
     """A gloo group of every rank for background writes (kept apart from the training collectives); None in a
     single process. Created by every rank at its first checkpoint."""
     if not is_distributed():
@@ -262,13 +270,13 @@ def _finish(tmp: Path, final: Path) -> int:
     return 0
 
 
-def save_state(path: str | Path, model: nn.Module, optimizer: Any, step: int, extra: dict[str, Any],
-               dtype: str = "float32", background: bool = False) -> Future:
+def save_state(path: str | Path, model: nn.Module, optimizer: TrainerOptimizer, step: int, extra: dict[str, Any],
+               dtype: str = "float32", background: bool = False) -> Future[int]:
     """Save model (in ``dtype``) and optimizer state, the step and ``extra`` for resume, as a directory at
     ``path`` written under a temporary name and renamed when complete. Every rank calls it. ``background``: the
     state is copied to host memory now and written from a thread. Returns a future of the bytes written (rank 0;
     0 elsewhere), already done when not in the background."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
     final = Path(path)
     tmp = final.with_name(f".{final.name}.tmp")
@@ -279,30 +287,33 @@ def save_state(path: str | Path, model: nn.Module, optimizer: Any, step: int, ex
         torch.save({"step": step, "extra": extra, "dtype": dtype}, tmp / META_NAME)
     barrier()
     group = _checkpoint_group()
-    done: Future = Future()
+    done: Future[int] = Future()
     if not background:
         with _quiet():
-            dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+            save(state, checkpoint_id=str(tmp), process_group=group)
         done.set_result(_finish(tmp, final))
         return done
     with _quiet():
-        started = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+        started = async_save(state, checkpoint_id=str(tmp), process_group=group)
+    # a plain Future of the write (an AsyncSaveResponse only with a stager of its own, which this passes none of)
+    upload = started.upload_completion if isinstance(started, AsyncSaveResponse) else started
 
-    def finished(f: Future) -> None:
+    def finished(f: Future[Any]) -> None:
         try:
             f.result()
             done.set_result(_finish(tmp, final))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the checkpoint
             done.set_exception(e)
 
-    started.add_done_callback(finished)
+    upload.add_done_callback(finished)
     return done
 
 
-def load_state(path: str | Path, model: nn.Module, optimizer: Any | None = None) -> tuple[int, dict[str, Any]]:
+def load_state(path: str | Path, model: nn.Module,
+               optimizer: TrainerOptimizer | None = None) -> tuple[int, dict[str, Any]]:
     """Restore what ``save_state`` wrote (every rank reads its part); returns ``(step, extra)``."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     path = Path(path)
     meta = torch.load(path / META_NAME, map_location="cpu", weights_only=True)
@@ -310,7 +321,7 @@ def load_state(path: str | Path, model: nn.Module, optimizer: Any | None = None)
     if optimizer is not None:
         state["optim"] = _optim_sd(model, optimizer)
     with _quiet():
-        dcp.load(state, checkpoint_id=str(path), process_group=_checkpoint_group())
+        load(state, checkpoint_id=str(path), process_group=_checkpoint_group())
     set_model_state_dict(model, state["model"])
     if optimizer is not None and isinstance(optimizer, torch.optim.Optimizer):
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -326,8 +337,8 @@ class Checkpointer:
     def __init__(self, every_steps: int, every_minutes: float) -> None:
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.last_step, self.last_time = 0, time.monotonic()
-        self.pending: list[Future] = []
-        self.reports: list[Future] = []  # each done once its write's ``checkpoint_done`` message is sent
+        self.pending: list[Future[int]] = []
+        self.reports: list[Future[None]] = []  # each done once its write's ``checkpoint_done`` message is sent
 
     def due(self, step: int) -> bool:
         from albatross.trainer.distributed import broadcast_object
@@ -336,16 +347,16 @@ class Checkpointer:
         by_time = self.every_minutes > 0 and time.monotonic() - self.last_time >= self.every_minutes * 60
         return bool(broadcast_object(by_steps or by_time))
 
-    def started(self, step: int, write: Future) -> None:
+    def started(self, step: int, write: Future[int]) -> None:
         self.last_step, self.last_time = step, time.monotonic()
         self.pending = [f for f in self.pending if not f.done()] + [write]
 
-    def reporting(self, write: Future, report: Callable[[Future], None]) -> None:
+    def reporting(self, write: Future[int], report: Callable[[Future[int]], None]) -> None:
         """Call ``report(write)`` once ``write`` is done; :meth:`wait` also waits for the report, so a message
         sent after it (the run's last) follows every checkpoint's."""
-        sent: Future = Future()
+        sent: Future[None] = Future()
 
-        def run(f: Future) -> None:
+        def run(f: Future[int]) -> None:
             try:
                 report(f)
             finally:

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from albatross.trainer.packing import MicroBatch
+
+T = TypeVar("T")
 
 
 def is_distributed() -> bool:
@@ -65,7 +67,7 @@ def backend_for(device_type: str) -> str:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a transformers model: modules whose class is in ``_no_split_modules``."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names = set(getattr(model, "_no_split_modules", None) or ())  # a transformers class attribute (may be None)
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (_no_split_modules={names})")
@@ -96,11 +98,11 @@ def assign(micro: Sequence[MicroBatch], world: int, me: int) -> list[MicroBatch 
     return mine + [None] * (count - len(mine))
 
 
-def gather(obj: Any) -> list[Any]:
+def gather(obj: T) -> list[T]:
     """``obj`` from every rank, in rank order (just ``[obj]`` in a single process)."""
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
+    out: list[T] = [obj] * dist.get_world_size()  # every entry is overwritten
     dist.all_gather_object(out, obj)
     return out
 
@@ -127,4 +129,4 @@ def barrier() -> None:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A sharded DTensor gathered into a plain tensor (a collective: every rank must call it)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # torch's DTensor; a plain tensor has none

@@ -28,11 +28,17 @@ LM head are gathered by the root's hooks while each decoder layer is gathered by
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from albatross.config import default
+from albatross.trainer.model import decoder_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 KEEP_BYTES = 256 << 20  # keep [T, V] fp32 probabilities for the backward below this size (per micro-batch)
 MMAP_BYTES = 32 << 20  # glibc's largest mmap threshold: a fresh buffer this large is always new pages
@@ -106,7 +112,8 @@ def _log_softmax_(z_CV: Tensor, scratch: bool = False) -> tuple[Tensor, Tensor, 
     workspace (the caller keeps neither)."""
     top = z_CV.amax(dim=-1, keepdim=True)
     shifted = z_CV.sub_(top)
-    p_CV = torch.exp(shifted, out=_WORKSPACE.get(1, *shifted.shape, shifted)) if scratch else shifted.exp()
+    rows, cols = shifted.shape
+    p_CV = torch.exp(shifted, out=_WORKSPACE.get(1, rows, cols, shifted)) if scratch else shifted.exp()
     total = p_CV.sum(dim=-1, keepdim=True)
     p_CV.div_(total)
     log_total = total.log_()
@@ -159,13 +166,14 @@ class LinearLogprobs(torch.autograd.Function):
         with torch.autocast(hidden_CH.device.type, enabled=False):
             raw_CV = _logits(hidden_CH, weight_VH, bias_V, dtype, into=softcap is None) if recompute or softcap \
                 else None
-            slope_CV = None if softcap is None else 1 - torch.tanh(raw_CV / softcap).square_()
-            if recompute:  # without an entropy gradient log p is not needed: p overwrites it
-                logp_CV = _scaled(raw_CV, temperature, softcap).sub_(kept[:, None])
-                p_CV, logp_CV = ((logp_CV.exp_(), None) if g_ent is None
-                                 else (torch.exp(logp_CV, out=_WORKSPACE.get(1, *logp_CV.shape, logp_CV)), logp_CV))
-            else:
-                logp_CV, p_CV = None, kept
+            slope_CV = None if softcap is None or raw_CV is None else 1 - torch.tanh(raw_CV / softcap).square_()
+            logp_CV: Tensor | None = None
+            p_CV: Tensor = kept
+            if recompute and raw_CV is not None:  # without an entropy gradient log p is not needed: p overwrites it
+                scaled_CV = _scaled(raw_CV, temperature, softcap).sub_(kept[:, None])
+                rows, cols = scaled_CV.shape
+                p_CV, logp_CV = ((scaled_CV.exp_(), None) if g_ent is None
+                                 else (torch.exp(scaled_CV, out=_WORKSPACE.get(1, rows, cols, scaled_CV)), scaled_CV))
             grad_CV = _grad_z(p_CV, logp_CV, entropy_C, targets_C, g_logp, g_ent, inplace=recompute)
             if slope_CV is not None:
                 grad_CV.mul_(slope_CV)
@@ -186,8 +194,9 @@ class LinearLogprobs(torch.autograd.Function):
 def _one_chunk(hidden_CH: Tensor, targets_C: Tensor, lm_head: nn.Module, temperature: float,
                softcap: float | None, recompute: bool) -> tuple[Tensor, Tensor]:
     if type(lm_head) is nn.Linear:
-        return LinearLogprobs.apply(hidden_CH, lm_head.weight, lm_head.bias, targets_C, temperature, softcap,
-                                    recompute)
+        out: tuple[Tensor, Tensor] = LinearLogprobs.apply(  # type: ignore[no-untyped-call]  # torch: untyped
+            hidden_CH, lm_head.weight, lm_head.bias, targets_C, temperature, softcap, recompute)
+        return out
     needs_grad = torch.is_grad_enabled() and (
         hidden_CH.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
@@ -196,6 +205,7 @@ def _one_chunk(hidden_CH: Tensor, targets_C: Tensor, lm_head: nn.Module, tempera
 
 
 def _vocab_size(lm_head: nn.Module) -> int:
+    # any torch head: a Linear's weight, or a custom module's out_features
     weight = getattr(lm_head, "weight", None)
     return int(weight.shape[0]) if weight is not None else int(getattr(lm_head, "out_features", 1 << 30))
 
@@ -205,7 +215,7 @@ def chunked_logprobs(
     lm_head: nn.Module,
     targets_T: Tensor,
     *,
-    chunk_size: int = 1024,
+    chunk_size: int = default("trainer", "logprob_chunk"),
     temperature: float = 1.0,
     softcap: float | None = None,
     entropy_grad: bool = False,
@@ -261,9 +271,9 @@ class TokenLogprobs(nn.Module):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         *,
-        chunk_size: int | None = 1024,
+        chunk_size: int | None = default("trainer", "logprob_chunk"),
         temperature: float = 1.0,
         entropy_grad: bool = False,
         recompute: bool | None = None,
@@ -279,7 +289,8 @@ class TokenLogprobs(nn.Module):
         self.temperature = temperature
         self.entropy_grad = entropy_grad
         self.recompute = recompute
-        self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        # a transformers config field only some families have (gemma)
+        self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, targets: Tensor, routing: Tensor | None = None,
@@ -290,11 +301,12 @@ class TokenLogprobs(nn.Module):
         log-prob and entropy are 0, with no gradient. A mask with nothing set scores the first position, so
         the head and every layer are still in the graph (an FSDP rank's padding micro-batch must run the
         same backward as the others)."""
-        if routing is not None or hasattr(self.model, "_albatross_replay"):
-            from albatross.models import routing as replay
+        from albatross.models import routing as replay
 
-            replay.set_forced(replay.install(self.model), routing)
-        out = self.model.get_decoder()(
+        current = replay.install(self.model) if routing is not None else replay.installed(self.model)
+        if current is not None:
+            replay.set_forced(current, routing)
+        out = decoder_of(self.model)(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention
         )
         hidden_TH = out.last_hidden_state[0]
@@ -309,7 +321,7 @@ class TokenLogprobs(nn.Module):
 
     def _score(self, hidden_TH: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """Log-probs and entropies of ``targets`` from the final hidden states: the LM head in chunks."""
-        head = self.model.get_output_embeddings()
+        head: nn.Module = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers
         if self.chunk_size is None:
             return full_logprobs(hidden_TH, head, targets, temperature=self.temperature, softcap=self.softcap)
         return chunked_logprobs(

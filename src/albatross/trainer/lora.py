@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from albatross.config import LoRAConfig
+from albatross.config import LoRAConfig, RunConfig
 from albatross.errors import UserError
 
 ADAPTER = "default"  # PEFT's adapter name inside the model
@@ -88,8 +88,9 @@ def peft_config(model: nn.Module, cfg: LoRAConfig, base_path: str = "") -> Any:
     from peft import LoraConfig
 
     names = target_modules(model, list(cfg.target_modules))
-    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=names,
-                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_path or None)
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft says int; uses alpha / r
+                      lora_dropout=cfg.dropout, target_modules=names, bias="none", task_type="CAUSAL_LM",
+                      base_model_name_or_path=base_path or None)
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig, base_path: str = "") -> Any:
@@ -134,8 +135,9 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _merged_weight(layer: Any) -> torch.Tensor:
-    base = layer.get_base_layer().weight
-    delta = layer.get_delta_weight(ADAPTER)
+    """W + delta of a peft ``LoraLayer`` (its base an ``nn.Linear``)."""
+    base: torch.Tensor = layer.get_base_layer().weight
+    delta: torch.Tensor = layer.get_delta_weight(ADAPTER)
     return (base.float() + delta.float()).to(base.dtype)
 
 
@@ -196,7 +198,7 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     return {"parameters": total, "trainable_parameters": trainable}
 
 
-def check_run(cfg: Any) -> None:
+def check_run(cfg: RunConfig) -> None:
     """Refuse, in one line, run settings LoRA does not work with yet (``cfg`` a ``RunConfig``)."""
     import importlib.util
 

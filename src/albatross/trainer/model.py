@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from albatross.errors import UserError
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PreTrainedModel, Qwen2ForCausalLM
 
-def load_model(directory: str | Path, dtype=None):
+    from albatross.config import TrainerConfig
+
+
+def load_model(directory: str | Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """Load a causal LM from a local directory (never from a hub); ``glm5_next`` loads as its VLM.
 
     A checkpoint with multi-token-prediction weights gets its MTP head as ``model.mtp`` (``models/mtp.py``)."""
@@ -20,12 +29,20 @@ def load_model(directory: str | Path, dtype=None):
     if _model_type(path) == "glm5_next":  # ships only as a vision-language model (load_any reads its MTP head)
         from albatross.models.tiny import load_any
 
-        return load_any(path, dtype)
+        vlm: PreTrainedModel = load_any(path, dtype)
+        return vlm
     from albatross.models.mtp import load_mtp
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
     load_mtp(model, path, required=False)  # transformers drops MTP weights; ``trainer.mtp`` decides their use
     return model
+
+
+def to_device(model: PreTrainedModel, device: str | torch.device) -> PreTrainedModel:
+    """``model.to(device)``, typed: transformers wraps ``to`` with ``functools.wraps(nn.Module.to)``, which type
+    checkers read as a plain function taking the module first."""
+    moved: PreTrainedModel = model.to(device)  # type: ignore[arg-type]  # transformers: see above
+    return moved
 
 
 def _model_type(path: Path) -> str | None:
@@ -33,16 +50,17 @@ def _model_type(path: Path) -> str | None:
     import json
 
     try:
-        return json.loads((path / "config.json").read_text()).get("model_type")
+        value = json.loads((path / "config.json").read_text()).get("model_type")
     except (ValueError, AttributeError, OSError):
         return None
+    return value if isinstance(value, str) else None
 
 
-def num_parameters(model) -> int:
+def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def freeze(model, patterns) -> list[str]:
+def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """Freeze the parameters that ``patterns`` select; return the frozen names.
 
     Each entry is a part name (``first_layers:N``, ``ngram``, ``indexer``, ``mtp``, ``vision``, ``router``;
@@ -66,7 +84,7 @@ class ModelOptionError(UserError, ValueError):
 HOST_PARTS = ("ngram",)
 
 
-def keep_on_host(model, parts) -> int:
+def keep_on_host(model: nn.Module, parts: Sequence[str]) -> int:
     """Move the parameters of the named ``parts`` (``ngram``) to host memory; returns their bytes.
 
     transformers' n-gram embedding already gathers its rows on the device its table lives on and moves
@@ -76,7 +94,7 @@ def keep_on_host(model, parts) -> int:
     """
     from albatross.models.parts import PARTS
 
-    modules = []
+    modules: list[nn.Module] = []
     for part in parts:
         if part not in HOST_PARTS:
             raise ModelOptionError(f"trainer.host_params: {part!r}: expected one of {list(HOST_PARTS)}")
@@ -90,9 +108,8 @@ def keep_on_host(model, parts) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
-def apply_model_options(model, *, grouped_experts: bool = False, fast_indexer: bool = False,
-                        fused_hyper: bool = False, host_params=()) -> dict[str, int]:
-    """Install the model-specific kernels the trainer options ask for; returns what each touched.
+def apply_model_options(model: nn.Module, trainer: TrainerConfig) -> dict[str, int]:
+    """Install the model-specific kernels the ``[trainer]`` options ask for; returns what each touched.
 
     ``grouped_experts`` (``models/experts.py``), ``fast_indexer`` (``models/indexer.py``, QSA), ``fused_hyper``
     (``models/hyper.py``), ``host_params`` (``keep_on_host``). Each is exact (same log-probs and gradients
@@ -105,20 +122,20 @@ def apply_model_options(model, *, grouped_experts: bool = False, fast_indexer: b
 
     done: dict[str, int] = {}
     for option, wanted, install, what in (
-        ("grouped_experts", grouped_experts, install_grouped_experts, "MoE experts"),
-        ("fast_indexer", fast_indexer, install_fast_indexer, "QSA indexed attention (qwen4_exp)"),
-        ("fused_hyper", fused_hyper, install_fused_hyper, "qwen4_exp hyper-connections"),
+        ("grouped_experts", trainer.grouped_experts, install_grouped_experts, "MoE experts"),
+        ("fast_indexer", trainer.fast_indexer, install_fast_indexer, "QSA indexed attention (qwen4_exp)"),
+        ("fused_hyper", trainer.fused_hyper, install_fused_hyper, "qwen4_exp hyper-connections"),
     ):
         if wanted:
             done[option] = install(model)
             if not done[option]:
                 raise ModelOptionError(f"trainer.{option}: this {type(model).__name__} has no {what}")
-    if host_params:
-        done["host_param_bytes"] = keep_on_host(model, host_params)
+    if trainer.host_params:
+        done["host_param_bytes"] = keep_on_host(model, trainer.host_params)
     return done
 
 
-def enable_activation_checkpointing(model) -> None:
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute each decoder layer's activations in the backward instead of storing them.
 
     Uses transformers' own per-layer checkpointing (non-reentrant), so parameter names do not change. The
@@ -127,19 +144,27 @@ def enable_activation_checkpointing(model) -> None:
     without it, and with it a frozen bottom (``embed`` and ``first_layers:N`` frozen) would still run its
     backward (and its recomputation) for nothing.
     """
+    # transformers' own attributes; the two method names differ between its versions
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]  # transformers: unannotated
+            gradient_checkpointing_kwargs=kwargs)
     if hasattr(model, "disable_input_require_grads"):
-        model.disable_input_require_grads()
+        model.disable_input_require_grads()  # type: ignore[no-untyped-call]  # transformers: unannotated
+
+
+def decoder_of(model: PreTrainedModel) -> nn.Module:
+    """The decoder stack of a transformers causal LM (its ``get_decoder()``)."""
+    decoder: nn.Module = model.get_decoder()  # type: ignore[no-untyped-call]  # transformers: unannotated
+    return decoder
 
 
 def tiny_causal_lm(vocab_size: int = 300, hidden_size: int = 64, num_layers: int = 2, *, attn: str = "sdpa",
-                   seed: int = 0, **overrides):
+                   seed: int = 0, **overrides: Any) -> Qwen2ForCausalLM:
     """A small random Qwen2 causal LM built from a config, for tests and benchmarks (nothing downloaded).
 
     Heads of 32 dimensions (2 key/value heads), MLP twice the hidden size, tied embeddings; ``overrides``

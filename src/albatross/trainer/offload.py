@@ -12,7 +12,7 @@ Under FSDP2 the same role is played by ``CPUOffloadPolicy`` (see ``distributed.p
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -26,13 +26,14 @@ def _host_copy(t: Tensor, pin: bool) -> Tensor:
 class HostOffloadAdamW:
     """AdamW stepping on host-side fp32 masters; same results as ``torch.optim.AdamW`` on fp32 params."""
 
-    def __init__(self, params: Iterable[nn.Parameter], **adamw: Any) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
+                 betas: tuple[float, float]) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.pin = torch.cuda.is_available()
         self.masters = [_host_copy(p, self.pin) for p in self.params]
         self.grad_buffers = [torch.zeros_like(m).pin_memory() if self.pin else torch.zeros_like(m)
                              for m in self.masters]
-        self.inner = torch.optim.AdamW(self.masters, **adamw)
+        self.inner = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay, betas=betas)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -89,3 +90,7 @@ class HostOffloadAdamW:
         moments = sum(t.numel() * t.element_size() for s in self.inner.state.values()
                       for t in s.values() if isinstance(t, Tensor))
         return moments + sum(m.numel() * m.element_size() for m in self.masters)
+
+
+# What the trainer steps with: ``torch.optim.AdamW``, or its host-offloaded twin (not a ``torch.optim.Optimizer``)
+TrainerOptimizer: TypeAlias = torch.optim.Optimizer | HostOffloadAdamW

@@ -24,12 +24,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from albatross.config import default
 from albatross.records import TrainSample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -78,7 +82,14 @@ def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]
 
 
 def _concat(samples: Sequence[TrainSample]) -> MicroBatch:
-    ids, pos, tgt, mask, lps, vers, advs, lens = [], [], [], [], [], [], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    tgt: list[int] = []
+    mask: list[int] = []
+    lps: list[float] = []
+    vers: list[int] = []
+    advs: list[float] = []
+    lens: list[int] = []
     for ts in samples:
         s, n = ts.sample, len(ts.sample.token_ids) - 1
         ids += s.token_ids[:-1]
@@ -201,7 +212,7 @@ def varlen_attention(
                                   "or a flash_attention_* model")
     lens = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
     # split, not slicing: its backward is one concatenation instead of a zero-filled copy per sample
-    parts = zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2), strict=True)
+    parts = zip(torch.split(query, lens, 2), torch.split(key, lens, 2), torch.split(value, lens, 2), strict=True)
     outs = [_segment_attention(q, k, v, dropout, scaling, sliding_window) for q, k, v in parts if q.shape[2]]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
@@ -240,7 +251,7 @@ def _dense_inputs(bool_mask: bool) -> AttentionInputs:
 ATTENTION_MODES = ("auto", "varlen", "flash", "dense")
 
 
-def attention_inputs(model: torch.nn.Module, mode: str = "auto") -> AttentionInputs:
+def attention_inputs(model: PreTrainedModel, mode: str = default("trainer", "attention")) -> AttentionInputs:
     """Pick the document-masking implementation once; may switch ``model`` to ``varlen_attention``.
 
     ``auto``: ``flash`` when the model already runs a flash-attn implementation, else ``varlen``.
@@ -248,7 +259,7 @@ def attention_inputs(model: torch.nn.Module, mode: str = "auto") -> AttentionInp
     """
     if mode not in ATTENTION_MODES:
         raise ValueError(f"unknown attention mode {mode!r}; choose one of {list(ATTENTION_MODES)}")
-    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+    impl = str(model.config._attn_implementation or "")
     if mode == "auto":
         mode = "flash" if impl.startswith("flash") else "varlen"
     if mode == "flash":

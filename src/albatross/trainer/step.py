@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from albatross.config import LoRAConfig, RunConfig, default
+from albatross.config import ConfigError, LoRAConfig, RLConfig, RunConfig, TrainerConfig, default
 from albatross.records import Batch, Sample, TrainSample
 from albatross.rl.losses import (
     LossFn,
@@ -34,15 +34,22 @@ from albatross.rl.losses import (
 from albatross.trainer import distributed as dist
 from albatross.trainer.checkpoint import load_state, save_state
 from albatross.trainer.logprobs import TokenLogprobs
-from albatross.trainer.model import apply_model_options, enable_activation_checkpointing, freeze
-from albatross.trainer.offload import HostOffloadAdamW
+from albatross.trainer.model import apply_model_options, decoder_of, enable_activation_checkpointing, freeze
+from albatross.trainer.offload import HostOffloadAdamW, TrainerOptimizer
 from albatross.trainer.packing import MicroBatch, attention_inputs, pack
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from albatross.models.mtp import Mtp
 
 # How per-micro-batch loss metrics combine into batch metrics; anything else is a mean weighted by tokens.
 SUM_KEYS = frozenset({"loss", "tokens", "active_tokens", "stale_tokens_dropped", "floored_tokens",
                       "kl_penalty", "entropy_bonus", "mtp_tokens"})
 SUM_PREFIXES = ("staleness_hist/",)
 MAX_KEYS = frozenset({"staleness_max", "ratio_max"})
+
+BETAS = (0.9, 0.95)  # AdamW's moment decay rates (not a config knob)
 
 LossOf = Callable[[MicroBatch, Tensor, Tensor, int], tuple[Tensor, dict[str, float]]]
 Regularizer = Callable[[MicroBatch, Tensor, Tensor, int], tuple[Tensor, dict[str, float]]]
@@ -88,8 +95,10 @@ def _use_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
-def _optimizer(params: list[nn.Parameter], offload: bool, **adamw: Any) -> Any:
-    return HostOffloadAdamW(params, **adamw) if offload else torch.optim.AdamW(params, **adamw)
+def _optimizer(params: list[nn.Parameter], offload: bool, lr: float, weight_decay: float) -> TrainerOptimizer:
+    if offload:
+        return HostOffloadAdamW(params, lr=lr, weight_decay=weight_decay, betas=BETAS)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=BETAS)
 
 
 def sampling_temperature(temperature: float) -> float:
@@ -112,10 +121,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _prepare_mtp(model: nn.Module, mode: str, freeze: Sequence[str]) -> nn.Module | None:
+def _prepare_mtp(model: PreTrainedModel, mode: str, freeze: Sequence[str]) -> Mtp | None:
     """Apply ``trainer.mtp`` to the model's MTP head (``model.mtp``, loaded by ``load_model``); return the
     head when it stays. ``train`` needs one; ``frozen`` keeps it without gradients; ``off`` drops it."""
-    from albatross.config import ConfigError
     from albatross.models import family
     from albatross.models.mtp import detach_mtp, get_mtp
 
@@ -141,76 +149,50 @@ def _prepare_mtp(model: nn.Module, mode: str, freeze: Sequence[str]) -> nn.Modul
 class Trainer:
     """AdamW over a causal LM's trainable parameters; ``step`` for RL, ``sft_step`` for the warm start.
 
-    Knobs beyond the optimizer (each resolved once, here; docs/trainer.md has the table):
-    ``micro_batch_tokens`` packing budget; ``loss`` / ``loss_kwargs`` the policy loss (``rl.losses``);
-    ``kl_coef`` / ``entropy_coef`` optional extra terms (0: none); ``logprob_chunk`` tokens per
-    LM-head chunk (None: full logits); ``logprob_loss_only`` the head at loss tokens only;
-    ``logprob_recompute`` recompute the head's logits in the backward (None: when a micro-batch's [T, V] probabilities
-    would pass ``logprobs.KEEP_BYTES``, 256 MiB, or on a CPU one chunk's would pass ``logprobs.MMAP_BYTES``);
-    ``attention`` document masking (``auto``, ``varlen``, ``flash``, ``dense``); ``activation_checkpointing``; ``freeze`` glob
-    patterns of parameter names; ``offload_optimizer`` optimizer state in host memory; ``precision``
-    (``auto``: bf16 on GPU, fp32 on CPU); ``fsdp`` shard across the ranks of an initialised group;
-    ``grouped_experts`` / ``fast_indexer`` / ``fused_hyper`` / ``host_params`` model-specific kernels and
-    host-resident parts (``trainer.model.apply_model_options``).
+    Every knob is a field of ``TrainerConfig`` (``[trainer]``) or ``RLConfig`` (``[rl]``), read once, here;
+    docs/trainer.md has the table. The log-prob head recomputes its logits in the backward when a micro-batch's
+    [T, V] probabilities would pass ``logprobs.KEEP_BYTES`` (256 MiB), or on a CPU when one chunk's would pass
+    ``logprobs.MMAP_BYTES``; model-specific kernels and host-resident parts: ``trainer.model.apply_model_options``.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
+        trainer: TrainerConfig | None = None,
+        rl: RLConfig | None = None,
         *,
-        lr: float = default("trainer", "lr"),
-        weight_decay: float = default("trainer", "weight_decay"),
-        betas: tuple[float, float] = (0.9, 0.95),
-        grad_clip: float | None = default("trainer", "grad_clip"),
-        micro_batch_tokens: int = default("trainer", "micro_batch_tokens"),
-        loss: str = default("rl", "loss"),
-        loss_kwargs: dict[str, Any] | None = None,
-        kl_coef: float = default("rl", "kl_coef"),
-        entropy_coef: float = default("rl", "entropy_coef"),
-        logprob_chunk: int | None = default("trainer", "logprob_chunk"),
-        logprob_recompute: bool | None = None,
-        logprob_loss_only: bool = default("trainer", "logprob_loss_only"),
         temperature: float = default("sampling", "temperature"),
-        attention: str = default("trainer", "attention"),
-        activation_checkpointing: bool = default("trainer", "activation_checkpointing"),
-        freeze: Sequence[str] = (),
-        offload_optimizer: bool = default("trainer", "offload_optimizer"),
-        host_params: Sequence[str] = (),
-        grouped_experts: bool = default("trainer", "grouped_experts"),
-        fast_indexer: bool = default("trainer", "fast_indexer"),
-        fused_hyper: bool = default("trainer", "fused_hyper"),
-        precision: str = default("trainer", "precision"),
+        seed: int = default("", "seed"),
         fsdp: bool = False,
-        seed: int = 0,
-        mtp: str = default("trainer", "mtp"),
-        mtp_loss_weight: float = default("trainer", "mtp_loss_weight"),
-        lora: LoRAConfig | None = None,
     ) -> None:
+        """``trainer`` / ``rl``: the ``[trainer]`` and ``[rl]`` sections (their defaults when None);
+        ``temperature`` the sampler's (> 0: ``sampling_temperature``); ``fsdp`` shard across the ranks of an
+        initialised group."""
+        tc = trainer if trainer is not None else TrainerConfig()
+        rl = rl if rl is not None else RLConfig()
         torch.manual_seed(seed)
-        self.model = model.train()
-        self.mtp = _prepare_mtp(model, mtp, freeze)
-        if fsdp and mtp == "train":
-            from albatross.config import ConfigError
-
+        model.train()
+        self.model = model
+        self.mtp = _prepare_mtp(model, tc.mtp, tc.freeze)
+        if fsdp and tc.mtp == "train":
             raise ConfigError("trainer.mtp = \"train\" is not supported with FSDP (trainer.gpus > 1) yet")
-        self.mtp_loss_weight = mtp_loss_weight
-        if host_params and fsdp:
+        self.mtp_loss_weight = tc.mtp_loss_weight
+        if tc.host_params and fsdp:
             raise ValueError("trainer.host_params is not supported with FSDP (gpus > 1) yet")
-        self.model_options = apply_model_options(model, grouped_experts=grouped_experts, fast_indexer=fast_indexer,
-                                                 fused_hyper=fused_hyper, host_params=host_params)
+        self.model_options = apply_model_options(model, tc)
         self.device = next(model.parameters()).device
-        bf16 = _use_bf16(precision, self.device)
-        self.lora = self._prepare_lora(lora, fsdp, mtp, bf16)
-        self.frozen = self._prepare_model(freeze, activation_checkpointing)
-        self.attention = attention_inputs(model, attention)
-        self.policy = TokenLogprobs(model, chunk_size=logprob_chunk, temperature=temperature,
-                                    entropy_grad=bool(entropy_coef), recompute=logprob_recompute)
-        self.loss_only = logprob_loss_only
+        bf16 = _use_bf16(tc.precision, self.device)
+        self.lora = self._prepare_lora(tc.lora, fsdp, tc.mtp, bf16)
+        self.frozen = self._prepare_model(tc.freeze, tc.activation_checkpointing)
+        self.attention = attention_inputs(model, tc.attention)
+        self.policy = TokenLogprobs(model, chunk_size=tc.logprob_chunk or None, temperature=temperature,
+                                    entropy_grad=bool(rl.entropy_coef))
+        self.loss_only = tc.logprob_loss_only
         self.fsdp = fsdp
         if fsdp:
             if not dist.is_distributed():
                 raise RuntimeError("fsdp=True needs an initialised process group of >1 ranks (torchrun)")
-            dist.shard(self.policy, model, bf16=bf16, offload=offload_optimizer)
+            dist.shard(self.policy, model, bf16=bf16, offload=tc.offload_optimizer)
         self.grad_scale = float(dist.world_size()) if fsdp else 1.0  # FSDP averages over ranks; we sum
         self.autocast = self._autocast(bf16 and not fsdp)
         # the MTP head's parameters are clipped apart from the policy's, so its loss never rescales them
@@ -219,44 +201,37 @@ class Trainer:
         self.mtp_params = [p for p in model.parameters() if p.requires_grad and id(p) in mtp_ids]
         self._hidden: list[Tensor] = []
         if self.mtp_params:
-            model.get_decoder().register_forward_hook(self._keep_hidden)
+            decoder_of(model).register_forward_hook(self._keep_hidden)
         # under FSDP the optimizer state is offloaded by FSDP's own CPUOffloadPolicy
-        self.optimizer = _optimizer(self.params + self.mtp_params, offload_optimizer and not fsdp, lr=lr,
-                                    weight_decay=weight_decay, betas=betas)
-        self.loss_fn: LossFn = get_loss_fn(loss, **(loss_kwargs or {}))
-        self.regularizers = _regularizers(kl_coef, entropy_coef)
-        self.grad_clip = grad_clip
-        self.micro_batch_tokens = micro_batch_tokens
+        self.optimizer = _optimizer(self.params + self.mtp_params, tc.offload_optimizer and not fsdp, tc.lr,
+                                    tc.weight_decay)
+        self.loss_fn: LossFn = get_loss_fn(rl.loss, **loss_knobs(rl))
+        self.regularizers = _regularizers(rl.kl_coef, rl.entropy_coef)
+        self.grad_clip = tc.grad_clip
+        self.micro_batch_tokens = tc.micro_batch_tokens
         self.version = 0
         self.steps = 0
 
     @classmethod
-    def from_config(cls, model: nn.Module, cfg: RunConfig, *, fsdp: bool = False, lr: float | None = None,
+    def from_config(cls, model: PreTrainedModel, cfg: RunConfig, *, fsdp: bool = False, lr: float | None = None,
                     lora: bool = True) -> Trainer:
-        """The trainer of a run config: ``[trainer]`` and ``[rl]`` knobs, the loss of ``rl.loss`` with its own
-        knobs, log-probs at the sampling temperature (so importance ratios compare like with like); ``lr``
-        overrides ``trainer.lr`` (the warm start's own rate); ``lora=False`` ignores ``[trainer.lora]`` (the warm
-        start trains the whole model)."""
-        rl, tc = cfg.rl, cfg.trainer
-        return cls(
-            model, lr=tc.lr if lr is None else lr, weight_decay=tc.weight_decay, grad_clip=tc.grad_clip,
-            micro_batch_tokens=tc.micro_batch_tokens, loss=rl.loss, loss_kwargs=loss_knobs(rl),
-            kl_coef=rl.kl_coef, entropy_coef=rl.entropy_coef, logprob_chunk=tc.logprob_chunk or None,
-            logprob_loss_only=tc.logprob_loss_only,
-            temperature=sampling_temperature(cfg.sampling.temperature), attention=tc.attention,
-            activation_checkpointing=tc.activation_checkpointing, freeze=tc.freeze,
-            offload_optimizer=tc.offload_optimizer, host_params=tc.host_params, grouped_experts=tc.grouped_experts,
-            fast_indexer=tc.fast_indexer, fused_hyper=tc.fused_hyper, precision=tc.precision, fsdp=fsdp,
-            seed=cfg.seed, mtp=tc.mtp, mtp_loss_weight=tc.mtp_loss_weight, lora=tc.lora if lora else None,
-        )
+        """The trainer of a run config: its ``[trainer]`` and ``[rl]`` sections, log-probs at the sampling
+        temperature (so importance ratios compare like with like), the run's seed; ``lr`` overrides
+        ``trainer.lr`` (the warm start's own rate); ``lora=False`` ignores ``[trainer.lora]`` (the warm start
+        trains the whole model)."""
+        tc = cfg.trainer
+        if lr is not None or not lora:
+            tc = tc.model_copy(update={"lr": tc.lr if lr is None else lr, "lora": tc.lora if lora else LoRAConfig()})
+        return cls(model, tc, cfg.rl, temperature=sampling_temperature(cfg.sampling.temperature), seed=cfg.seed,
+                   fsdp=fsdp)
 
-    def _prepare_lora(self, lora: LoRAConfig | None, fsdp: bool, mtp: str, bf16: bool) -> Any:
+    def _prepare_lora(self, lora: LoRAConfig, fsdp: bool, mtp: str, bf16: bool) -> Any:
         """Inject ``[trainer.lora]``'s adapters (base frozen; ``trainer/lora.py``); the ``peft.LoraConfig``, or
         None for a full fine-tune. Under bf16 autocast the frozen base is stored in bf16 (its matmuls run in bf16
         anyway); the adapters stay fp32 with their fp32 optimizer state."""
         from albatross.trainer.lora import LoRAError, apply_lora
 
-        if lora is None or not lora.on:
+        if not lora.on:
             return None
         if fsdp:
             raise LoRAError("trainer.lora with trainer.gpus > 1 (FSDP2) is not supported yet: use one trainer GPU")
@@ -298,7 +273,7 @@ class Trainer:
             enable_activation_checkpointing(self.model)
         return frozen
 
-    def _autocast(self, bf16: bool) -> Callable[[], contextlib.AbstractContextManager]:
+    def _autocast(self, bf16: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         if not bf16:
             return contextlib.nullcontext
         return functools.partial(torch.autocast, self.device.type, dtype=torch.bfloat16)
@@ -315,21 +290,23 @@ class Trainer:
         d = self.device
         attn = self.attention(mb, torch.float32, d)
         with self.autocast():
-            return self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d), **attn,
-                               **self._scored(mb))
+            out: tuple[Tensor, Tensor] = self.policy(mb.input_ids.to(d), mb.position_ids.to(d), mb.targets.to(d),
+                                                     **attn, **self._scored(mb))
+        return out
 
     # gradients -----------------------------------------------------------------------------------
     def _keep_hidden(self, module: nn.Module, args: Any, output: Any) -> None:
         """Decoder forward hook (``trainer.mtp = "train"``): keep the final hidden states for the MTP loss."""
+        # a transformers model output, or the plain tuple of a decoder returning one
         self._hidden[:] = [output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]]
 
-    def _mtp_loss(self, mb: MicroBatch, n_batch: int) -> tuple[Tensor, dict[str, float]]:
+    def _mtp_loss(self, head: Mtp, mb: MicroBatch, n_batch: int) -> tuple[Tensor, dict[str, float]]:
         """The MTP head's auxiliary loss on the micro-batch's DETACHED hidden states (``models/mtp.py``)."""
         from albatross.models.mtp import mtp_loss
 
         hidden, self._hidden[:] = self._hidden[0], []
         with self.autocast():
-            loss, metrics = mtp_loss(self.mtp, hidden, mb.input_ids.to(self.device), list(mb.seq_lens),
+            loss, metrics = mtp_loss(head, hidden, mb.input_ids.to(self.device), list(mb.seq_lens),
                                      mb.loss_mask.to(self.device), n_batch)
         return self.mtp_loss_weight * loss, metrics
 
@@ -352,11 +329,11 @@ class Trainer:
             extra, m = reg(mb, logprobs, entropy, n_batch)
             loss = loss + extra
             metrics.update(m)
-        if self.mtp_params:
-            extra, m = self._mtp_loss(mb, n_batch)
+        if self.mtp_params and self.mtp is not None:
+            extra, m = self._mtp_loss(self.mtp, mb, n_batch)
             loss = loss + extra
             metrics.update(m)
-        (loss * self.grad_scale).backward()
+        torch.autograd.backward(loss * self.grad_scale)
         mask = mb.loss_mask.to(entropy.device)
         tokens = float(mask.sum())
         metrics["entropy"] = float((entropy.detach() * mask).sum()) / tokens if tokens else 0.0
@@ -383,7 +360,7 @@ class Trainer:
     def rl_gradients(self, batch: Batch, current_version: int) -> dict[str, float]:
         """Accumulate the RL loss gradient of ``batch`` into ``.grad`` (no optimizer step)."""
 
-        def loss_of(mb: MicroBatch, logprobs: Tensor, entropy: Tensor, n: int) -> tuple[Tensor, dict]:
+        def loss_of(mb: MicroBatch, logprobs: Tensor, entropy: Tensor, n: int) -> tuple[Tensor, dict[str, float]]:
             d = logprobs.device
             return self.loss_fn(logprobs, mb.logprobs.to(d), mb.advantages.to(d), mb.loss_mask.to(d),
                                 mb.versions.to(d), current_version=current_version, num_batch_tokens=n)
@@ -394,10 +371,9 @@ class Trainer:
 
     def _apply(self, metrics: dict[str, float], t0: float, tokens: int) -> dict[str, float]:
         """Clip, step the optimizer, and add the step-level metrics."""
-        clip = self.grad_clip if self.grad_clip else float("inf")
-        grad_norm = dist.full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        grad_norm = dist.full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         if self.mtp_params:
-            torch.nn.utils.clip_grad_norm_(self.mtp_params, clip)
+            torch.nn.utils.clip_grad_norm_(self.mtp_params, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -428,7 +404,7 @@ class Trainer:
         """One supervised step: masked cross-entropy on ``loss_mask`` tokens (the warm start)."""
         t0 = time.perf_counter()
 
-        def loss_of(mb: MicroBatch, logprobs: Tensor, entropy: Tensor, n: int) -> tuple[Tensor, dict]:
+        def loss_of(mb: MicroBatch, logprobs: Tensor, entropy: Tensor, n: int) -> tuple[Tensor, dict[str, float]]:
             return sft_loss(logprobs, mb.loss_mask.to(logprobs.device), num_batch_tokens=n)
 
         micro = pack([TrainSample(sample=s, advantage=0.0) for s in samples], self.micro_batch_tokens)
@@ -436,7 +412,7 @@ class Trainer:
         return self._apply(metrics, t0, sum(len(s.token_ids) for s in samples))
 
     # resume --------------------------------------------------------------------------------------
-    def save(self, path: str | Path, dtype: str = "float32", background: bool = False) -> Future:
+    def save(self, path: str | Path, dtype: str = "float32", background: bool = False) -> Future[int]:
         """Model (in ``dtype``), optimizer, step, version and every rank's RNG state (every rank must call it);
         ``background``: written from a thread after a copy to host memory. A future of the bytes written."""
         extra = {"version": self.version, "rng": dist.gather(rng_state())}

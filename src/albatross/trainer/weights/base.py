@@ -10,9 +10,12 @@ leaves that directory on disk (the trainer then need not write ``<out>/final`` i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from albatross.config import RunConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 ADAPTERS_DIR = "adapters"  # beside the run's ``weights``: one PEFT adapter per version (serve = "adapter")
 
@@ -21,7 +24,7 @@ class WeightSender(Protocol):
     name: str
     exports: bool
 
-    def send(self, model: Any, version: int) -> str:
+    def send(self, model: nn.Module, version: int) -> str:
         """Publish ``model``'s weights as ``version``; return the locator for ``engine.update_weights``."""
         ...
 
@@ -35,9 +38,9 @@ def make_weight_sender(cfg: RunConfig, weights_dir: str | Path, engine_dir: str 
     servers listed in ``<engine_dir>/engines.json`` (the ``run_dir`` given to ``make_engine``) and sends in the
     servers' dtype (``engine.dtype``, else the checkpoint's). vLLM is sent tied aliases too (``lm_head.weight``).
     With ``[trainer.lora] serve = "adapter"`` only the adapter goes, to ``adapters`` beside ``weights_dir``."""
-    from albatross.trainer.weights.tensors import declared_dtype, transfer_dtype
+    from albatross.trainer.weights.tensors import Names, declared_dtype, transfer_dtype
 
-    names = "served" if cfg.engine.type == "vllm" else "unique"
+    names: Names = "served" if cfg.engine.type == "vllm" else "unique"
     if cfg.engine.weight_sync == "nccl":
         from albatross.engine.launch import check_engine_config
         from albatross.trainer.weights.nccl import NCCLSender

@@ -19,9 +19,13 @@ import os
 import socket
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from albatross.engine.base import EngineError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 GROUP = "albatross_weights"
 TIMEOUT = timedelta(minutes=30)
@@ -38,7 +42,7 @@ class Communicator(Protocol):
 
     def open(self, world: int) -> None: ...
 
-    def broadcast(self, tensor: Any) -> None: ...
+    def broadcast(self, tensor: torch.Tensor) -> None: ...
 
     def sync(self) -> None: ...
 
@@ -65,21 +69,22 @@ class TorchGroup:
 
     def __init__(self, address: str, backend: str = "nccl", device: str = "cuda") -> None:
         self.address, self.port, self.backend, self.device = address, free_port(), backend, device
-        self.group: Any = None
+        self.group: ProcessGroup | None = None
 
     def rendezvous(self) -> dict[str, Any]:
         return {"master_address": self.address, "master_port": self.port, "backend": self.backend}
 
     def open(self, world: int) -> None:
         from torch.distributed import distributed_c10d as c10d
+        from torch.distributed.rendezvous import rendezvous
 
-        store, rank, world = next(c10d.rendezvous(f"tcp://{self.address}:{self.port}", 0, world, timeout=TIMEOUT))
+        store, rank, world = next(rendezvous(f"tcp://{self.address}:{self.port}", 0, world, timeout=TIMEOUT))
         store.set_timeout(TIMEOUT)
         self.group, _ = c10d._new_process_group_helper(world, rank, [], self.backend, c10d.PrefixStore(GROUP, store),
-                                                       group_name=GROUP, timeout=TIMEOUT)
+                                                       group_name=c10d.GroupName(GROUP), timeout=TIMEOUT)
         c10d._world.pg_group_ranks[self.group] = {i: i for i in range(world)}
 
-    def broadcast(self, tensor: Any) -> None:
+    def broadcast(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
 
         dist.broadcast(tensor.to(self.device), src=0, group=self.group)
@@ -167,7 +172,7 @@ class NcclUid:
         self.nccl = NcclLibrary()
         self.uid = self.nccl.unique_id()
         self.comm: ctypes.c_void_p | None = None
-        self._sent: list[Any] = []
+        self._sent: list[torch.Tensor] = []
 
     def rendezvous(self) -> dict[str, Any]:
         return {"nccl_unique_id_b64": base64.b64encode(self.uid).decode()}
@@ -188,7 +193,7 @@ class NcclUid:
                                                         self._stream()), "warm-up all_reduce")
             torch.cuda.current_stream(self.device).synchronize()
 
-    def broadcast(self, tensor: Any) -> None:
+    def broadcast(self, tensor: torch.Tensor) -> None:
         t = tensor.to(self.device).contiguous()
         dtype = NCCL_DTYPES[str(t.dtype).replace("torch.", "")]
         ptr = ctypes.c_void_p(t.data_ptr())

@@ -7,9 +7,12 @@ machine that shares the directory."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from albatross.trainer.weights.tensors import Names
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class FilesystemSender:
@@ -24,7 +27,7 @@ class FilesystemSender:
         self.root, self.keep, self.rank = Path(root), keep, rank
         self.dtype, self.names = dtype, names
 
-    def send(self, model: Any, version: int) -> str:
+    def send(self, model: nn.Module, version: int) -> str:
         """Every rank calls this (the gather of sharded weights is a collective); rank 0 writes."""
         from albatross.trainer.checkpoint import export_weights
 
@@ -46,10 +49,13 @@ class AdapterSender:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
 
-    def send(self, model: Any, version: int) -> str:
+    def send(self, model: nn.Module, version: int) -> str:
         """``model``: the trainer's ``export_view()`` of a LoRA model (``lora.MergedView``)."""
         from albatross.trainer.checkpoint import LATEST_NAME, version_dir, write_text_atomic
+        from albatross.trainer.lora import MergedView
 
+        if not isinstance(model, MergedView):
+            raise TypeError(f"the adapter sender sends a LoRA model's adapter, got a {type(model).__name__}")
         path = model.save_adapter(version_dir(self.root, version))
         write_text_atomic(self.root / LATEST_NAME, f"{version}\n")  # a restarted engine starts from it
         return str(path)

@@ -17,14 +17,20 @@ a resumed trainer sends the weights of its checkpoint before the first step.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from albatross.engine.base import EngineError
 from albatross.trainer.weights.comm import Communicator, NcclUid, TorchGroup, master_address
 from albatross.trainer.weights.servers import WeightServer, server
 from albatross.trainer.weights.tensors import Names, TensorMeta, buckets, gather, plan
+
+if TYPE_CHECKING:
+    from torch import nn
+
+T = TypeVar("T")
 
 BUCKET_BYTES = 1 << 30  # full tensors held at once on rank 0 while they are broadcast
 
@@ -48,7 +54,7 @@ class NCCLSender:
         self.comm: Communicator | None = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="albatross-weights")
 
-    def send(self, model: Any, version: int) -> str:
+    def send(self, model: nn.Module, version: int) -> str:
         """Every rank calls it; rank 0 pushes version ``version`` into every server. Returns ``""``: the weights
         are in the servers already and only the engines' version label moves."""
         plan_ = buckets(plan(model, self.dtype, self.names), self.bucket_bytes)
@@ -74,7 +80,7 @@ class NCCLSender:
                 self.close()  # a broken transfer leaves the group unusable: the next send builds it again
         return ""
 
-    def _bucket(self, model: Any, bucket: list[TensorMeta], last: bool, version: int) -> None:
+    def _bucket(self, model: nn.Module, bucket: list[TensorMeta], last: bool, version: int) -> None:
         """The servers post their receives while rank 0 gathers and broadcasts each tensor, in order."""
         assert self.comm is not None
         waiting = [self.pool.submit(s.receive, bucket, last, version) for s in self.servers]
@@ -137,15 +143,16 @@ class NCCLSender:
         self.comm, self.urls, self.servers = None, [], []
 
 
-def _raise_failed(futures: list[Future]) -> None:
+def _raise_failed(futures: list[Future[Any]]) -> None:
     for f in futures:
-        if f.done() and f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
+        error = f.exception() if f.done() else None
+        if error is not None:
+            raise error
 
 
-def _in_daemon_thread(fn: Any, *args: Any) -> Future:
+def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
     """``fn(*args)`` in a daemon thread (one stuck in a rendezvous must not keep the trainer from exiting)."""
-    future: Future = Future()
+    future: Future[T] = Future()
 
     def run() -> None:
         try:

@@ -16,7 +16,11 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 Names = Literal["served", "unique"]
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -60,12 +64,12 @@ def transfer_dtype(engine_dtype: str, model_dir: str | Path | None) -> str:
     return DTYPE_NAMES.get(engine_dtype, declared_dtype(model_dir))
 
 
-def _storage_key(t: Any) -> tuple[int, int]:
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard shares storage like its param
-    return local.untyped_storage().data_ptr(), local.storage_offset()
+    return local.untyped_storage().data_ptr(), int(local.storage_offset())
 
 
-def plan(model: Any, dtype: str, names: Names = "served") -> list[TensorMeta]:
+def plan(model: nn.Module, dtype: str, names: Names = "served") -> list[TensorMeta]:
     """Every tensor to move, in state-dict order (the same on every rank: no data is read)."""
     out: list[TensorMeta] = []
     first: dict[tuple[int, int], str] = {}
@@ -92,21 +96,22 @@ def buckets(metas: list[TensorMeta], max_bytes: int) -> list[list[TensorMeta]]:
     return out
 
 
-def gather(model: Any, bucket: list[TensorMeta], device: Any = None) -> Iterator[tuple[str, Any]]:
+def gather(model: nn.Module, bucket: list[TensorMeta],
+           device: str | torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The full tensors of ``bucket`` in their transfer dtype, one at a time (a collective under FSDP2: every rank
     iterates it to the end); on ``device`` when given, else where the parameter lives. A tied alias reuses the
     tensor gathered for its first name in the same bucket."""
     import torch
 
     state = model.state_dict()
-    done: dict[str, Any] = {}
+    done: dict[str, torch.Tensor] = {}
     for m in bucket:
         if m.source in done:
             yield m.name, done[m.source]
             continue
         t = state[m.source].detach()
         t = t.to(getattr(torch, m.dtype))  # cast the shard, then gather: fewer bytes on the wire
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor shard (FSDP2) or a plain tensor
         full = (full.to(device) if device is not None else full).contiguous()
         done[m.name] = full
         yield m.name, full
