@@ -255,7 +255,7 @@ def bench_pipeline(ranks_before_engine: int, results: dict[str, Any], device: st
     from albatross.pipeline.driver import Pipeline
 
     class BenchRun(Pipeline):
-        def _engine(self, base_dir: Path) -> Any:
+        def start_engine(self, base_dir: Path) -> Any:
             import torch
 
             from albatross.engine.launch import make_engine

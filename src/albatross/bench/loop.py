@@ -39,7 +39,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from albatross.orchestrator.loop import StepEvent
 
 MODES = ("sync", "async")
 
@@ -167,43 +170,30 @@ class EngineBusy:
         return timed
 
 
-def _timed_loop_class():
-    from albatross.orchestrator.loop import AsyncLoop
+class BudgetWatch:
+    """A step observer of the real loop (``StepObserver``): when its scheduling loop (and so its time budget)
+    starts, and a copy of the weights of the last step finished within the budget (batches already queued when
+    the time is up are still trained by the loop; the model evaluated is the one the budget bought)."""
 
-    class TimedLoop(AsyncLoop):
-        """The real loop, plus: when its scheduling loop (and so its time budget) starts, and a copy of the
-        weights of the last step finished within the budget (batches already queued when the time is up are
-        still trained by the loop; the model evaluated is the one the budget bought)."""
+    def __init__(self, budget_s: float, dest: Path, on_start: Callable[[], None] = lambda: None) -> None:
+        self.budget_s, self.dest, self._on_start = budget_s, dest, on_start
+        self.drive_start = 0.0  # time.time() when the budget started
+        self.budget_version = 0
+        self.budget_weights: Path | None = None
 
-        on_drive: Callable[[], None] = staticmethod(lambda: None)
-        drive_start = 0.0  # time.time() when the budget started
-        budget_s = math.inf
-        budget_version = 0
-        budget_weights: Path | None = None
+    def on_start(self) -> None:
+        self.drive_start = time.time()
+        self._on_start()
 
-        def _drive(self, *args: Any) -> None:
-            self.drive_start = time.time()
-            self.on_drive()
-            super()._drive(*args)
-
-        def _step_record(self, msg: dict[str, Any]) -> dict[str, Any]:
-            record = super()._step_record(msg)
-            self._record_time = record["time"]
-            return record
-
-        def _on_step(self, msg: dict[str, Any]) -> None:
-            self._record_time = math.inf
-            super()._on_step(msg)
-            if self._record_time <= self.drive_start + self.budget_s:  # within the budget, as mode_figures
-                dest = self.run_dir.parent / "budget_weights"
-                tmp = dest.with_name(dest.name + ".tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.copytree(msg["path"], tmp)
-                shutil.rmtree(dest, ignore_errors=True)
-                tmp.rename(dest)
-                self.budget_version, self.budget_weights = int(msg["version"]), dest
-
-    return TimedLoop
+    def on_step(self, event: StepEvent) -> None:
+        if event.record["time"] > self.drive_start + self.budget_s:  # outside the budget, as mode_figures
+            return
+        tmp = self.dest.with_name(self.dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(event.weights, tmp)
+        shutil.rmtree(self.dest, ignore_errors=True)
+        tmp.rename(self.dest)
+        self.budget_version, self.budget_weights = event.version, self.dest
 
 
 # ---- one mode ----------------------------------------------------------------------------------------------
@@ -264,6 +254,7 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
     from albatross.engine.builtin import BuiltinEngine
     from albatross.eval.run import evaluate
     from albatross.harness.agent import build_agent as make_agent
+    from albatross.orchestrator.loop import AsyncLoop
     from albatross.trainer.model import load_model
 
     torch.manual_seed(cfg.seed)
@@ -278,15 +269,14 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
             log(f"[bench] base held-out pass@1 {out['base_pass_at_1']:.3f}")
         meter = EngineBusy(engine)
         slow = make_agent(cfg, engine, SlowBackend(backend, delay), tokenizer)
-        loop = _timed_loop_class()(cfg, slow, engine, train, base_dir, run_dir, log)
-        loop.on_drive = lambda: meter.open_window(budget_s)
-        loop.budget_s = budget_s
+        watch = BudgetWatch(budget_s, run_dir.parent / "budget_weights", lambda: meter.open_window(budget_s))
+        loop = AsyncLoop(cfg, slow, engine, train, base_dir, run_dir, log, observers=[watch])
         load0 = os.getloadavg()[0]
         t0 = time.monotonic()
         state = loop.run()
         out["wall_seconds"] = round(time.monotonic() - t0, 1)
         out["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-        out.update(mode_figures(run_dir, loop.drive_start, budget_s, meter.busy))
+        out.update(mode_figures(run_dir, watch.drive_start, budget_s, meter.busy))
         out["steps_total"] = int(state.step)
         groups = max(1, loop.builder.counts["groups"])
         out["zero_signal_group_share"] = round(loop.builder.counts["dropped_zero_signal"] / groups, 4)
@@ -297,9 +287,9 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
         out["command_delays"] = {"n": len(draws), "p50_s": round(_percentile(draws, 0.5), 3),
                                  "p99_s": round(_percentile(draws, 0.99), 3),
                                  "max_s": round(max(draws, default=0.0), 3)}
-        if engine.version != loop.budget_version:  # steps trained after the budget do not count
-            weights = loop.budget_weights or base_dir  # no step within the budget: the base model
-            engine.update_weights(str(weights), loop.budget_version)
+        if engine.version != watch.budget_version:  # steps trained after the budget do not count
+            weights = watch.budget_weights or base_dir  # no step within the budget: the base model
+            engine.update_weights(str(weights), watch.budget_version)
         out["evaluated_version"] = int(engine.version)
         log(f"[bench] {name}: {out['steps']} steps in {budget_s:.0f}s ({out['steps_total']} with the batches "
             f"queued by then), evaluating version {engine.version}")
@@ -356,17 +346,17 @@ def _run(args: argparse.Namespace, root: Path, modes: list[str]) -> tuple[dict[s
     cfg = bench_config(args, root)
     tail_cap = args.tail_cap if args.tail_cap is not None else (QUICK_TAIL_CAP if args.quick else 10.0)
     demo = Pipeline(cfg, _log, command="bench loop")
-    demo._prepare_out()
+    demo.prepare_out()
     t0 = time.monotonic()
-    train, heldout = demo._tasks()
-    tokenizer, model_dir = demo._model()
-    backend = demo._backend()
+    train, heldout = demo.load_tasks()
+    tokenizer, model_dir = demo.load_model()
+    backend = demo.open_backend()
     results: dict[str, dict[str, Any]] = {}
     try:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.engine.threads)
         agent = make_agent(cfg, None, backend, tokenizer)
-        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, demo._pass_rate_fn(agent, train),
+        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, demo.pass_rate_fn(agent, train),
                               cache_root(), _log)
         _log(f"[bench] base model {base_dir} ({time.monotonic() - t0:.0f}s)")
         async_staleness = cfg.rl.max_staleness if args.max_staleness is None else args.max_staleness

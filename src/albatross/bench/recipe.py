@@ -38,7 +38,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from albatross.orchestrator.loop import StepEvent
 
 # The seeds' figures (DESIGN.md), shown beside ours.
 SEED_FIGURES: dict[str, str] = {
@@ -230,7 +233,7 @@ class Workload:
 
     def eval_cfg(self, harness: dict[str, Any] | None = None, temperature: float | None = None) -> Any:
         """The evaluation config (``eval.temperature``), with harness knobs or another temperature."""
-        cfg = self.pipe._eval_config()
+        cfg = self.pipe.eval_config()
         update: dict[str, Any] = {"harness": cfg.harness.model_copy(update=harness or {})}
         if temperature is not None:
             update["sampling"] = cfg.sampling.model_copy(update={"temperature": temperature})
@@ -300,15 +303,15 @@ def prepare(args: argparse.Namespace, root: Path) -> Workload:
 
     cfg = recipe_config(args, root / "demo")
     pipe = Pipeline(cfg, _log, command="bench recipe")
-    pipe._prepare_out()
-    train, heldout = pipe._tasks()
-    tokenizer, model_dir = pipe._model()
-    backend = pipe._backend()
+    pipe.prepare_out()
+    train, heldout = pipe.load_tasks()
+    tokenizer, model_dir = pipe.load_model()
+    backend = pipe.open_backend()
     try:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.engine.threads)
         agent = build_agent(cfg, None, backend, tokenizer)
-        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, pipe._pass_rate_fn(agent, train),
+        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, pipe.pass_rate_fn(agent, train),
                               cache_root(), _log)
     except BaseException:
         backend.close()
@@ -327,12 +330,12 @@ def _group_size(cfg: Any) -> int:
 
 def _probe(w: Workload, engine: Any, tasks: list, backend: Any, retries: int) -> list:
     from albatross.harness.agent import build_agent
-    from albatross.orchestrator.loop import _test_weights
+    from albatross.orchestrator.loop import rl_test_weights
     from albatross.pipeline.probe import probe
     from albatross.rl.scoring import GroupScorer
 
     agent = build_agent(w.cfg, engine, backend, w.tokenizer)
-    scorer = GroupScorer(w.cfg.rl, _test_weights(w.cfg.rl.test_weights))
+    scorer = GroupScorer(w.cfg.rl, rl_test_weights(w.cfg.rl.test_weights))
     return probe(agent, tasks, _group_size(w.cfg), scorer, retries=retries,
                  workers=w.cfg.orchestrator.rollout_workers)
 
@@ -380,7 +383,7 @@ def measure_infra(w: Workload, engine: Any, n_tasks: int, rate: float) -> dict[s
     from albatross.sandbox import make_backend
 
     sc, g = w.cfg.sandbox, _group_size(w.cfg)
-    kw: dict[str, Any] = {"hide_paths": w.pipe._hide_paths(), "fail_rate": rate, "fault_seed": w.cfg.seed}
+    kw: dict[str, Any] = {"hide_paths": w.pipe.hide_paths(), "fail_rate": rate, "fault_seed": w.cfg.seed}
     if sc.type == "local":
         kw.update(base=sc.base, warm=sc.warm)
     tasks = _probe_tasks(w, n_tasks)
@@ -403,26 +406,22 @@ def measure_infra(w: Workload, engine: Any, n_tasks: int, rate: float) -> dict[s
 # ---- RL runs and the SFT control ---------------------------------------------------------------------------
 
 
-def _keeping_loop_class():
-    from albatross.orchestrator.loop import AsyncLoop
+class VersionKeeper:
+    """A step observer of the real loop (``StepObserver``): a copy of the weights of versions 1..``upto`` as the
+    trainer exports them (the run directory keeps only the newest few)."""
 
-    class KeepingLoop(AsyncLoop):
-        """The real loop, plus a copy of the weights of versions 1..``keep_upto`` as the trainer exports them
-        (the run directory keeps only the newest few)."""
+    def __init__(self, dest: Path, upto: int) -> None:
+        self.dest, self.upto = dest, upto
 
-        keep_dir: Path | None = None
-        keep_upto = 0
+    def on_start(self) -> None:
+        pass
 
-        def _on_step(self, msg: dict[str, Any]) -> None:
-            version = int(msg["version"])
-            if self.keep_dir is not None and version <= self.keep_upto:
-                try:
-                    shutil.copytree(msg["path"], self.keep_dir / f"v{version}", dirs_exist_ok=True)
-                except FileNotFoundError:  # pruned before this thread saw it: that version is not scored
-                    pass
-            super()._on_step(msg)
-
-    return KeepingLoop
+    def on_step(self, event: StepEvent) -> None:
+        if event.version <= self.upto:
+            try:
+                shutil.copytree(event.weights, self.dest / f"v{event.version}", dirs_exist_ok=True)
+            except FileNotFoundError:  # pruned already: that version is not scored
+                pass
 
 
 def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda: float,
@@ -431,6 +430,7 @@ def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda:
     import torch
 
     from albatross.harness.agent import build_agent
+    from albatross.orchestrator.loop import AsyncLoop
 
     cfg = w.cfg.model_copy(update={
         "seed": seed, "rl": w.cfg.rl.model_copy(update={"efficiency_lambda": efficiency_lambda}),
@@ -439,10 +439,9 @@ def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda:
     run_dir = w.root / name / "run"
     engine = w.engine(w.base_dir)
     try:
-        loop = _keeping_loop_class()(cfg, build_agent(cfg, engine, w.backend, w.tokenizer), engine, w.train,
-                                     w.base_dir, run_dir, _log)
-        if keep_versions:
-            loop.keep_dir, loop.keep_upto = w.root / name / "versions", MAX_STALENESS_MEASURED
+        observers = [VersionKeeper(w.root / name / "versions", MAX_STALENESS_MEASURED)] if keep_versions else []
+        loop = AsyncLoop(cfg, build_agent(cfg, engine, w.backend, w.tokenizer), engine, w.train, w.base_dir,
+                         run_dir, _log, observers=observers)
         t0 = time.monotonic()
         state = loop.run()
         wall = time.monotonic() - t0

@@ -115,7 +115,7 @@ def run_tasks(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _measure(backend: Any, images: list[_Image], args: argparse.Namespace) -> dict[str, Any]:
-    from albatross.bench.sandbox import _ms, percentile
+    from albatross.bench.sandbox import percentile, to_ms
 
     result: dict[str, Any] = {"tasks": [i.task.id for i in images], "images": len(images),
                               "concurrent": args.concurrent, "forks": args.forks, "workers": args.workers,
@@ -172,10 +172,10 @@ def _measure(backend: Any, images: list[_Image], args: argparse.Namespace) -> di
         for _image, attempt in mine:
             attempt.close()
     result.update(
-        fork_ms_p50=_ms(percentile(steady.latencies, 50)), fork_ms_p99=_ms(percentile(steady.latencies, 99)),
-        fork_ms_max=_ms(max(steady.latencies, default=float("nan"))),
+        fork_ms_p50=to_ms(percentile(steady.latencies, 50)), fork_ms_p99=to_ms(percentile(steady.latencies, 99)),
+        fork_ms_max=to_ms(max(steady.latencies, default=float("nan"))),
         forks_over_50ms=sum(x > 0.05 for x in steady.latencies),
-        ramp_fork_ms_p50=_ms(percentile(ramp.latencies, 50)), ramp_fork_ms_p99=_ms(percentile(ramp.latencies, 99)),
+        ramp_fork_ms_p50=to_ms(percentile(ramp.latencies, 50)), ramp_fork_ms_p99=to_ms(percentile(ramp.latencies, 99)),
         forks_per_s=round(len(steady.latencies) / wall, 2) if wall > 0 else 0.0,
         failures=len(ramp.failures) + len(steady.failures), failure_examples=(ramp.failures + steady.failures)[:5],
         alive_min=alive["min"], load_avg_after=list(os.getloadavg()))

@@ -18,11 +18,11 @@ import os
 import queue
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from albatross.config import RunConfig
 from albatross.harness.agent import Agent, AttemptSpec
@@ -47,6 +47,31 @@ class TrainerDied(RuntimeError):
     """The trainer process failed; the run stopped with everything needed to resume."""
 
 
+@dataclass(frozen=True)
+class StepEvent:
+    """One finished trainer step, as the loop hands it to its observers.
+
+    ``weights`` is the directory of the exported version (the loop prunes old versions after the observers
+    return, keeping ``trainer.keep_versions``: copy it there if it is to be kept); ``record`` is the row
+    written to ``metrics.jsonl`` (its ``time`` is ``time.time()`` when the step was recorded)."""
+
+    step: int
+    version: int
+    weights: str
+    record: dict[str, Any]
+
+
+class StepObserver(Protocol):
+    """Watches a run of ``AsyncLoop`` (pass it as ``observers=``): benchmarks and users' scripts measure or keep
+    things with it without changing the loop. Both methods run on the loop's scheduling thread: keep them short."""
+
+    def on_start(self) -> None:
+        """The scheduling loop starts: the trainer is ready and the time budget (``max_minutes``) starts now."""
+
+    def on_step(self, event: StepEvent) -> None:
+        """A trainer step finished; the engine already serves ``event.version``."""
+
+
 @dataclass
 class _PendingGroup:
     task: Task
@@ -60,17 +85,20 @@ class AsyncLoop:
     def __init__(self, cfg: RunConfig, agent: Agent, engine, tasks: list[Task], model_dir: Path,
                  run_dir: Path, log: Callable[[str], None] = print, resume: bool = False,
                  launcher: Any = None, sink: MetricsSink | None = None,
-                 sources: dict[str, str] | None = None, weights: dict[str, float] | None = None) -> None:
+                 sources: dict[str, str] | None = None, weights: dict[str, float] | None = None,
+                 observers: Sequence[StepObserver] = ()) -> None:
         """``sources`` (task id -> source name) and ``weights`` (source name -> weight): a task mix
-        (``tasks.mix``), drawn from by ``MixSampler`` and reported per source; None: one pool of tasks."""
+        (``tasks.mix``), drawn from by ``MixSampler`` and reported per source; None: one pool of tasks.
+        ``observers``: told when the scheduling loop starts and after every trainer step (``StepObserver``)."""
         self.cfg, self.agent, self.engine, self.tasks = cfg, agent, engine, tasks
+        self.observers = list(observers)
         self.sources = sources or {}
         self._given_sink = sink  # the run's sink (driver), else one of its own
         self.stop_reason = "not started"
         self.launcher: Launcher = launcher or LocalLauncher()
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
+        self.scorer = GroupScorer(cfg.rl, rl_test_weights(cfg.rl.test_weights))
         self.builder = BatchBuilder(cfg.orchestrator.groups_per_step, max_staleness=cfg.rl.max_staleness,
                                     credit=cfg.rl.credit)
         self.sampler = _sampler(tasks, self.sources, weights or {}, cfg.seed)
@@ -210,6 +238,8 @@ class AsyncLoop:
     # ---- the scheduling loop ------------------------------------------------------------------
     def _drive(self, pool, batch_q, result_q, proc) -> None:
         oc = self.cfg.orchestrator
+        for observer in self.observers:
+            observer.on_start()
         deadline = time.monotonic() + oc.max_minutes * 60 - self.state.elapsed_s
         inflight: list[_PendingGroup] = []
         ready: list = []
@@ -340,6 +370,9 @@ class AsyncLoop:
         record = {**self._step_record(msg), **self._checkpoint_figures}
         self._checkpoint_figures = {}
         self.sink.step(record)
+        event = StepEvent(self.state.step, self.state.version, str(msg["path"]), record)
+        for observer in self.observers:
+            observer.on_step(event)
         prune_weights(self.run_dir, self.state.version, self.cfg.trainer.keep_versions)
         if msg.get("checkpoint"):
             self._pending[msg["checkpoint"]] = self._snapshot(msg["checkpoint"])
@@ -415,7 +448,8 @@ def _sampler(tasks: list[Task], sources: dict[str, str], weights: dict[str, floa
     return MixSampler(groups, [weights[n] for n in names], seed)
 
 
-def _test_weights(path: str) -> dict[str, dict[str, float]] | None:
+def rl_test_weights(path: str) -> dict[str, dict[str, float]] | None:
+    """The per-test weights of ``rl.test_weights`` (a gates report), or None when it is empty."""
     if not path:
         return None
     from albatross.tasks.gates import load_test_weights

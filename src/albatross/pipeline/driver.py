@@ -3,6 +3,12 @@
 Stages: tasks -> model (``model.path`` checked, or the demo's tiny model) -> warm start (optional) -> base eval
 -> asynchronous RL -> trained eval -> final model, summary and report. Each stage logs progress lines; a resumed
 run (``--resume``) keeps what is done and continues.
+
+The stages that set a run up are public methods of ``Pipeline``, for benchmarks and users' scripts that build
+their own run from the same parts: ``prepare_out``, ``load_tasks``, ``load_model``, ``open_backend``
+(with ``hide_paths``), ``pass_rate_fn`` (the warm start's check), ``eval_config`` and ``start_engine`` (a subclass
+may replace it to start the engine its own way). The loop's steps are watched with ``orchestrator.loop``'s
+``StepObserver``.
 """
 
 from __future__ import annotations
@@ -64,13 +70,13 @@ class Pipeline:
 
         torch.manual_seed(self.cfg.seed)
         torch.set_num_threads(self.cfg.engine.threads)  # this process runs the built-in engine (and the warm start)
-        self._prepare_out()
+        self.prepare_out()
         with self.plan.phase("tasks") as ph:
-            train, heldout = self._tasks()
+            train, heldout = self.load_tasks()
             ph.reason = f"{len(train)} train, {len(heldout)} held-out tasks ready"
-        tokenizer, model_dir = self._model()
+        tokenizer, model_dir = self.load_model()
         with self.plan.phase("sandbox") as ph:
-            backend = self._backend()
+            backend = self.open_backend()
             ph.reason = f"backend {backend.name} ready"
         self.timings.record("sandbox", self.plan.phases[1].elapsed_s or 0.0, 1)
         self.sink = self._sink()
@@ -147,9 +153,9 @@ class Pipeline:
         info = describe(self.model_name, base_dir)
         self.log(f"[model] {info.architecture}, {info.parameters / 1e6:.2f}M parameters, from {base_dir}")
         ray_run = self._ray(base_dir, tokenizer) if cfg.orchestrator.backend == "ray" else None
-        engine = ray_run.engine if ray_run else self._engine(base_dir)
+        engine = ray_run.engine if ray_run else self.start_engine(base_dir)
         agent.engine = engine
-        evaluator = build_agent(self._eval_config(), engine, backend, tokenizer)
+        evaluator = build_agent(self.eval_config(), engine, backend, tokenizer)
         try:
             base = self._base_eval(evaluator, heldout)
             loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log,
@@ -180,7 +186,7 @@ class Pipeline:
         from albatross.progress import Bar
 
         if warm_start_source(self.cfg) == "off":
-            return warm_start(self.cfg, tokenizer, agent, train, model_dir, self._pass_rate_fn(agent, train),
+            return warm_start(self.cfg, tokenizer, agent, train, model_dir, self.pass_rate_fn(agent, train),
                               cache_root(), self.log)
         bar = Bar("warm-start", self.cfg.warmstart.steps, self.log, plan=self.plan)
         steps = [0]
@@ -195,7 +201,7 @@ class Pipeline:
             t0 = time.monotonic()
             try:
                 base_dir = warm_start(self.cfg, tokenizer, agent, train, model_dir,
-                                      self._pass_rate_fn(agent, train), cache_root(), self.log, on_step)
+                                      self.pass_rate_fn(agent, train), cache_root(), self.log, on_step)
             finally:
                 bar.close()
             info = json.loads((base_dir / "warmstart.json").read_text())
@@ -205,7 +211,7 @@ class Pipeline:
             self.timings.record("warmstart_step", time.monotonic() - t0, steps[0])
         return base_dir
 
-    # ---- stages -------------------------------------------------------------------------------
+    # ---- stages (public: see the module's docstring) ----------------------------------------
     def _claim_out(self) -> None:
         """A new run never writes into a directory that holds files: one line (exit 2) unless ``--resume``
         continues it or ``--overwrite`` replaces it (only a run directory, one with config.json)."""
@@ -226,7 +232,7 @@ class Pipeline:
             else:
                 child.unlink()
 
-    def _prepare_out(self) -> None:
+    def prepare_out(self) -> None:
         """A fresh run starts from an empty output directory; a resumed one keeps everything."""
         out = self.out
         if out.exists() and not out.is_dir():
@@ -240,7 +246,7 @@ class Pipeline:
         (out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         (out / "command").write_text(self.command + "\n")  # what `--resume` continues and its title names
 
-    def _tasks(self) -> tuple[list, list]:
+    def load_tasks(self) -> tuple[list, list]:
         """Training and held-out tasks (``tasks.train`` / ``heldout``, or generated built-in ones); generated
         validation tasks go to ``self.validation``."""
         from albatross.tasks.builtin import generate_tasks
@@ -293,7 +299,7 @@ class Pipeline:
         self.log(f"[tasks] mix of {len(sources)} sources: {describe(sources)}")
         return train, heldout
 
-    def _model(self) -> tuple[Any, Path | None]:
+    def load_model(self) -> tuple[Any, Path | None]:
         """The tokenizer and the directory of ``model.path`` (checked), or the demo's tokenizer and None (its
         tiny model is built by the warm start)."""
         from albatross.pipeline.demo import demo_tokenizer
@@ -317,17 +323,17 @@ class Pipeline:
             (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         return path
 
-    def _backend(self) -> Any:
+    def open_backend(self) -> Any:
         from albatross.sandbox import backend_from_config
 
-        backend = backend_from_config(self.cfg.sandbox, hide_paths=self._hide_paths())
+        backend = backend_from_config(self.cfg.sandbox, hide_paths=self.hide_paths())
         self.log(f"[sandbox] backend {backend.name} (isolated: {backend.isolated})")
         return backend
 
-    def _hide_paths(self) -> list[str]:
+    def hide_paths(self) -> list[str]:
         return [str(self.out), str(cache_root())] + ([self.cfg.model.path] if self.cfg.model.path else [])
 
-    def _engine(self, base_dir: Path) -> Any:
+    def start_engine(self, base_dir: Path) -> Any:
         """The rollout engine of ``[engine]`` (``engine/launch.py``): built-in, or vLLM / SGLang servers launched
         or attached, serving ``base_dir`` at version 0."""
         from albatross.engine.launch import make_engine
@@ -337,14 +343,14 @@ class Pipeline:
     def _ray(self, base_dir: Path, tokenizer: Any) -> Any:
         from albatross.orchestrator.ray_backend import RayRun
 
-        return RayRun(self.cfg, base_dir, self.out / "run", tokenizer, self._hide_paths(), self.log)
+        return RayRun(self.cfg, base_dir, self.out / "run", tokenizer, self.hide_paths(), self.log)
 
-    def _eval_config(self) -> RunConfig:
+    def eval_config(self) -> RunConfig:
         """The run's config with evaluation's sampling temperature (``eval.temperature``)."""
         sampling = self.cfg.sampling.model_copy(update={"temperature": self.cfg.eval.temperature})
         return self.cfg.model_copy(update={"sampling": sampling})
 
-    def _pass_rate_fn(self, agent: Any, train: list) -> Callable[[Any], float]:
+    def pass_rate_fn(self, agent: Any, train: list) -> Callable[[Any], float]:
         """The warm start's stopping check: pass@1 of a copy of the model on a sample of the training tasks it
         has demonstrations of."""
         import copy
