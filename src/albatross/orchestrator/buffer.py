@@ -14,7 +14,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from albatross.records import STATUS_INFRA_ERROR, Batch, Group, Sample, TrainSample, Trajectory
+from albatross.records import Batch, Group, Sample, TrainSample
 
 
 def admissible(untrained_batches: int, groups_in_flight: int, groups_per_step: int, max_staleness: int) -> bool:
@@ -136,7 +136,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def group_complete(trajs: list[Trajectory], size: int) -> bool:
-    return sum(t.status != STATUS_INFRA_ERROR for t in trajs) >= size
