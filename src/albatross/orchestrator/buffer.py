@@ -44,8 +44,8 @@ class BatchBuilder:
     max_staleness: int | None = None
     credit: str = "all"  # ``rl.credit``: see ``credited``
     pending: list[Group] = field(default_factory=list)
-    counts: Counter = field(default_factory=Counter)  # over the whole run
-    window: Counter = field(default_factory=Counter)  # since the last batch: sent with it, logged per step
+    counts: Counter[str] = field(default_factory=Counter)  # over the whole run
+    window: Counter[str] = field(default_factory=Counter)  # since the last batch: sent with it, logged per step
 
     def _count(self, group: Group, seen: bool = True) -> None:
         counts = (["groups"] if seen else []) + ([f"dropped_{group.dropped}"] if group.dropped else [])

@@ -279,7 +279,8 @@ class Pipeline:
             return self._mix_tasks(generated)
         if tc.train:
             train_dirs: list[str | Path] = list(tc.train)
-            train, heldout = load_tasks(train_dirs), load_tasks(tc.heldout) if tc.heldout else []
+            heldout_dirs: list[str | Path] = list(tc.heldout)
+            train, heldout = load_tasks(train_dirs), load_tasks(heldout_dirs) if heldout_dirs else []
         else:
             if not (self.resume and (generated / "train").is_dir()):
                 try:

@@ -27,7 +27,7 @@ def probe(agent: Any, tasks: list[Task], attempts: int, scorer: Any, retries: in
     ``scorer`` (a ``GroupScorer``). Rows come back in task order."""
     if attempts < MIN_ATTEMPTS:
         raise ValueError(f"attempts must be at least {MIN_ATTEMPTS} (DESIGN.md: probe each task >= 4 times)")
-    counts: dict[str, Counter] = {t.id: Counter() for t in tasks}
+    counts: dict[str, Counter[str]] = {t.id: Counter() for t in tasks}
     specs = [AttemptSpec(t, f"probe-{t.id}", i) for t in tasks for i in range(attempts)]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="probe") as pool:
         futures = [pool.submit(run_with_retries, agent, s, retries, counts[s.task.id]) for s in specs]
