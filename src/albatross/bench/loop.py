@@ -42,7 +42,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from albatross.config import RunConfig
+    from albatross.engine.builtin import BuiltinEngine
     from albatross.orchestrator.loop import StepEvent
+    from albatross.sandbox.base import Attempt, Backend, ExecResult, Limits, VerifierExec, VerifierSpec
+    from albatross.tasks.format import Task
 
 MODES = ("sync", "async")
 
@@ -109,35 +115,59 @@ class TailDelay:
 class SlowAttempt:
     """An attempt whose ``exec`` first sleeps a drawn delay; everything else is the real attempt's."""
 
-    def __init__(self, inner: Any, delay: TailDelay) -> None:
+    def __init__(self, inner: Attempt, delay: TailDelay) -> None:
         self._inner, self._delay = inner, delay
 
-    def exec(self, command: str, timeout_s: float | None = None):
+    def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         time.sleep(self._delay.draw())
         return self._inner.exec(command, timeout_s)
 
+    def put_dir(self, host_dir: Path, sandbox_path: str) -> None:
+        self._inner.put_dir(host_dir, sandbox_path)
+
+    def read_file(self, sandbox_path: str) -> bytes | None:
+        return self._inner.read_file(sandbox_path)
+
+    def kill_all(self) -> None:
+        self._inner.kill_all()
+
+    def exec_clean(self, command: str, cwd: str, timeout_s: float | None = None) -> ExecResult:
+        return self._inner.exec_clean(command, cwd, timeout_s)
+
+    def verify(self, spec: VerifierSpec) -> VerifierExec:
+        return self._inner.verify(spec)
+
     def close(self) -> None:
         self._inner.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class SlowBackend:
     """A sandbox backend whose attempts are ``SlowAttempt``s. It does not own the real backend: ``close``
     is a no-op and whoever created the real backend closes it."""
 
-    def __init__(self, inner: Any, delay: TailDelay) -> None:
+    def __init__(self, inner: Backend, delay: TailDelay) -> None:
         self._inner, self._delay = inner, delay
+        self.name, self.isolated, self.faults = inner.name, inner.isolated, inner.faults
 
-    def fork(self, *args: Any, **kwargs: Any) -> SlowAttempt:
-        return SlowAttempt(self._inner.fork(*args, **kwargs), self._delay)
+    @property
+    def restarts(self) -> int:
+        return self._inner.restarts
+
+    @restarts.setter
+    def restarts(self, value: int) -> None:  # ``Backend.restarts`` is a plain attribute: the real backend's
+        self._inner.restarts = value
+
+    def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> Any:
+        return self._inner.prepare(env_dir, network, build_timeout_s)
+
+    def pids(self) -> dict[str, int]:
+        return self._inner.pids()
+
+    def fork(self, env_dir: Path | None, workdir: str = "/app", limits: Limits | None = None) -> SlowAttempt:
+        return SlowAttempt(self._inner.fork(env_dir, workdir, limits), self._delay)
 
     def close(self) -> None:
         pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 # ---- measuring the engine ----------------------------------------------------------------------------------
@@ -147,7 +177,7 @@ class EngineBusy:
     """Seconds the engine's worker spends in forward passes (prefill on admission and decode steps) inside a
     window, by wrapping the runner's ``admit`` and ``step`` on this instance only."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: BuiltinEngine) -> None:
         self.busy = 0.0
         self.start = self.end = math.inf
         runner = engine.runner
@@ -246,8 +276,9 @@ def mode_figures(run_dir: Path, drive_start: float, budget_s: float, busy_s: flo
     }
 
 
-def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, tokenizer: Any, backend: Any,
-             delay: TailDelay, run_dir: Path, log: Callable[[str], None], base_eval: bool = False) -> dict[str, Any]:
+def run_mode(name: str, cfg: RunConfig, base_dir: Path, train: list[Task], heldout: list[Task],
+             tokenizer: PreTrainedTokenizerBase, backend: Backend, delay: TailDelay, run_dir: Path,
+             log: Callable[[str], None], base_eval: bool = False) -> dict[str, Any]:
     """Train from ``base_dir`` for ``cfg.orchestrator.max_minutes`` with slow commands, then evaluate."""
     import torch
 
@@ -305,7 +336,7 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
 # ---- the benchmark -----------------------------------------------------------------------------------------
 
 
-def bench_config(args: argparse.Namespace, out_dir: Path):
+def bench_config(args: argparse.Namespace, out_dir: Path) -> RunConfig:
     """The demo's config (quick: tiny) with the bench's budget; max_steps is never what stops a mode."""
     from albatross.pipeline.demo import demo_config
 
@@ -335,7 +366,8 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def _run(args: argparse.Namespace, root: Path, modes: list[str]) -> tuple[dict[str, dict[str, Any]], dict]:
+def _run(args: argparse.Namespace, root: Path,
+         modes: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     import torch
 
     from albatross.cache import cache_root
@@ -383,7 +415,8 @@ def _run(args: argparse.Namespace, root: Path, modes: list[str]) -> tuple[dict[s
 
 
 def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]], meta: dict[str, Any],
-            print_table, write_json) -> dict[str, Any]:
+            print_table: Callable[[str, list[tuple[str, Any]]], None],
+            write_json: Callable[[str | Path | None, dict[str, Any]], None]) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if "sync" in results and "async" in results:
         s, a = results["sync"], results["async"]

@@ -36,12 +36,24 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from albatross.config import RunConfig
+    from albatross.engine.base import Engine
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.eval.run import EvalResult
     from albatross.orchestrator.loop import StepEvent
+    from albatross.pipeline.driver import Pipeline
+    from albatross.records import Sample
+    from albatross.sandbox.base import Backend
+    from albatross.tasks.format import Task
+    from albatross.tasks.probe import ProbeRow
 
 # The seeds' figures (DESIGN.md), shown beside ours.
 SEED_FIGURES: dict[str, str] = {
@@ -109,7 +121,7 @@ def group_loss_share(attempts_per_group: list[int], group_size: int) -> float:
     return sum(n < group_size for n in attempts_per_group) / len(attempts_per_group)
 
 
-def outcome_zero_signal(rows: list[Any]) -> float | None:
+def outcome_zero_signal(rows: list[ProbeRow]) -> float | None:
     """Share of probe groups whose attempts all succeeded or all failed (outcomes only, partial credit aside)."""
     rows = [r for r in rows if r.attempts]
     return round(sum(r.successes in (0, r.attempts) for r in rows) / len(rows), 4) if rows else None
@@ -221,17 +233,17 @@ def missing_keys(data: dict[str, Any]) -> list[str]:
 class Workload:
     """What every measurement shares: the config, the demo's tasks, tokenizer, sandbox and warm start."""
 
-    cfg: Any
-    pipe: Any
-    train: list
-    heldout: list
-    tokenizer: Any
-    backend: Any
+    cfg: RunConfig
+    pipe: Pipeline
+    train: list[Task]
+    heldout: list[Task]
+    tokenizer: PreTrainedTokenizerBase
+    backend: Backend
     base_dir: Path
     root: Path
-    demos: list = field(default_factory=list)
+    demos: list[Sample] = field(default_factory=list)
 
-    def eval_cfg(self, harness: dict[str, Any] | None = None, temperature: float | None = None) -> Any:
+    def eval_cfg(self, harness: dict[str, Any] | None = None, temperature: float | None = None) -> RunConfig:
         """The evaluation config (``eval.temperature``), with harness knobs or another temperature."""
         cfg = self.pipe.eval_config()
         update: dict[str, Any] = {"harness": cfg.harness.model_copy(update=harness or {})}
@@ -239,14 +251,14 @@ class Workload:
             update["sampling"] = cfg.sampling.model_copy(update={"temperature": temperature})
         return cfg.model_copy(update=update)
 
-    def engine(self, model_dir: Path) -> Any:
+    def engine(self, model_dir: Path) -> BuiltinEngine:
         from albatross.engine.builtin import BuiltinEngine
         from albatross.trainer.model import load_model
 
         return BuiltinEngine(load_model(model_dir), max_batch_size=self.cfg.engine.max_batch_size)
 
-    def evaluate(self, engine: Any, harness: dict[str, Any] | None = None, temperature: float | None = None,
-                 trials: int | None = None, workers: int = 16) -> Any:
+    def evaluate(self, engine: Engine, harness: dict[str, Any] | None = None, temperature: float | None = None,
+                 trials: int | None = None, workers: int = 16) -> EvalResult:
         """Held-out evaluation (``eval.trials`` each unless ``trials``), ``workers`` attempts at a time."""
         from albatross.eval.run import evaluate
         from albatross.harness.agent import build_agent
@@ -268,7 +280,7 @@ class Parts:
     def __init__(self, dir: Path, common: dict[str, Any]) -> None:
         self.dir, self.common = dir, common
 
-    def get(self, name: str, settings: dict[str, Any], compute: Any) -> Any:
+    def get(self, name: str, settings: dict[str, Any], compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         import json
 
         path, want = self.dir / f"{name}.json", {**self.common, **settings}
@@ -276,7 +288,8 @@ class Parts:
             saved = json.loads(path.read_text())
             if saved.get("settings") == want:
                 _log(f"[recipe] {name}: reusing the result saved in {path}")
-                return saved["result"]
+                result: dict[str, Any] = saved["result"]
+                return result
         result = compute()
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -285,7 +298,7 @@ class Parts:
         return result
 
 
-def recipe_config(args: argparse.Namespace, out_dir: Path) -> Any:
+def recipe_config(args: argparse.Namespace, out_dir: Path) -> RunConfig:
     """The demo's config (``--quick``: ``albatross demo --quick``'s, so the two share the cached warm start),
     then the ``--set`` overrides."""
     from albatross.pipeline.demo import demo_config
@@ -322,13 +335,13 @@ def prepare(args: argparse.Namespace, root: Path) -> Workload:
 # ---- probes: zero-signal groups and infrastructure faults -------------------------------------------------
 
 
-def _group_size(cfg: Any) -> int:
+def _group_size(cfg: RunConfig) -> int:
     from albatross.tasks.probe import MIN_ATTEMPTS
 
     return max(MIN_ATTEMPTS, cfg.orchestrator.group_size)
 
 
-def _probe(w: Workload, engine: Any, tasks: list, backend: Any, retries: int) -> list:
+def _probe(w: Workload, engine: Engine, tasks: list[Task], backend: Backend, retries: int) -> list[ProbeRow]:
     from albatross.harness.agent import build_agent
     from albatross.orchestrator.loop import rl_test_weights
     from albatross.pipeline.probe import probe
@@ -340,11 +353,11 @@ def _probe(w: Workload, engine: Any, tasks: list, backend: Any, retries: int) ->
                  workers=w.cfg.orchestrator.rollout_workers)
 
 
-def _probe_tasks(w: Workload, n: int) -> list:
+def _probe_tasks(w: Workload, n: int) -> list[Task]:
     return random.Random(w.cfg.seed).sample(w.train, min(n, len(w.train)))
 
 
-def measure_zero_signal(w: Workload, engine: Any, n_tasks: int) -> dict[str, Any]:
+def measure_zero_signal(w: Workload, engine: Engine, n_tasks: int) -> dict[str, Any]:
     """Zero-signal share of the base model's groups before and after the 15-85% filter, paired: a first probe
     decides the filter; a second, independent probe of every task gives both figures (all tasks: unfiltered;
     the kept ones: filtered), so the two differ only by the filter's choice of tasks. The first probe's own
@@ -378,7 +391,7 @@ def measure_zero_signal(w: Workload, engine: Any, n_tasks: int) -> dict[str, Any
     return out
 
 
-def measure_infra(w: Workload, engine: Any, n_tasks: int, rate: float) -> dict[str, Any]:
+def measure_infra(w: Workload, engine: Engine, n_tasks: int, rate: float) -> dict[str, Any]:
     """Groups lost when ``rate`` of forks fail, with no retries and with ``sandbox.max_infra_retries``."""
     from albatross.sandbox import make_backend
 
@@ -454,7 +467,7 @@ def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda:
     return out
 
 
-def _eval_fields(w: Workload, result: Any) -> dict[str, Any]:
+def _eval_fields(w: Workload, result: EvalResult) -> dict[str, Any]:
     """Held-out Pass@1 with its s.e., and (with ``tasks.reward_only_families``) the same over the reward-only
     families' tasks and over the others (``pass_at_1_reward_only``, ``pass_at_1_warm_started``)."""
     from albatross.pipeline.summary import split_fields
@@ -754,16 +767,16 @@ def measure(args: argparse.Namespace, root: Path, minutes: float, seeds: int) ->
 def base_figures(w: Workload, parts: Parts, args: argparse.Namespace) -> dict[str, Any]:
     """The probes (zero-signal groups, infrastructure faults) and the held-out evaluation of the warm start every
     run begins from; the base model's engine is started only for a part not saved already."""
-    engines: list[Any] = []
+    engines: list[BuiltinEngine] = []
 
-    def with_engine(fn: Any) -> Any:
+    def with_engine(fn: Callable[[Engine], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
         def compute() -> dict[str, Any]:
             if not engines:
                 engines.append(w.engine(w.base_dir))
             return fn(engines[0])
         return compute
 
-    n, out = args.probe_tasks, {}
+    n, out = args.probe_tasks, dict[str, Any]()
     try:
         out.update(parts.get("zero_signal", {"probe_tasks": n},
                              with_engine(lambda e: measure_zero_signal(w, e, n))))

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from albatross.sandbox.faults import FaultInjector
+
 # Values of ExecResult.limit, most decisive first (when several are hit, the first one is reported).
 LIMIT_OOM = "oom"  # the memory limit was hit: the kernel killed a process of the attempt
 LIMIT_PIDS = "pids"  # the process limit was hit: every process the agent started was killed
@@ -221,6 +223,7 @@ class Backend(Protocol):
     name: str
     isolated: bool  # False: no isolation at all (``process``), and the harness says so loudly
     restarts: int  # sandbox helpers (zygotes) started again after dying
+    faults: FaultInjector  # the forks and attempts it was asked to fail (``fail_rate``), and how many it failed
 
     def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> Any:
         """Build (once, cached) the parent environment that attempts of ``env_dir`` fork from, for attempts
