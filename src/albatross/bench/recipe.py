@@ -30,6 +30,7 @@ settings, sharing its cached warm start), one sandbox backend, the demo's train 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import shutil
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from albatross.eval.run import EvalResult
     from albatross.orchestrator.loop import StepEvent
     from albatross.pipeline.driver import Pipeline
-    from albatross.records import Sample
+    from albatross.records import Sample, TrainSample
     from albatross.sandbox.base import Backend
     from albatross.tasks.format import Task
     from albatross.tasks.probe import ProbeRow
@@ -372,7 +373,7 @@ def measure_zero_signal(w: Workload, engine: Engine, n_tasks: int) -> dict[str, 
     kept = {r.task for r in result.kept}
     fresh = _probe(w, engine, tasks, w.backend, w.cfg.sandbox.max_infra_retries)
     fresh_kept = [r for r in fresh if r.task in kept]
-    out = {"zero_signal_unfiltered": round(observed_zero_signal(fresh), 4),
+    out: dict[str, Any] = {"zero_signal_unfiltered": round(observed_zero_signal(fresh), 4),
            "zero_signal_filtered": round(observed_zero_signal(fresh_kept), 4) if fresh_kept else None,
            "zero_signal": {"group_size": g, "tasks_probed": len(rows), "tasks_kept": len(kept),
                            "band": [result.low, result.high],
@@ -514,7 +515,7 @@ def seed_runs(w: Workload, parts: Parts, seeds: int, minutes: float) -> dict[str
     for s in range(seeds):
         seed = w.cfg.seed + s
         one = parts.get(f"seed{seed}", {"minutes": minutes, "keeps_versions": s == 0},
-                        lambda seed=seed, s=s: _one_seed(w, seed, minutes, s == 0))
+                        functools.partial(_one_seed, w, seed, minutes, s == 0))
         for key, run in one.items():
             runs[key].append(run)
     return runs
@@ -563,9 +564,10 @@ def rl_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def _pass_with_se(runs: list[dict[str, Any]]) -> tuple[float, float | None]:
     """Pass@1 over seeds with its s.e. over seeds; one seed: that run's s.e. over tasks."""
     mean, se = mean_se([r["pass_at_1"] for r in runs])
+    assert mean is not None  # seeds >= 1: every setting has a run
     if len(runs) == 1:
         se = runs[0]["pass_at_1_se"]
-    return _round(mean), _round(se)
+    return round(mean, 4), _round(se)
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:
@@ -583,11 +585,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _gap_samples(run_dir: Path, seed: int) -> list:
+def _gap_samples(run_dir: Path, seed: int) -> list[TrainSample]:
     """Trained-on samples of the run (token ids, sampler log-probs and versions), a random subset."""
     from albatross.records import STATUS_INFRA_ERROR, TrainSample, Trajectory
 
-    samples = []
+    samples: list[TrainSample] = []
     for row in _read_jsonl(run_dir / "trajectories.jsonl"):
         traj = Trajectory.from_dict(row)
         if traj.status != STATUS_INFRA_ERROR:
@@ -622,7 +624,7 @@ def logprob_gaps(w: Workload, run_dir: Path, keep_dir: Path) -> dict[str, Any]:
                 logprobs, _ = trainer.forward_logprobs(mb)
             gap = (logprobs.float().cpu() - mb.logprobs).abs()
             mask = mb.loss_mask > 0
-            for v in mb.versions[mask].unique().tolist():
+            for v in torch.unique(mb.versions[mask]).tolist():
                 sel = mask & (mb.versions == v)
                 acc.add(trainer_version - int(v), float(gap[sel].sum()), int(sel.sum()))
     return {"logprob_gap_by_staleness": acc.means(),
@@ -657,6 +659,7 @@ def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
             result = w.evaluate(engine, knobs, temperature=0.0, trials=1, workers=1)
             costs = [attempt_cost(t, price)[1] for t in result.trajectories]
             cost, cost_se = mean_se(costs)
+            assert cost is not None  # one attempt per held-out task, and there are held-out tasks
             results[name] = {**_eval_fields(w, result), "cost_per_attempt": round(cost, 2),
                              "cost_per_attempt_se": _round(cost_se, 2),
                              "compressions_per_attempt": statistics.fmean(len(t.compressions)
