@@ -231,7 +231,7 @@ def _rate(run: tuple[float, int]) -> float:
 
 # ------------------------------------------------------------------------------------------ vLLM vs built-in
 
-QWEN3_20M = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 12, "num_attention_heads": 6,
+QWEN3_20M: dict[str, Any] = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 12, "num_attention_heads": 6,
              "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
              "tie_word_embeddings": False}  # 21.0M parameters with the bench's 421-token BPE vocabulary
 

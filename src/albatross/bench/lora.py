@@ -27,7 +27,7 @@ SIZES = {"quick": {"hidden_size": 256, "num_layers": 4, "vocab_size": 8192, "tok
 
 
 # published shapes (their config.json), counted on the meta device: nothing is allocated or downloaded
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "Qwen3-0.6B": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
                    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
     "Qwen3-8B": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -48,7 +48,8 @@ def _batch(vocab: int, tokens: int, seed: int = 0) -> Any:
     from albatross.records import Batch, Sample, TrainSample
 
     rng = random.Random(seed)
-    samples, total = [], 0
+    samples: list[TrainSample] = []
+    total = 0
     while total < tokens:
         n = min(rng.randrange(64, 513), tokens - total)
         if n < 8:
@@ -132,7 +133,7 @@ def shape_shares(rank: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _table(r: dict[str, dict[str, float]]) -> list[tuple[str, Any]]:
+def _table(r: dict[str, Any]) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = []
     for name in ("full", "lora"):
         m = r[name]

@@ -42,9 +42,15 @@ import random
 import resource
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from albatross.bench.common import GIB, run_watched, status_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from albatross.records import Batch, TrainSample
 
 THROUGHPUT_MODEL = {"vocab_size": 8192, "hidden_size": 128, "num_layers": 4}
 MEMORY_MODEL = {"vocab_size": 151_936, "hidden_size": 64, "num_layers": 4}
@@ -78,12 +84,12 @@ def agent_lengths(n: int, rng: random.Random, cap: int = 4096) -> list[int]:
     return [min(max(int(rng.lognormvariate(math.log(400), 1.0)), 64), cap) for _ in range(n)]
 
 
-def synthetic_batch(lengths: list[int], vocab: int, seed: int = 0):
+def synthetic_batch(lengths: list[int], vocab: int, seed: int = 0) -> Batch:
     """Random trajectories: a 48-token prompt, then model turns (loss tokens) and observations."""
     from albatross.records import Batch, Sample, TrainSample
 
     rng = random.Random(seed)
-    samples = []
+    samples: list[TrainSample] = []
     for n in lengths:
         mask = [0 if t < 48 or (t // 96) % 3 == 2 else 1 for t in range(n)]  # every 3rd block: observation
         # rollout log-probs near a random model's (-log V), so importance ratios sit around 1
@@ -96,7 +102,7 @@ def synthetic_batch(lengths: list[int], vocab: int, seed: int = 0):
 # the padded baseline --------------------------------------------------------------------------------
 
 
-def _padded_tensors(samples: list, length: int) -> dict[str, Any]:
+def _padded_tensors(samples: list[TrainSample], length: int) -> dict[str, torch.Tensor]:
     import torch
 
     b = len(samples)
@@ -116,7 +122,7 @@ def _padded_tensors(samples: list, length: int) -> dict[str, Any]:
     return out
 
 
-def padded_order(samples: list, sort: bool) -> list:
+def padded_order(samples: list[TrainSample], sort: bool) -> list[TrainSample]:
     """The order the padded baseline batches trajectories in: arrival order, or sorted by length."""
     return sorted(samples, key=lambda ts: len(ts.sample.token_ids)) if sort else list(samples)
 
@@ -127,7 +133,8 @@ def padded_tokens(lengths: list[int], batch_size: int = 8, sort: bool = False) -
     return sum(len(c) * (max(c) - 1) for c in (xs[i : i + batch_size] for i in range(0, len(xs), batch_size)))
 
 
-def padded_step(model, optimizer, batch, batch_size: int = 8, grad_clip: float = 1.0,
+def padded_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, batch_size: int = 8,
+                grad_clip: float = 1.0,
                 sort: bool = False) -> dict[str, float]:
     """The straightforward step: padded batches (``sort``: by length), full logits, the same TIS loss and
     AdamW step."""
@@ -147,7 +154,7 @@ def padded_step(model, optimizer, batch, batch_size: int = 8, grad_clip: float =
         logp = torch.log_softmax(logits.float(), -1).gather(-1, t["tgt"][..., None])[..., 0]
         loss, _ = tis_loss(logp.flatten(), t["old"].flatten(), t["adv"].flatten(), t["mask"].flatten(),
                            t["ver"].flatten(), current_version=0, num_batch_tokens=n_loss)
-        loss.backward()
+        torch.autograd.backward(loss)
         loss_sum += float(loss.detach())
         processed += len(chunk) * length
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -158,7 +165,7 @@ def padded_step(model, optimizer, batch, batch_size: int = 8, grad_clip: float =
 # throughput -----------------------------------------------------------------------------------------
 
 
-def _timed(fn) -> tuple[float, Any]:
+def _timed(fn: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]]:
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
@@ -169,22 +176,23 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _measure(step) -> dict[str, float]:
+def _measure(step: Callable[[], dict[str, float]]) -> dict[str, float]:
     """Wall and CPU seconds of one call of ``step``, and its loss."""
     cpu0 = _cpu_seconds()
     seconds, metrics = _timed(step)
     return {"seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0, "loss": metrics["loss"]}
 
 
-def _variants(batch, cfg: dict[str, int], quick: bool) -> dict[str, Any]:
+def _variants(batch: Batch, cfg: dict[str, int], quick: bool) -> dict[str, Callable[[], dict[str, float]]]:
     """name -> a function running one full step on ``batch``, each with its own model and optimizer."""
     import torch
 
     from albatross.trainer.model import tiny_causal_lm
     from albatross.trainer.step import Trainer
 
-    def model():
-        return tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"], seed=0)
+    def model() -> torch.nn.Module:
+        lm: torch.nn.Module = tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"], seed=0)
+        return lm
 
     steps: dict[str, Any] = {}
     for name, attention in [("packed", "varlen")] + ([] if quick else [("packed-dense", "dense")]):
@@ -198,7 +206,7 @@ def _variants(batch, cfg: dict[str, int], quick: bool) -> dict[str, Any]:
     return steps
 
 
-def bench_throughput(quick: bool, log=print) -> dict[str, Any]:
+def bench_throughput(quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
     """One warm-up step per variant, then the best of 1 (quick) or 2 interleaved timed steps."""
     from albatross.trainer.packing import pack
 
@@ -279,7 +287,8 @@ def sweep_plan(lengths: list[int]) -> list[tuple[str, int]]:
     return plan
 
 
-def memory_sweep(lengths: list[int], budget_s: float, limit_gib: float, log=print) -> list[dict[str, Any]]:
+def memory_sweep(lengths: list[int], budget_s: float, limit_gib: float,
+                 log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run ``sweep_plan`` while memory and time allow; a configuration stops at its first miss."""
     deadline = time.monotonic() + budget_s
     rows: list[dict[str, Any]] = []
