@@ -67,7 +67,7 @@ def matmul_params(cfg: dict[str, Any]) -> int:
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg["intermediate_size"]
-    return layers * per_layer + cfg["vocab_size"] * h
+    return int(layers * per_layer + cfg["vocab_size"] * h)
 
 
 def train_flops(cfg: dict[str, Any], doc_lengths: list[int]) -> float:
@@ -75,7 +75,7 @@ def train_flops(cfg: dict[str, Any], doc_lengths: list[int]) -> float:
     6 N T for the matmuls plus 6 x layers x (heads x head_dim) x L^2 per document for causal attention
     (QK^T and AV, 2 L^2 d each, half of it masked)."""
     attn = cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"]
-    return 6.0 * matmul_params(cfg) * sum(doc_lengths) + 6.0 * attn * sum(n * n for n in doc_lengths)
+    return float(6.0 * matmul_params(cfg) * sum(doc_lengths) + 6.0 * attn * sum(n * n for n in doc_lengths))
 
 
 def peak_flops(name: str, explicit_tflops: float) -> float | None:
@@ -109,7 +109,9 @@ def model_config(tokenizer: Any) -> Any:
 
     ids = {"bos_token_id": tokenizer.convert_tokens_to_ids("<|user|>"), "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}
-    return Qwen3Config(**QWEN3_05B, **ids, attn_implementation="sdpa")
+    # attn_implementation: a keyword of every transformers config that Qwen3Config's signature leaves out
+    fields: dict[str, Any] = {**QWEN3_05B, **ids, "attn_implementation": "sdpa"}
+    return Qwen3Config(**fields)
 
 
 def save_model(directory: Path, tokenizer: Any, dtype: str = "bfloat16") -> Path:

@@ -62,7 +62,7 @@ def trainer_logprobs(model: Any, docs: list[list[int]], attention: str = "auto",
     inputs = attention_inputs(model, attention)
     policy = TokenLogprobs(model, chunk_size=64, exact_packing=exact)
     with torch.no_grad():
-        logp, _ = policy(mb.input_ids, mb.position_ids, mb.targets, **inputs(mb, torch.float32, "cpu"))
+        logp, _ = policy(mb.input_ids, mb.position_ids, mb.targets, **inputs(mb, torch.float32, torch.device("cpu")))
     return logp
 
 

@@ -20,6 +20,7 @@ import resource
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from albatross.bench.common import print_table, write_json
@@ -73,7 +74,8 @@ def images_of(backend: Any, dirs: list[str], log: Any = print) -> list[_Image]:
     from albatross.tasks.offline import dockerfile_problem
 
     found: dict[str, _Image] = {}
-    for task in load_tasks(dirs):
+    task_dirs: list[str | Path] = list(dirs)
+    for task in load_tasks(task_dirs):
         if dockerfile_problem(task):
             continue
         try:

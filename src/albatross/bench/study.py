@@ -51,6 +51,7 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from albatross.bench.common import GIB, run_watched, status_bytes
@@ -135,7 +136,9 @@ def build_model(model_dir: str | None, device: str) -> Any:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.for_model("qwen4_exp_text", **STUDY_MODEL)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # transformers: unannotated
+            config, dtype=torch.float32)
+    # a transformers model: ``set_experts_implementation`` is in transformers 5 (a version boundary)
     if hasattr(model, "set_experts_implementation") and _has_experts(model):
         model.set_experts_implementation("eager")
     return model.to(device).train()
@@ -320,7 +323,7 @@ def matmul_flops(model: Any, lengths: list[int]) -> float:
     tokens = sum(n - 1 for n in lengths)
     per_token = 0
     attention = 0
-    for module in model.modules():
+    for module in model.modules():  # transformers' modules: their parts are found by name (any architecture)
         name = type(module).__name__
         if isinstance(module, nn.Linear):
             per_token += 2 * module.in_features * module.out_features
@@ -397,7 +400,7 @@ SEED_PARTS_ONLY = "8 with the seed's frozen parts only (embedding trained)"
 
 
 def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, rounds: int = 1,
-                    log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                    log: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows 0-8 and row 8 with the seed's frozen parts only (``SEED_PARTS_ONLY``), each in a fresh child process.
 
     With ``rounds`` > 1 every row runs once per round, rows in order within a round, so each row's steps are
@@ -423,7 +426,7 @@ def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, rounds
 
 
 def longest_context(base: dict[str, Any], row: int, lengths: list[int], limit_gib: float, deadline: float,
-                    log=print) -> dict[str, Any]:
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Try one-trajectory contexts in order; the longest that trained one step under ``limit_gib``."""
     best: dict[str, Any] = {"context": 0}
     tried = []
@@ -445,7 +448,7 @@ def longest_context(base: dict[str, Any], row: int, lengths: list[int], limit_gi
     return {**best, "tried": tried}
 
 
-def context_rows(base: dict[str, Any], quick: bool, limit_gib: float, budget_s: float, log=print) -> dict[str, Any]:
+def context_rows(base: dict[str, Any], quick: bool, limit_gib: float, budget_s: float, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Row 9: the longest context of row 0's and of row 8's configuration under one memory limit."""
     deadline = time.monotonic() + budget_s
     start = 256 if quick else 1024

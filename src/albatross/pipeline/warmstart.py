@@ -19,12 +19,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.config import RunConfig
 from albatross.errors import UserError
 from albatross.records import Sample
 from albatross.tasks.format import Task
+
+if TYPE_CHECKING:
+    from albatross.harness.agent import Agent
 
 CACHE_VERSION = 4  # bump when the demo's tasks, tokenizer or model layout change
 
@@ -51,7 +54,7 @@ def demonstrated(tasks: list[Task], reward_only: list[str]) -> list[Task]:
     return kept
 
 
-def collect_demonstrations(agent: Any, tasks: list[Task], workers: int = 8) -> list[Sample]:
+def collect_demonstrations(agent: Agent, tasks: list[Task], workers: int = 8) -> list[Sample]:
     """One demonstration per task with oracle steps; a demonstration that fails verification is skipped. None
     succeeding is a ``UserError`` naming the first task and how its demonstration ended."""
     from albatross.engine.scripted import ScriptedEngine
