@@ -678,15 +678,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.engine.remote import vllm_python
 
     torch.set_num_threads(1)
-    quick = bool(getattr(args, "quick", False))
-    model_dir, kind = demo_model_dir(getattr(args, "model", None))
+    quick = bool(args.quick)
+    model_dir, kind = demo_model_dir(args.model)
     from albatross.engine.tokenizer import load_tokenizer
 
     results: dict[str, Any] = {"model": str(model_dir), "model_kind": kind}
     if _mtp_family(model_dir):  # the hybrid families: MTP speculation (the sections below are for plain KV)
         results.update(mtp_speculation(model_dir, quick))
         print_table("albatross bench engine (MTP speculative decoding)", list(results.items()))
-        write_json(getattr(args, "json", None), results)
+        write_json(args.json, results)
         return results
     prompts = agent_prompts(load_tokenizer(model_dir), 64)
     per_client = 2 if quick else 4
@@ -694,12 +694,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results.update(kv_reuse(model_dir, prompts, repeats=1 if quick else 3))
     results.update(speculative(model_dir, prompts[: 8 if quick else 64], 4, repeats=1 if quick else 3))
     results.update(weight_swap(model_dir, prompts, repeats=3 if quick else 5))
-    python = getattr(args, "vllm_python", None)
-    if want_vllm(getattr(args, "vllm", None), python):
+    python = args.vllm_python
+    if want_vllm(args.vllm, python):
         results.update(vllm_section(model_dir, prompts, [16] if quick else [16, 64], per_client,
                                     repeats=1 if quick else 2, python=str(vllm_python(python) or "")))
     rows = [(k, v) for k, v in results.items() if k != "vllm"]
     rows += [(f"vllm.{m}.{k}", v) for m, figs in results.get("vllm", {}).items() for k, v in figs.items()]
     print_table("albatross bench engine", rows)
-    write_json(getattr(args, "json", None), results)
+    write_json(args.json, results)
     return results

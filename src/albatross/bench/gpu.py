@@ -293,9 +293,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     name, gpus = require_cuda()
-    peak = peak_flops(name, float(getattr(args, "peak_tflops", 0.0) or 0.0))
-    vllm = want_vllm(getattr(args, "vllm", None))
-    keep = getattr(args, "out", None)
+    peak = peak_flops(name, float(args.peak_tflops or 0.0))
+    vllm = want_vllm(args.vllm)
+    keep = args.out
     out = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="albatross-bench-gpu-"))
     (out / "model").mkdir(parents=True, exist_ok=True)
     save_model(out / "model", demo_tokenizer())
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["run"] = run_figures(out, time.perf_counter() - t0, matmul_params(QWEN3_05B), peak, ranks)
     results["wall_seconds"] = time.perf_counter() - t_start
     results["under_8_minutes"] = results["wall_seconds"] < 480
-    _report(results, getattr(args, "json", None))
+    _report(results, args.json)
     return results
 
 

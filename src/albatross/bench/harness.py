@@ -437,5 +437,5 @@ def _report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, An
                  (f"slow tests, {mode}: success", r["success_rate"])]
     print_table(f"albatross bench harness: scripted policy, long-horizon tasks, {args.limit} characters "
                 "shown per output in every configuration", rows)
-    write_json(getattr(args, "json", None), data)
+    write_json(args.json, data)
     return data

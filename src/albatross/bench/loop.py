@@ -349,10 +349,10 @@ def bench_config(args: argparse.Namespace, out_dir: Path) -> RunConfig:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
-    modes = [m.strip() for m in str(getattr(args, "modes", ",".join(MODES))).split(",") if m.strip()]
+    modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise SystemExit(f"--modes: choose from {','.join(MODES)}")
-    keep = getattr(args, "out", None)
+    keep = args.out
     root = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="albatross-bench-loop-"))
     try:
         results, meta = _run(args, root, modes)
@@ -436,5 +436,5 @@ def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]], meta: 
         rows.append(("async_vs_sync_steps_per_hour", data["async_vs_sync_steps_per_hour"]))
     print_table(f"albatross bench loop: sync vs async, {meta['minutes_per_mode']:g} min per mode, "
                 f"batch {meta['groups_per_step']}x{meta['group_size']}", rows)
-    write_json(getattr(args, "json", None), data)
+    write_json(args.json, data)
     return data

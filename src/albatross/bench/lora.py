@@ -71,7 +71,7 @@ def state_bytes(optimizer: Any) -> int:
 
 
 def _model(args: argparse.Namespace, size: dict[str, int]) -> Any:
-    if getattr(args, "model", None):
+    if args.model:
         from albatross.trainer.model import load_model
 
         if not (Path(args.model) / "config.json").is_file():
@@ -153,19 +153,19 @@ def _table(r: dict[str, Any]) -> list[tuple[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    rank, steps = int(getattr(args, "rank", 16)), int(getattr(args, "steps", 3))
+    rank, steps = int(args.rank), int(args.steps)
     if rank < 1 or steps < 1:
         raise UserError(f"bench lora: --rank {rank} / --steps {steps}: expected both >= 1")
-    torch.set_num_threads(int(getattr(args, "threads", 1)))
-    size = SIZES["quick" if getattr(args, "quick", False) else "full"]
+    torch.set_num_threads(int(args.threads))
+    size = SIZES["quick" if args.quick else "full"]
     model = _model(args, size)
     vocab = min(model.config.vocab_size, size["vocab_size"])
     result: dict[str, Any] = measure(model, rank, steps, size["tokens"], vocab)
     result["shapes"] = shape_shares(rank)
-    where = getattr(args, "model", None) or (f"random Qwen2, hidden {size['hidden_size']}, {size['num_layers']} "
-                                            f"layers, vocab {size['vocab_size']}")
+    where = args.model or (f"random Qwen2, hidden {size['hidden_size']}, {size['num_layers']} "
+                           f"layers, vocab {size['vocab_size']}")
     print_table(f"albatross bench lora ({where}; rank {rank}; {size['tokens']} tokens per step; CPU fp32)",
                 _table(result))
     out = {"model": where, "rank": rank, "tokens_per_step": size["tokens"], "steps": steps, **result}
-    write_json(getattr(args, "json", None), out)
+    write_json(args.json, out)
     return out

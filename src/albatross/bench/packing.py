@@ -141,8 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # tiny models: thread overhead dominates
 
-    lengths = _lengths(str(getattr(args, "lengths", None) or ",".join(map(str, DOC_LENGTHS))))
-    model_dir = getattr(args, "model", None)
+    lengths = _lengths(str(args.lengths or ",".join(map(str, DOC_LENGTHS))))
+    model_dir = args.model
     if model_dir:
         from albatross.models.tiny import load_any
 
@@ -158,5 +158,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = {"families": fams, "doc_lengths": list(lengths),
                    "max_abs_logprob_diff": max(r["max_abs_logprob_diff"] for r in fams.values())}
         print_table("albatross bench packing (log-prob diff, packed vs alone, fp32)", _rows(fams))
-    write_json(getattr(args, "json", None), results)
+    write_json(args.json, results)
     return results

@@ -719,7 +719,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
     minutes, seeds = _check_args(args)
-    keep = getattr(args, "out", None)
+    keep = args.out
     root = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="albatross-bench-recipe-"))
     t0 = time.monotonic()
     try:
@@ -728,7 +728,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
     data["total_seconds"] = round(time.monotonic() - t0, 1)
-    json_path = getattr(args, "json", None)
+    json_path = args.json
     if json_path:
         plot = write_plot(data, Path(json_path).with_name(Path(json_path).stem + "_stability.png"))
         data["stability_plot"] = Path(plot).name if plot else None  # beside the JSON

@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             backend.close()
     result["load_avg_after"] = os.getloadavg()[0]
     _report(result, levels)
-    write_json(getattr(args, "json", None), result)
+    write_json(args.json, result)
     return result
 
 

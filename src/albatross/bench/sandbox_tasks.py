@@ -112,7 +112,7 @@ def run_tasks(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         backend.close()
     _report(result)
-    write_json(getattr(args, "json", None), result)
+    write_json(args.json, result)
     return result
 
 
@@ -228,5 +228,5 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tasks_requested(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "tasks", None))
+    return bool(args.tasks)
 

@@ -492,20 +492,20 @@ def first_loss_check(packed: list[float], padded: list[float], alone: Any, devic
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
-    quick = bool(getattr(args, "quick", False))
-    device = getattr(args, "device", "cpu") or "cpu"
-    limit = getattr(args, "study_memory_gib", None) or MEMORY_LIMIT_GIB
+    quick = bool(args.quick)
+    device = args.device or "cpu"
+    limit = args.study_memory_gib or MEMORY_LIMIT_GIB
     lengths = study_lengths(quick)
     # the whole batch in one packed micro-batch, as row 0 runs it in one padded batch
-    base = {"device": device, "model": getattr(args, "model", None), "micro_batch_tokens": max(4096, sum(lengths))}
-    rounds = 1 if quick else max(1, int(getattr(args, "study_rounds", None) or ROUNDS))
+    base = {"device": device, "model": args.model, "micro_batch_tokens": max(4096, sum(lengths))}
+    rounds = 1 if quick else max(1, int(args.study_rounds or ROUNDS))
     rows, seed_only = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED, rounds)
     alone = {**base, "padded_batch": 1}  # row 0's model on each trajectory alone: only asked for if row 0 differs
     losses = first_loss_check([x for r in [*rows[1:], seed_only] for x in r["first_losses"]], rows[0]["first_losses"],
                               lambda: _child_result(alone, "0 with each trajectory alone", {}, lengths, 1)["first_loss"],
                               device)
     same = losses["same_first_loss"]
-    budget = getattr(args, "study_budget_s", None) or (60.0 if quick else 900.0)
+    budget = args.study_budget_s or (60.0 if quick else 900.0)
     ctx = context_rows(base, quick, limit, budget)  # after the rows, so no row shares the CPU with it
     ctx_row = {"name": CONTEXT_ROW, "context_baseline": ctx["baseline"]["context"],
                "max_context": ctx["final"]["context"], "tokens_per_s": ctx["final"].get("tokens_per_s"),
@@ -523,7 +523,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": device, "quick": quick, "rounds": rounds, "steps_per_round": 1 if quick else STEPS_TIMED,
         "real_tokens": sum(n - 1 for n in lengths),
         "trajectories": len(lengths), "length_median": sorted(lengths)[len(lengths) // 2],
-        "length_max": max(lengths), "model": getattr(args, "model", None) or {"qwen4_exp": STUDY_MODEL},
+        "length_max": max(lengths), "model": args.model or {"qwen4_exp": STUDY_MODEL},
         "context": ctx,
     }
     table = [(r["name"], f"{r['tokens_per_s']:.0f} tok/s  {r['peak_gib']:.2f} GiB  {r['matmul_gflops']:.2f} "
@@ -534,7 +534,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                f"{limit:g} GiB (x{ctx_row['ratio']:.1f})"),
               ("cumulative speedup (row 8 / row 0)", round(result["cumulative_speedup"], 2))]
     print_table(f"albatross bench trainer --study ({device})", table)
-    write_json(getattr(args, "json", None), result)
+    write_json(args.json, result)
     return result
 
 

@@ -377,18 +377,18 @@ def _table_rows(tp: dict[str, Any], mem: dict[str, Any]) -> list[tuple[str, Any]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
-    if getattr(args, "study", False):
+    if args.study:
         from albatross.bench import study
 
         return study.run(args)
 
-    quick = bool(getattr(args, "quick", False))
-    max_len = getattr(args, "max_seq_len", None) or (8192 if quick else 32768)
-    budget = getattr(args, "memory_budget_s", None) or (150.0 if quick else 600.0)
+    quick = bool(args.quick)
+    max_len = args.max_seq_len or (8192 if quick else 32768)
+    budget = args.memory_budget_s or (150.0 if quick else 600.0)
     lengths = [n for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
                if n <= max_len and (quick or n >= 4096)]
     tp = bench_throughput(quick)
-    mem = _memory_result(memory_sweep(lengths, budget, getattr(args, "memory_limit_gib", 16.0)))
+    mem = _memory_result(memory_sweep(lengths, budget, args.memory_limit_gib))
     rows = tp["rows"]
     result = {
         "packed_vs_padded_speedup": rows["packed"]["real_tokens_per_s"] / rows["padded"]["real_tokens_per_s"],
@@ -413,7 +413,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              ("max seq len projected (24 GiB, straight line from a hidden-64 model)",
               result["max_seq_len_projected"])]
     print_table("albatross bench trainer", table)
-    write_json(getattr(args, "json", None), result)
+    write_json(args.json, result)
     return result
 
 
