@@ -88,7 +88,7 @@ def reference_logprobs(model: Any, docs: list[list[int]]) -> Any:
     """transformers' own forward on each document alone (its ``sdpa`` attention), [T] log-probs."""
     import torch
 
-    impl = model.config._attn_implementation
+    impl = model.config._attn_implementation  # transformers' own name for it (there is no public getter)
     model.set_attn_implementation("sdpa")
     out = []
     try:
