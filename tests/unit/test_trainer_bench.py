@@ -5,18 +5,8 @@ import random
 import pytest
 import torch
 
-from albatross.bench.trainer import (
-    MEMORY_CONFIGS,
-    _memory_result,
-    agent_lengths,
-    fit_line,
-    fit_max_len,
-    padded_order,
-    padded_step,
-    padded_tokens,
-    sweep_plan,
-    synthetic_batch,
-)
+from albatross.bench.batches import agent_lengths, padded_order, padded_step, padded_tokens, synthetic_batch
+from albatross.bench.trainer import MEMORY_CONFIGS, _memory_result, fit_line, fit_max_len, sweep_plan
 from albatross.trainer.model import tiny_causal_lm
 from albatross.trainer.step import Trainer
 

@@ -132,7 +132,7 @@ def save_model(directory: Path, tokenizer: Any, dtype: str = "bfloat16") -> Path
 def packed_batch(budget: int, rng: random.Random, vocab: int) -> tuple[Any, list[int]]:
     """Agent-like samples (log-normal lengths, median 2K tokens, up to ``budget``) filling about 4 micro-batches
     of ``budget`` tokens; returns (batch, document lengths)."""
-    from albatross.bench.trainer import synthetic_batch
+    from albatross.bench.batches import synthetic_batch
 
     lengths: list[int] = []
     while sum(lengths) < 4 * budget * 0.9:

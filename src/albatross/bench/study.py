@@ -9,7 +9,7 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
 
 0. transformers as shipped: batches of 8 trajectories right-padded to their longest, eager experts (a loop
    over experts), the QSA indexer's Python loop over positions and its dense [B, 1, T, T] masks, full
-   [B, T, V] logits, no checkpointing (``bench.trainer.padded_step``);
+   [B, T, V] logits, no checkpointing (``bench.batches.padded_step``);
 1. exact packing: albatross' trainer, first-fit-decreasing rows, packed-aware layers (``models/``);
 2. ``trainer.grouped_experts``; 3. ``trainer.fast_indexer``; 4. ``trainer.fused_hyper``;
 5. chunked log-probs at the loss tokens only (``trainer.logprob_chunk``, ``trainer.logprob_loss_only``);
@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from albatross.bench.batches import agent_lengths, padded_step, synthetic_batch
 from albatross.bench.common import GIB, run_watched, status_bytes
 
 MEMORY_LIMIT_GIB = 2.0
@@ -155,16 +156,12 @@ def vocab_of(model: Any) -> int:
 
 
 def study_lengths(quick: bool) -> list[int]:
-    """Agent-like trajectory lengths (``bench.trainer.agent_lengths``: log-normal, median 400, clipped)."""
-    from albatross.bench.trainer import agent_lengths
-
+    """Agent-like trajectory lengths (``bench.batches.agent_lengths``: log-normal, median 400, clipped)."""
     return agent_lengths(6 if quick else 8, random.Random(1), cap=512 if quick else 2048)
 
 
 def batch_of(lengths: list[int], vocab: int, seed: int = 0) -> Any:
     """Random trajectories with prompts, model turns and observations; ids avoid the special tokens."""
-    from albatross.bench.trainer import synthetic_batch
-
     batch = synthetic_batch(lengths, vocab - 3, seed)
     for ts in batch.samples:  # ids 3.. so no document holds an EOS (the n-gram hashes reset on it)
         ts.sample.token_ids[:] = [t + 3 for t in ts.sample.token_ids]
@@ -220,13 +217,11 @@ def _trainer(model: Any, options: dict[str, Any], tokens: int, device: str) -> A
 
 
 def _padded(model: Any, device: str, batch_size: int) -> Any:
-    """Row 0's step: ``bench.trainer.padded_step`` (bf16 autocast on a GPU); ``batch_size`` 1: each trajectory
+    """Row 0's step: ``bench.batches.padded_step`` (bf16 autocast on a GPU); ``batch_size`` 1: each trajectory
     alone, no padding."""
     import contextlib
 
     import torch
-
-    from albatross.bench.trainer import padded_step
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     cast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext())
