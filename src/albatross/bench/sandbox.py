@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from albatross.bench.common import print_table, write_json
+from albatross.bench.common import percentile, print_table, to_ms, write_json
 
 ENV_DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY data/ /app/\n"
 
@@ -38,20 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from albatross.bench.sandbox_tasks import add_task_arguments
 
     add_task_arguments(parser)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by nearest rank."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = max(1, int(round(q / 100 * len(ordered) + 0.5 - 1e-9)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-def to_ms(seconds: float) -> float:
-    """Seconds as milliseconds, rounded to the microsecond (the tables' unit)."""
-    return round(seconds * 1000, 3)
 
 
 def measure_sh(n: int) -> list[float]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from albatross.bench.common import print_table, write_json
+from albatross.bench.common import percentile, print_table, to_ms, write_json
 
 
 @dataclass
@@ -117,8 +117,6 @@ def run_tasks(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _measure(backend: Any, images: list[_Image], args: argparse.Namespace) -> dict[str, Any]:
-    from albatross.bench.sandbox import percentile, to_ms
-
     result: dict[str, Any] = {"tasks": [i.task.id for i in images], "images": len(images),
                               "concurrent": args.concurrent, "forks": args.forks, "workers": args.workers,
                               "pace_ms": args.pace_ms, "settle_s": args.settle_s,
