@@ -426,7 +426,7 @@ def _report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, An
         "configs": results,
         "background_jobs": {**jobs, "wall_seconds_reduction": round(
             1 - jobs["background"]["wall_seconds_per_attempt"] / jobs["foreground"]["wall_seconds_per_attempt"], 4)},
-        "settings": {k: getattr(args, k) for k in ("tasks", "limit", "context", "compress_at", "compress_target",
+        "settings": {k: vars(args)[k] for k in ("tasks", "limit", "context", "compress_at", "compress_target",
                                                     "think", "seed")} | {"backend": kind},
     }
     rows += [("cost_reduction (redirect+compress vs baseline, cached input priced)", data["cost_reduction"]),

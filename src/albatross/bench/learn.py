@@ -72,7 +72,7 @@ class Workload:
     def prompt(self, instruction: str) -> list[int]:
         out = self.tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=True,
                                                  add_generation_prompt=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5: a BatchEncoding
 
     def correct(self, completion_ids: list[int], answer: str) -> bool:
         ids = [i for i in completion_ids if i != self.end]

@@ -67,7 +67,7 @@ def _batch(vocab: int, tokens: int, seed: int = 0) -> Any:
 def state_bytes(optimizer: Any) -> int:
     """Bytes of every tensor in the optimizer's state (AdamW: two moments per trainable parameter, and steps)."""
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if hasattr(v, "numel"))
+               if hasattr(v, "numel"))  # torch's optimizer state holds tensors and plain numbers
 
 
 def _model(args: argparse.Namespace, size: dict[str, int]) -> Any:
