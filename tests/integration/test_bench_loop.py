@@ -10,6 +10,7 @@ import pytest
 
 from albatross.bench.loop import EngineBusy, SlowBackend, TailDelay, mode_figures
 from albatross.sandbox import local_available
+from albatross.sandbox.faults import FaultInjector
 
 MODE_KEYS = ("steps", "steps_per_hour", "trainer_idle_share", "engine_idle_share", "mean_staleness",
              "heldout_pass_at_1", "wall_seconds")
@@ -31,10 +32,11 @@ class _FakeAttempt:
 
 
 class _FakeBackend:
-    name, isolated = "fake", True
+    name, isolated, restarts = "fake", True, 0
 
     def __init__(self):
         self.log, self.attempts, self.closed = [], [], False
+        self.faults = FaultInjector(0.0, 0)
 
     def fork(self, env_dir, workdir="/app", limits=None):
         self.attempts.append(_FakeAttempt(self.log))
@@ -62,7 +64,9 @@ def test_slow_backend_delays_exec_and_forwards_everything_else():
     inner = _FakeBackend()
     delay = TailDelay(0.02, 0.0, 1.0)  # sigma 0: every command waits exactly 20 ms
     backend = SlowBackend(inner, delay)
-    assert backend.name == "fake" and backend.isolated is True
+    assert backend.name == "fake" and backend.isolated is True and backend.faults is inner.faults
+    inner.restarts = 2
+    assert backend.restarts == 2  # the real backend's count, read when asked
     attempt = backend.fork(None, "/app")
     t0 = time.monotonic()
     assert attempt.exec("echo hi", 5) == "ran"

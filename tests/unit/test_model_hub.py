@@ -59,7 +59,7 @@ def test_train_with_a_hub_id_uses_the_cached_model(offline, tmp_path, capsys):
     cfg = load_config(None, ["model.path=acme/tiny-agent", f"tasks.train={tmp_path / 'tasks' / 'train'}",
                              f"out={tmp_path / 'out'}", "harness.action_format=bash_block"])
     pipeline = Pipeline(cfg, log=print)
-    pipeline._prepare_out()
+    pipeline.prepare_out()
     path = pipeline._resolve_model()
     assert path == offline / "models--acme--tiny-agent" / "snapshots" / COMMIT and pipeline.cfg.model.path == str(path)
     assert pipeline.model_name == "acme/tiny-agent" and str(path) in (tmp_path / "out" / "config.json").read_text()

@@ -87,7 +87,7 @@ def test_evaluation_samples_at_eval_temperature(tmp_path):
     pipeline = Pipeline(cfg)
     backend = ProcessBackend()
     try:
-        evaluator = build_agent(pipeline._eval_config(), None, backend, demo_tokenizer())
+        evaluator = build_agent(pipeline.eval_config(), None, backend, demo_tokenizer())
         trainer_side = build_agent(cfg, None, backend, demo_tokenizer())
     finally:
         backend.close()

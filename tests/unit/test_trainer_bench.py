@@ -5,14 +5,8 @@ import random
 import pytest
 import torch
 
+from albatross.bench.batches import agent_lengths, padded_order, padded_step, padded_tokens, synthetic_batch
 from albatross.bench.trainer import MEMORY_CONFIGS, _memory_result, fit_line, fit_max_len, sweep_plan
-from albatross.bench.trajectories import (
-    agent_lengths,
-    padded_order,
-    padded_step,
-    padded_tokens,
-    synthetic_batch,
-)
 from albatross.config import TrainerConfig
 from albatross.trainer.model import tiny_causal_lm
 from albatross.trainer.step import Trainer

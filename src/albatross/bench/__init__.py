@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 
 BENCHES = {
     "sandbox": "albatross.bench.sandbox",

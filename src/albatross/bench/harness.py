@@ -35,14 +35,21 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.engine.base import Completion, SamplingParams, SingleEngine
 from albatross.harness.chat import ChatFormat
 from albatross.harness.context import SUMMARY_REQUEST
 from albatross.harness.parsers import FormatError, parse_bash_block
+
+if TYPE_CHECKING:
+    from albatross.config import HarnessConfig
+    from albatross.harness.agent import Agent
+    from albatross.harness.chat import TinyTokenizer
+    from albatross.records import Trajectory
 
 DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY app/ /app/\n"
 SERVICES = ("auth", "billing", "search", "cart", "mail", "geo")
@@ -285,7 +292,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _harness_cfg(args: argparse.Namespace, knobs: dict[str, Any]):
+def _harness_cfg(args: argparse.Namespace, knobs: dict[str, Any]) -> HarnessConfig:
     from albatross.config import HarnessConfig
 
     cfg = HarnessConfig(max_turns=100, max_tokens_per_turn=512, max_context_tokens=args.context,
@@ -295,7 +302,7 @@ def _harness_cfg(args: argparse.Namespace, knobs: dict[str, Any]):
                                   "keep_observations": 2, "summary_max_tokens": 512, **knobs})
 
 
-def _tokenizer(tasks: list[LongTask]):
+def _tokenizer(tasks: list[LongTask]) -> TinyTokenizer:
     from albatross.harness.chat import TinyTokenizer
     from albatross.harness.context import SUMMARY_HEADER
 
@@ -306,11 +313,11 @@ def _tokenizer(tasks: list[LongTask]):
     return TinyTokenizer.from_corpus(corpus)
 
 
-def run_config(agent, tasks: list[tuple[Path, LongTask]], think_s: float = 0.0) -> list:
+def run_config(agent: Agent, tasks: list[tuple[Path, LongTask]], think_s: float = 0.0) -> list[Trajectory]:
     from albatross.harness.agent import AttemptSpec
     from albatross.tasks.format import load_task
 
-    trajs = []
+    trajs: list[Trajectory] = []
     for i, (path, task) in enumerate(tasks):
         policy = ScriptedPolicy([f"```bash\n{s}\n```" for s in task.steps], agent.fmt, think_s=think_s)
         trajs.append(agent.run(AttemptSpec(load_task(path), "bench", i), engine=policy))
@@ -322,7 +329,7 @@ def prices(args: argparse.Namespace) -> dict[str, float]:
     return {"input": 1.0, "cached_input": float(args.price_cached), "output": float(args.price_output)}
 
 
-def attempt_cost(traj: Any, price: dict[str, float]) -> tuple[dict[str, int], float]:
+def attempt_cost(traj: Trajectory, price: dict[str, float]) -> tuple[dict[str, int], float]:
     """Fresh input, cached input and output tokens of an attempt (every model call, summaries included),
     and its cost at ``price``."""
     from albatross.eval.run import Usage, sample_usage
@@ -332,7 +339,7 @@ def attempt_cost(traj: Any, price: dict[str, float]) -> tuple[dict[str, int], fl
     return {"input": usage.input, "cached_input": usage.cached_input, "output": usage.output}, cost
 
 
-def summarise(trajs: list, price: dict[str, float]) -> dict[str, Any]:
+def summarise(trajs: list[Trajectory], price: dict[str, float]) -> dict[str, Any]:
     per_turn: dict[int, list[int]] = {}
     for t in trajs:
         for i, turn in enumerate(t.turns):
@@ -396,7 +403,8 @@ def _reductions(results: dict[str, dict[str, Any]], key: str) -> dict[str, float
 
 
 def _report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, Any]],
-            jobs: dict[str, dict[str, Any]], print_table, write_json) -> dict[str, Any]:
+            jobs: dict[str, dict[str, Any]], print_table: Callable[[str, list[tuple[str, Any]]], None],
+            write_json: Callable[[str | Path | None, dict[str, Any]], None]) -> dict[str, Any]:
     cost, tokens = _reductions(results, "cost_per_attempt"), _reductions(results, "tokens_per_attempt")
     rows: list[tuple[str, Any]] = []
     for name, r in results.items():
@@ -418,7 +426,7 @@ def _report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, An
         "configs": results,
         "background_jobs": {**jobs, "wall_seconds_reduction": round(
             1 - jobs["background"]["wall_seconds_per_attempt"] / jobs["foreground"]["wall_seconds_per_attempt"], 4)},
-        "settings": {k: getattr(args, k) for k in ("tasks", "limit", "context", "compress_at", "compress_target",
+        "settings": {k: vars(args)[k] for k in ("tasks", "limit", "context", "compress_at", "compress_target",
                                                     "think", "seed")} | {"backend": kind},
     }
     rows += [("cost_reduction (redirect+compress vs baseline, cached input priced)", data["cost_reduction"]),
@@ -429,5 +437,5 @@ def _report(args: argparse.Namespace, kind: str, results: dict[str, dict[str, An
                  (f"slow tests, {mode}: success", r["success_rate"])]
     print_table(f"albatross bench harness: scripted policy, long-horizon tasks, {args.limit} characters "
                 "shown per output in every configuration", rows)
-    write_json(getattr(args, "json", None), data)
+    write_json(args.json, data)
     return data

@@ -72,11 +72,11 @@ class Workload:
     def prompt(self, instruction: str) -> list[int]:
         out = self.tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=True,
                                                  add_generation_prompt=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5: a BatchEncoding
 
     def correct(self, completion_ids: list[int], answer: str) -> bool:
         ids = [i for i in completion_ids if i != self.end]
-        return self.tokenizer.decode(ids).strip() == answer
+        return bool(self.tokenizer.decode(ids).strip() == answer)
 
 
 def warm_start(work: Workload, rng: random.Random, steps: int = 80) -> None:
@@ -99,7 +99,7 @@ def warm_start(work: Workload, rng: random.Random, steps: int = 80) -> None:
             sample.extend(answer, model=True, logprobs=[0.0] * len(answer), versions=[0] * len(answer))
             batch.append(sample)
         trainer.sft_step(batch)
-    work.model.eval()
+    work.model.train(False)  # eval mode
 
 
 def sample(engine: Any, work: Workload, prompts: list[list[int]], temperature: float, rng: random.Random) -> list[Any]:

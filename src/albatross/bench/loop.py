@@ -39,7 +39,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from albatross.config import RunConfig
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.orchestrator.loop import StepEvent
+    from albatross.sandbox.base import Attempt, Backend, ExecResult, Limits, VerifierExec, VerifierSpec
+    from albatross.tasks.format import Task
 
 MODES = ("sync", "async")
 
@@ -106,35 +115,59 @@ class TailDelay:
 class SlowAttempt:
     """An attempt whose ``exec`` first sleeps a drawn delay; everything else is the real attempt's."""
 
-    def __init__(self, inner: Any, delay: TailDelay) -> None:
+    def __init__(self, inner: Attempt, delay: TailDelay) -> None:
         self._inner, self._delay = inner, delay
 
-    def exec(self, command: str, timeout_s: float | None = None):
+    def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         time.sleep(self._delay.draw())
         return self._inner.exec(command, timeout_s)
 
+    def put_dir(self, host_dir: Path, sandbox_path: str) -> None:
+        self._inner.put_dir(host_dir, sandbox_path)
+
+    def read_file(self, sandbox_path: str) -> bytes | None:
+        return self._inner.read_file(sandbox_path)
+
+    def kill_all(self) -> None:
+        self._inner.kill_all()
+
+    def exec_clean(self, command: str, cwd: str, timeout_s: float | None = None) -> ExecResult:
+        return self._inner.exec_clean(command, cwd, timeout_s)
+
+    def verify(self, spec: VerifierSpec) -> VerifierExec:
+        return self._inner.verify(spec)
+
     def close(self) -> None:
         self._inner.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class SlowBackend:
     """A sandbox backend whose attempts are ``SlowAttempt``s. It does not own the real backend: ``close``
     is a no-op and whoever created the real backend closes it."""
 
-    def __init__(self, inner: Any, delay: TailDelay) -> None:
+    def __init__(self, inner: Backend, delay: TailDelay) -> None:
         self._inner, self._delay = inner, delay
+        self.name, self.isolated, self.faults = inner.name, inner.isolated, inner.faults
 
-    def fork(self, *args: Any, **kwargs: Any) -> SlowAttempt:
-        return SlowAttempt(self._inner.fork(*args, **kwargs), self._delay)
+    @property
+    def restarts(self) -> int:
+        return self._inner.restarts
+
+    @restarts.setter
+    def restarts(self, value: int) -> None:  # ``Backend.restarts`` is a plain attribute: the real backend's
+        self._inner.restarts = value
+
+    def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> Any:
+        return self._inner.prepare(env_dir, network, build_timeout_s)
+
+    def pids(self) -> dict[str, int]:
+        return self._inner.pids()
+
+    def fork(self, env_dir: Path | None, workdir: str = "/app", limits: Limits | None = None) -> SlowAttempt:
+        return SlowAttempt(self._inner.fork(env_dir, workdir, limits), self._delay)
 
     def close(self) -> None:
         pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 # ---- measuring the engine ----------------------------------------------------------------------------------
@@ -144,7 +177,7 @@ class EngineBusy:
     """Seconds the engine's worker spends in forward passes (prefill on admission and decode steps) inside a
     window, by wrapping the runner's ``admit`` and ``step`` on this instance only."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: BuiltinEngine) -> None:
         self.busy = 0.0
         self.start = self.end = math.inf
         runner = engine.runner
@@ -167,43 +200,30 @@ class EngineBusy:
         return timed
 
 
-def _timed_loop_class():
-    from albatross.orchestrator.loop import AsyncLoop
+class BudgetWatch:
+    """A step observer of the real loop (``StepObserver``): when its scheduling loop (and so its time budget)
+    starts, and a copy of the weights of the last step finished within the budget (batches already queued when
+    the time is up are still trained by the loop; the model evaluated is the one the budget bought)."""
 
-    class TimedLoop(AsyncLoop):
-        """The real loop, plus: when its scheduling loop (and so its time budget) starts, and a copy of the
-        weights of the last step finished within the budget (batches already queued when the time is up are
-        still trained by the loop; the model evaluated is the one the budget bought)."""
+    def __init__(self, budget_s: float, dest: Path, on_start: Callable[[], None] = lambda: None) -> None:
+        self.budget_s, self.dest, self._on_start = budget_s, dest, on_start
+        self.drive_start = 0.0  # time.time() when the budget started
+        self.budget_version = 0
+        self.budget_weights: Path | None = None
 
-        on_drive: Callable[[], None] = staticmethod(lambda: None)
-        drive_start = 0.0  # time.time() when the budget started
-        budget_s = math.inf
-        budget_version = 0
-        budget_weights: Path | None = None
+    def on_start(self) -> None:
+        self.drive_start = time.time()
+        self._on_start()
 
-        def _drive(self, *args: Any) -> None:
-            self.drive_start = time.time()
-            self.on_drive()
-            super()._drive(*args)
-
-        def _step_record(self, msg: dict[str, Any]) -> dict[str, Any]:
-            record = super()._step_record(msg)
-            self._record_time = record["time"]
-            return record
-
-        def _on_step(self, msg: dict[str, Any]) -> None:
-            self._record_time = math.inf
-            super()._on_step(msg)
-            if self._record_time <= self.drive_start + self.budget_s:  # within the budget, as mode_figures
-                dest = self.run_dir.parent / "budget_weights"
-                tmp = dest.with_name(dest.name + ".tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.copytree(msg["path"], tmp)
-                shutil.rmtree(dest, ignore_errors=True)
-                tmp.rename(dest)
-                self.budget_version, self.budget_weights = int(msg["version"]), dest
-
-    return TimedLoop
+    def on_step(self, event: StepEvent) -> None:
+        if event.record["time"] > self.drive_start + self.budget_s:  # outside the budget, as mode_figures
+            return
+        tmp = self.dest.with_name(self.dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(event.weights, tmp)
+        shutil.rmtree(self.dest, ignore_errors=True)
+        tmp.rename(self.dest)
+        self.budget_version, self.budget_weights = event.version, self.dest
 
 
 # ---- one mode ----------------------------------------------------------------------------------------------
@@ -256,14 +276,16 @@ def mode_figures(run_dir: Path, drive_start: float, budget_s: float, busy_s: flo
     }
 
 
-def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, tokenizer: Any, backend: Any,
-             delay: TailDelay, run_dir: Path, log: Callable[[str], None], base_eval: bool = False) -> dict[str, Any]:
+def run_mode(name: str, cfg: RunConfig, base_dir: Path, train: list[Task], heldout: list[Task],
+             tokenizer: PreTrainedTokenizerBase, backend: Backend, delay: TailDelay, run_dir: Path,
+             log: Callable[[str], None], base_eval: bool = False) -> dict[str, Any]:
     """Train from ``base_dir`` for ``cfg.orchestrator.max_minutes`` with slow commands, then evaluate."""
     import torch
 
     from albatross.engine.builtin import BuiltinEngine
     from albatross.eval.run import evaluate
     from albatross.harness.agent import build_agent as make_agent
+    from albatross.orchestrator.loop import AsyncLoop
     from albatross.trainer.model import load_model
 
     torch.manual_seed(cfg.seed)
@@ -278,15 +300,14 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
             log(f"[bench] base held-out pass@1 {out['base_pass_at_1']:.3f}")
         meter = EngineBusy(engine)
         slow = make_agent(cfg, engine, SlowBackend(backend, delay), tokenizer)
-        loop = _timed_loop_class()(cfg, slow, engine, train, base_dir, run_dir, log)
-        loop.on_drive = lambda: meter.open_window(budget_s)
-        loop.budget_s = budget_s
+        watch = BudgetWatch(budget_s, run_dir.parent / "budget_weights", lambda: meter.open_window(budget_s))
+        loop = AsyncLoop(cfg, slow, engine, train, base_dir, run_dir, log, observers=[watch])
         load0 = os.getloadavg()[0]
         t0 = time.monotonic()
         state = loop.run()
         out["wall_seconds"] = round(time.monotonic() - t0, 1)
         out["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-        out.update(mode_figures(run_dir, loop.drive_start, budget_s, meter.busy))
+        out.update(mode_figures(run_dir, watch.drive_start, budget_s, meter.busy))
         out["steps_total"] = int(state.step)
         groups = max(1, loop.builder.counts["groups"])
         out["zero_signal_group_share"] = round(loop.builder.counts["dropped_zero_signal"] / groups, 4)
@@ -297,9 +318,9 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
         out["command_delays"] = {"n": len(draws), "p50_s": round(_percentile(draws, 0.5), 3),
                                  "p99_s": round(_percentile(draws, 0.99), 3),
                                  "max_s": round(max(draws, default=0.0), 3)}
-        if engine.version != loop.budget_version:  # steps trained after the budget do not count
-            weights = loop.budget_weights or base_dir  # no step within the budget: the base model
-            engine.update_weights(str(weights), loop.budget_version)
+        if engine.version != watch.budget_version:  # steps trained after the budget do not count
+            weights = watch.budget_weights or base_dir  # no step within the budget: the base model
+            engine.update_weights(str(weights), watch.budget_version)
         out["evaluated_version"] = int(engine.version)
         log(f"[bench] {name}: {out['steps']} steps in {budget_s:.0f}s ({out['steps_total']} with the batches "
             f"queued by then), evaluating version {engine.version}")
@@ -315,7 +336,7 @@ def run_mode(name: str, cfg: Any, base_dir: Path, train: list, heldout: list, to
 # ---- the benchmark -----------------------------------------------------------------------------------------
 
 
-def bench_config(args: argparse.Namespace, out_dir: Path):
+def bench_config(args: argparse.Namespace, out_dir: Path) -> RunConfig:
     """The demo's config (quick: tiny) with the bench's budget; max_steps is never what stops a mode."""
     from albatross.pipeline.demo import demo_config
 
@@ -328,10 +349,10 @@ def bench_config(args: argparse.Namespace, out_dir: Path):
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
-    modes = [m.strip() for m in str(getattr(args, "modes", ",".join(MODES))).split(",") if m.strip()]
+    modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise SystemExit(f"--modes: choose from {','.join(MODES)}")
-    keep = getattr(args, "out", None)
+    keep = args.out
     root = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="albatross-bench-loop-"))
     try:
         results, meta = _run(args, root, modes)
@@ -345,7 +366,8 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def _run(args: argparse.Namespace, root: Path, modes: list[str]) -> tuple[dict[str, dict[str, Any]], dict]:
+def _run(args: argparse.Namespace, root: Path,
+         modes: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     import torch
 
     from albatross.cache import cache_root
@@ -356,17 +378,17 @@ def _run(args: argparse.Namespace, root: Path, modes: list[str]) -> tuple[dict[s
     cfg = bench_config(args, root)
     tail_cap = args.tail_cap if args.tail_cap is not None else (QUICK_TAIL_CAP if args.quick else 10.0)
     demo = Pipeline(cfg, _log, command="bench loop")
-    demo._prepare_out()
+    demo.prepare_out()
     t0 = time.monotonic()
-    train, heldout = demo._tasks()
-    tokenizer, model_dir = demo._model()
-    backend = demo._backend()
+    train, heldout = demo.load_tasks()
+    tokenizer, model_dir = demo.load_model()
+    backend = demo.open_backend()
     results: dict[str, dict[str, Any]] = {}
     try:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.engine.threads)
         agent = make_agent(cfg, None, backend, tokenizer)
-        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, demo._pass_rate_fn(agent, train),
+        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, demo.pass_rate_fn(agent, train),
                               cache_root(), _log)
         _log(f"[bench] base model {base_dir} ({time.monotonic() - t0:.0f}s)")
         async_staleness = cfg.rl.max_staleness if args.max_staleness is None else args.max_staleness
@@ -393,7 +415,8 @@ def _run(args: argparse.Namespace, root: Path, modes: list[str]) -> tuple[dict[s
 
 
 def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]], meta: dict[str, Any],
-            print_table, write_json) -> dict[str, Any]:
+            print_table: Callable[[str, list[tuple[str, Any]]], None],
+            write_json: Callable[[str | Path | None, dict[str, Any]], None]) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if "sync" in results and "async" in results:
         s, a = results["sync"], results["async"]
@@ -413,5 +436,5 @@ def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]], meta: 
         rows.append(("async_vs_sync_steps_per_hour", data["async_vs_sync_steps_per_hour"]))
     print_table(f"albatross bench loop: sync vs async, {meta['minutes_per_mode']:g} min per mode, "
                 f"batch {meta['groups_per_step']}x{meta['group_size']}", rows)
-    write_json(getattr(args, "json", None), data)
+    write_json(args.json, data)
     return data

@@ -27,7 +27,7 @@ SIZES = {"quick": {"hidden_size": 256, "num_layers": 4, "vocab_size": 8192, "tok
 
 
 # published shapes (their config.json), counted on the meta device: nothing is allocated or downloaded
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "Qwen3-0.6B": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
                    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
     "Qwen3-8B": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -48,7 +48,8 @@ def _batch(vocab: int, tokens: int, seed: int = 0) -> Any:
     from albatross.records import Batch, Sample, TrainSample
 
     rng = random.Random(seed)
-    samples, total = [], 0
+    samples: list[TrainSample] = []
+    total = 0
     while total < tokens:
         n = min(rng.randrange(64, 513), tokens - total)
         if n < 8:
@@ -66,11 +67,11 @@ def _batch(vocab: int, tokens: int, seed: int = 0) -> Any:
 def state_bytes(optimizer: Any) -> int:
     """Bytes of every tensor in the optimizer's state (AdamW: two moments per trainable parameter, and steps)."""
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if hasattr(v, "numel"))
+               if hasattr(v, "numel"))  # torch's optimizer state holds tensors and plain numbers
 
 
 def _model(args: argparse.Namespace, size: dict[str, int]) -> Any:
-    if getattr(args, "model", None):
+    if args.model:
         from albatross.trainer.model import load_model
 
         if not (Path(args.model) / "config.json").is_file():
@@ -132,7 +133,7 @@ def shape_shares(rank: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _table(r: dict[str, dict[str, float]]) -> list[tuple[str, Any]]:
+def _table(r: dict[str, Any]) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = []
     for name in ("full", "lora"):
         m = r[name]
@@ -152,19 +153,19 @@ def _table(r: dict[str, dict[str, float]]) -> list[tuple[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    rank, steps = int(getattr(args, "rank", 16)), int(getattr(args, "steps", 3))
+    rank, steps = int(args.rank), int(args.steps)
     if rank < 1 or steps < 1:
         raise UserError(f"bench lora: --rank {rank} / --steps {steps}: expected both >= 1")
-    torch.set_num_threads(int(getattr(args, "threads", 1)))
-    size = SIZES["quick" if getattr(args, "quick", False) else "full"]
+    torch.set_num_threads(int(args.threads))
+    size = SIZES["quick" if args.quick else "full"]
     model = _model(args, size)
     vocab = min(model.config.vocab_size, size["vocab_size"])
     result: dict[str, Any] = measure(model, rank, steps, size["tokens"], vocab)
     result["shapes"] = shape_shares(rank)
-    where = getattr(args, "model", None) or (f"random Qwen2, hidden {size['hidden_size']}, {size['num_layers']} "
-                                            f"layers, vocab {size['vocab_size']}")
+    where = args.model or (f"random Qwen2, hidden {size['hidden_size']}, {size['num_layers']} "
+                           f"layers, vocab {size['vocab_size']}")
     print_table(f"albatross bench lora ({where}; rank {rank}; {size['tokens']} tokens per step; CPU fp32)",
                 _table(result))
     out = {"model": where, "rank": rank, "tokens_per_step": size["tokens"], "steps": steps, **result}
-    write_json(getattr(args, "json", None), out)
+    write_json(args.json, out)
     return out

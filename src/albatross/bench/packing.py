@@ -62,7 +62,7 @@ def trainer_logprobs(model: Any, docs: list[list[int]], attention: str = "auto",
     inputs = attention_inputs(model, attention)
     policy = TokenLogprobs(model, chunk_size=64, exact_packing=exact)
     with torch.no_grad():
-        logp, _ = policy(mb.input_ids, mb.position_ids, mb.targets, **inputs(mb, torch.float32, "cpu"))
+        logp, _ = policy(mb.input_ids, mb.position_ids, mb.targets, **inputs(mb, torch.float32, torch.device("cpu")))
     return logp
 
 
@@ -88,7 +88,7 @@ def reference_logprobs(model: Any, docs: list[list[int]]) -> Any:
     """transformers' own forward on each document alone (its ``sdpa`` attention), [T] log-probs."""
     import torch
 
-    impl = model.config._attn_implementation
+    impl = model.config._attn_implementation  # transformers' own name for it (there is no public getter)
     model.set_attn_implementation("sdpa")
     out = []
     try:
@@ -141,8 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # tiny models: thread overhead dominates
 
-    lengths = _lengths(str(getattr(args, "lengths", None) or ",".join(map(str, DOC_LENGTHS))))
-    model_dir = getattr(args, "model", None)
+    lengths = _lengths(str(args.lengths or ",".join(map(str, DOC_LENGTHS))))
+    model_dir = args.model
     if model_dir:
         from albatross.models.tiny import load_any
 
@@ -158,5 +158,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = {"families": fams, "doc_lengths": list(lengths),
                    "max_abs_logprob_diff": max(r["max_abs_logprob_diff"] for r in fams.values())}
         print_table("albatross bench packing (log-prob diff, packed vs alone, fp32)", _rows(fams))
-    write_json(getattr(args, "json", None), results)
+    write_json(args.json, results)
     return results

@@ -30,15 +30,31 @@ settings, sharing its cached warm start), one sandbox backend, the demo's train 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from albatross.config import RunConfig
+    from albatross.engine.base import Engine
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.eval.run import EvalResult
+    from albatross.orchestrator.loop import StepEvent
+    from albatross.pipeline.driver import Pipeline
+    from albatross.records import Sample, TrainSample
+    from albatross.sandbox.base import Backend
+    from albatross.tasks.format import Task
+    from albatross.tasks.probe import ProbeRow
 
 # The seeds' figures (DESIGN.md), shown beside ours.
 SEED_FIGURES: dict[str, str] = {
@@ -106,7 +122,7 @@ def group_loss_share(attempts_per_group: list[int], group_size: int) -> float:
     return sum(n < group_size for n in attempts_per_group) / len(attempts_per_group)
 
 
-def outcome_zero_signal(rows: list[Any]) -> float | None:
+def outcome_zero_signal(rows: list[ProbeRow]) -> float | None:
     """Share of probe groups whose attempts all succeeded or all failed (outcomes only, partial credit aside)."""
     rows = [r for r in rows if r.attempts]
     return round(sum(r.successes in (0, r.attempts) for r in rows) / len(rows), 4) if rows else None
@@ -218,32 +234,32 @@ def missing_keys(data: dict[str, Any]) -> list[str]:
 class Workload:
     """What every measurement shares: the config, the demo's tasks, tokenizer, sandbox and warm start."""
 
-    cfg: Any
-    pipe: Any
-    train: list
-    heldout: list
-    tokenizer: Any
-    backend: Any
+    cfg: RunConfig
+    pipe: Pipeline
+    train: list[Task]
+    heldout: list[Task]
+    tokenizer: PreTrainedTokenizerBase
+    backend: Backend
     base_dir: Path
     root: Path
-    demos: list = field(default_factory=list)
+    demos: list[Sample] = field(default_factory=list)
 
-    def eval_cfg(self, harness: dict[str, Any] | None = None, temperature: float | None = None) -> Any:
+    def eval_cfg(self, harness: dict[str, Any] | None = None, temperature: float | None = None) -> RunConfig:
         """The evaluation config (``eval.temperature``), with harness knobs or another temperature."""
-        cfg = self.pipe._eval_config()
+        cfg = self.pipe.eval_config()
         update: dict[str, Any] = {"harness": cfg.harness.model_copy(update=harness or {})}
         if temperature is not None:
             update["sampling"] = cfg.sampling.model_copy(update={"temperature": temperature})
         return cfg.model_copy(update=update)
 
-    def engine(self, model_dir: Path) -> Any:
+    def engine(self, model_dir: Path) -> BuiltinEngine:
         from albatross.engine.builtin import BuiltinEngine
         from albatross.trainer.model import load_model
 
         return BuiltinEngine(load_model(model_dir), max_batch_size=self.cfg.engine.max_batch_size)
 
-    def evaluate(self, engine: Any, harness: dict[str, Any] | None = None, temperature: float | None = None,
-                 trials: int | None = None, workers: int = 16) -> Any:
+    def evaluate(self, engine: Engine, harness: dict[str, Any] | None = None, temperature: float | None = None,
+                 trials: int | None = None, workers: int = 16) -> EvalResult:
         """Held-out evaluation (``eval.trials`` each unless ``trials``), ``workers`` attempts at a time."""
         from albatross.eval.run import evaluate
         from albatross.harness.agent import build_agent
@@ -265,7 +281,7 @@ class Parts:
     def __init__(self, dir: Path, common: dict[str, Any]) -> None:
         self.dir, self.common = dir, common
 
-    def get(self, name: str, settings: dict[str, Any], compute: Any) -> Any:
+    def get(self, name: str, settings: dict[str, Any], compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         import json
 
         path, want = self.dir / f"{name}.json", {**self.common, **settings}
@@ -273,7 +289,8 @@ class Parts:
             saved = json.loads(path.read_text())
             if saved.get("settings") == want:
                 _log(f"[recipe] {name}: reusing the result saved in {path}")
-                return saved["result"]
+                result: dict[str, Any] = saved["result"]
+                return result
         result = compute()
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -282,7 +299,7 @@ class Parts:
         return result
 
 
-def recipe_config(args: argparse.Namespace, out_dir: Path) -> Any:
+def recipe_config(args: argparse.Namespace, out_dir: Path) -> RunConfig:
     """The demo's config (``--quick``: ``albatross demo --quick``'s, so the two share the cached warm start),
     then the ``--set`` overrides."""
     from albatross.pipeline.demo import demo_config
@@ -300,15 +317,15 @@ def prepare(args: argparse.Namespace, root: Path) -> Workload:
 
     cfg = recipe_config(args, root / "demo")
     pipe = Pipeline(cfg, _log, command="bench recipe")
-    pipe._prepare_out()
-    train, heldout = pipe._tasks()
-    tokenizer, model_dir = pipe._model()
-    backend = pipe._backend()
+    pipe.prepare_out()
+    train, heldout = pipe.load_tasks()
+    tokenizer, model_dir = pipe.load_model()
+    backend = pipe.open_backend()
     try:
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.engine.threads)
         agent = build_agent(cfg, None, backend, tokenizer)
-        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, pipe._pass_rate_fn(agent, train),
+        base_dir = warm_start(cfg, tokenizer, agent, train, model_dir, pipe.pass_rate_fn(agent, train),
                               cache_root(), _log)
     except BaseException:
         backend.close()
@@ -319,29 +336,29 @@ def prepare(args: argparse.Namespace, root: Path) -> Workload:
 # ---- probes: zero-signal groups and infrastructure faults -------------------------------------------------
 
 
-def _group_size(cfg: Any) -> int:
+def _group_size(cfg: RunConfig) -> int:
     from albatross.tasks.probe import MIN_ATTEMPTS
 
     return max(MIN_ATTEMPTS, cfg.orchestrator.group_size)
 
 
-def _probe(w: Workload, engine: Any, tasks: list, backend: Any, retries: int) -> list:
+def _probe(w: Workload, engine: Engine, tasks: list[Task], backend: Backend, retries: int) -> list[ProbeRow]:
     from albatross.harness.agent import build_agent
-    from albatross.orchestrator.loop import _test_weights
+    from albatross.orchestrator.loop import rl_test_weights
     from albatross.pipeline.probe import probe
     from albatross.rl.scoring import GroupScorer
 
     agent = build_agent(w.cfg, engine, backend, w.tokenizer)
-    scorer = GroupScorer(w.cfg.rl, _test_weights(w.cfg.rl.test_weights))
+    scorer = GroupScorer(w.cfg.rl, rl_test_weights(w.cfg.rl.test_weights))
     return probe(agent, tasks, _group_size(w.cfg), scorer, retries=retries,
                  workers=w.cfg.orchestrator.rollout_workers)
 
 
-def _probe_tasks(w: Workload, n: int) -> list:
+def _probe_tasks(w: Workload, n: int) -> list[Task]:
     return random.Random(w.cfg.seed).sample(w.train, min(n, len(w.train)))
 
 
-def measure_zero_signal(w: Workload, engine: Any, n_tasks: int) -> dict[str, Any]:
+def measure_zero_signal(w: Workload, engine: Engine, n_tasks: int) -> dict[str, Any]:
     """Zero-signal share of the base model's groups before and after the 15-85% filter, paired: a first probe
     decides the filter; a second, independent probe of every task gives both figures (all tasks: unfiltered;
     the kept ones: filtered), so the two differ only by the filter's choice of tasks. The first probe's own
@@ -356,7 +373,7 @@ def measure_zero_signal(w: Workload, engine: Any, n_tasks: int) -> dict[str, Any
     kept = {r.task for r in result.kept}
     fresh = _probe(w, engine, tasks, w.backend, w.cfg.sandbox.max_infra_retries)
     fresh_kept = [r for r in fresh if r.task in kept]
-    out = {"zero_signal_unfiltered": round(observed_zero_signal(fresh), 4),
+    out: dict[str, Any] = {"zero_signal_unfiltered": round(observed_zero_signal(fresh), 4),
            "zero_signal_filtered": round(observed_zero_signal(fresh_kept), 4) if fresh_kept else None,
            "zero_signal": {"group_size": g, "tasks_probed": len(rows), "tasks_kept": len(kept),
                            "band": [result.low, result.high],
@@ -375,12 +392,12 @@ def measure_zero_signal(w: Workload, engine: Any, n_tasks: int) -> dict[str, Any
     return out
 
 
-def measure_infra(w: Workload, engine: Any, n_tasks: int, rate: float) -> dict[str, Any]:
+def measure_infra(w: Workload, engine: Engine, n_tasks: int, rate: float) -> dict[str, Any]:
     """Groups lost when ``rate`` of forks fail, with no retries and with ``sandbox.max_infra_retries``."""
     from albatross.sandbox import make_backend
 
     sc, g = w.cfg.sandbox, _group_size(w.cfg)
-    kw: dict[str, Any] = {"hide_paths": w.pipe._hide_paths(), "fail_rate": rate, "fault_seed": w.cfg.seed}
+    kw: dict[str, Any] = {"hide_paths": w.pipe.hide_paths(), "fail_rate": rate, "fault_seed": w.cfg.seed}
     if sc.type == "local":
         kw.update(base=sc.base, warm=sc.warm)
     tasks = _probe_tasks(w, n_tasks)
@@ -403,26 +420,22 @@ def measure_infra(w: Workload, engine: Any, n_tasks: int, rate: float) -> dict[s
 # ---- RL runs and the SFT control ---------------------------------------------------------------------------
 
 
-def _keeping_loop_class():
-    from albatross.orchestrator.loop import AsyncLoop
+class VersionKeeper:
+    """A step observer of the real loop (``StepObserver``): a copy of the weights of versions 1..``upto`` as the
+    trainer exports them (the run directory keeps only the newest few)."""
 
-    class KeepingLoop(AsyncLoop):
-        """The real loop, plus a copy of the weights of versions 1..``keep_upto`` as the trainer exports them
-        (the run directory keeps only the newest few)."""
+    def __init__(self, dest: Path, upto: int) -> None:
+        self.dest, self.upto = dest, upto
 
-        keep_dir: Path | None = None
-        keep_upto = 0
+    def on_start(self) -> None:
+        pass
 
-        def _on_step(self, msg: dict[str, Any]) -> None:
-            version = int(msg["version"])
-            if self.keep_dir is not None and version <= self.keep_upto:
-                try:
-                    shutil.copytree(msg["path"], self.keep_dir / f"v{version}", dirs_exist_ok=True)
-                except FileNotFoundError:  # pruned before this thread saw it: that version is not scored
-                    pass
-            super()._on_step(msg)
-
-    return KeepingLoop
+    def on_step(self, event: StepEvent) -> None:
+        if event.version <= self.upto:
+            try:
+                shutil.copytree(event.weights, self.dest / f"v{event.version}", dirs_exist_ok=True)
+            except FileNotFoundError:  # pruned already: that version is not scored
+                pass
 
 
 def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda: float,
@@ -431,6 +444,7 @@ def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda:
     import torch
 
     from albatross.harness.agent import build_agent
+    from albatross.orchestrator.loop import AsyncLoop
 
     cfg = w.cfg.model_copy(update={
         "seed": seed, "rl": w.cfg.rl.model_copy(update={"efficiency_lambda": efficiency_lambda}),
@@ -439,10 +453,9 @@ def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda:
     run_dir = w.root / name / "run"
     engine = w.engine(w.base_dir)
     try:
-        loop = _keeping_loop_class()(cfg, build_agent(cfg, engine, w.backend, w.tokenizer), engine, w.train,
-                                     w.base_dir, run_dir, _log)
-        if keep_versions:
-            loop.keep_dir, loop.keep_upto = w.root / name / "versions", MAX_STALENESS_MEASURED
+        observers = [VersionKeeper(w.root / name / "versions", MAX_STALENESS_MEASURED)] if keep_versions else []
+        loop = AsyncLoop(cfg, build_agent(cfg, engine, w.backend, w.tokenizer), engine, w.train, w.base_dir,
+                         run_dir, _log, observers=observers)
         t0 = time.monotonic()
         state = loop.run()
         wall = time.monotonic() - t0
@@ -455,7 +468,7 @@ def rl_run(w: Workload, name: str, seed: int, minutes: float, efficiency_lambda:
     return out
 
 
-def _eval_fields(w: Workload, result: Any) -> dict[str, Any]:
+def _eval_fields(w: Workload, result: EvalResult) -> dict[str, Any]:
     """Held-out Pass@1 with its s.e., and (with ``tasks.reward_only_families``) the same over the reward-only
     families' tasks and over the others (``pass_at_1_reward_only``, ``pass_at_1_warm_started``)."""
     from albatross.pipeline.summary import split_fields
@@ -502,7 +515,7 @@ def seed_runs(w: Workload, parts: Parts, seeds: int, minutes: float) -> dict[str
     for s in range(seeds):
         seed = w.cfg.seed + s
         one = parts.get(f"seed{seed}", {"minutes": minutes, "keeps_versions": s == 0},
-                        lambda seed=seed, s=s: _one_seed(w, seed, minutes, s == 0))
+                        functools.partial(_one_seed, w, seed, minutes, s == 0))
         for key, run in one.items():
             runs[key].append(run)
     return runs
@@ -551,9 +564,10 @@ def rl_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def _pass_with_se(runs: list[dict[str, Any]]) -> tuple[float, float | None]:
     """Pass@1 over seeds with its s.e. over seeds; one seed: that run's s.e. over tasks."""
     mean, se = mean_se([r["pass_at_1"] for r in runs])
+    assert mean is not None  # seeds >= 1: every setting has a run
     if len(runs) == 1:
         se = runs[0]["pass_at_1_se"]
-    return _round(mean), _round(se)
+    return round(mean, 4), _round(se)
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:
@@ -571,11 +585,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _gap_samples(run_dir: Path, seed: int) -> list:
+def _gap_samples(run_dir: Path, seed: int) -> list[TrainSample]:
     """Trained-on samples of the run (token ids, sampler log-probs and versions), a random subset."""
     from albatross.records import STATUS_INFRA_ERROR, TrainSample, Trajectory
 
-    samples = []
+    samples: list[TrainSample] = []
     for row in _read_jsonl(run_dir / "trajectories.jsonl"):
         traj = Trajectory.from_dict(row)
         if traj.status != STATUS_INFRA_ERROR:
@@ -610,7 +624,7 @@ def logprob_gaps(w: Workload, run_dir: Path, keep_dir: Path) -> dict[str, Any]:
                 logprobs, _ = trainer.forward_logprobs(mb)
             gap = (logprobs.float().cpu() - mb.logprobs).abs()
             mask = mb.loss_mask > 0
-            for v in mb.versions[mask].unique().tolist():
+            for v in torch.unique(mb.versions[mask]).tolist():
                 sel = mask & (mb.versions == v)
                 acc.add(trainer_version - int(v), float(gap[sel].sum()), int(sel.sum()))
     return {"logprob_gap_by_staleness": acc.means(),
@@ -645,6 +659,7 @@ def harness_cost(w: Workload, model_dir: Path) -> dict[str, Any]:
             result = w.evaluate(engine, knobs, temperature=0.0, trials=1, workers=1)
             costs = [attempt_cost(t, price)[1] for t in result.trajectories]
             cost, cost_se = mean_se(costs)
+            assert cost is not None  # one attempt per held-out task, and there are held-out tasks
             results[name] = {**_eval_fields(w, result), "cost_per_attempt": round(cost, 2),
                              "cost_per_attempt_se": _round(cost_se, 2),
                              "compressions_per_attempt": statistics.fmean(len(t.compressions)
@@ -704,7 +719,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
     minutes, seeds = _check_args(args)
-    keep = getattr(args, "out", None)
+    keep = args.out
     root = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="albatross-bench-recipe-"))
     t0 = time.monotonic()
     try:
@@ -713,7 +728,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
     data["total_seconds"] = round(time.monotonic() - t0, 1)
-    json_path = getattr(args, "json", None)
+    json_path = args.json
     if json_path:
         plot = write_plot(data, Path(json_path).with_name(Path(json_path).stem + "_stability.png"))
         data["stability_plot"] = Path(plot).name if plot else None  # beside the JSON
@@ -755,16 +770,16 @@ def measure(args: argparse.Namespace, root: Path, minutes: float, seeds: int) ->
 def base_figures(w: Workload, parts: Parts, args: argparse.Namespace) -> dict[str, Any]:
     """The probes (zero-signal groups, infrastructure faults) and the held-out evaluation of the warm start every
     run begins from; the base model's engine is started only for a part not saved already."""
-    engines: list[Any] = []
+    engines: list[BuiltinEngine] = []
 
-    def with_engine(fn: Any) -> Any:
+    def with_engine(fn: Callable[[Engine], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
         def compute() -> dict[str, Any]:
             if not engines:
                 engines.append(w.engine(w.base_dir))
             return fn(engines[0])
         return compute
 
-    n, out = args.probe_tasks, {}
+    n, out = args.probe_tasks, dict[str, Any]()
     try:
         out.update(parts.get("zero_signal", {"probe_tasks": n},
                              with_engine(lambda e: measure_zero_signal(w, e, n))))

@@ -83,10 +83,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.models.tiny import TEXT_VOCAB, load_any, tiny_model
 
     torch.set_num_threads(1)  # tiny models: thread overhead dominates
-    lr, steps = float(getattr(args, "lr", 1e-5)), int(getattr(args, "steps", 4))
+    lr, steps = float(args.lr), int(args.steps)
     if steps < 1 or lr < 0:
         raise UserError(f"bench replay: --steps {steps} / --lr {lr}: expected steps >= 1 and lr >= 0")
-    model_dir = getattr(args, "model", None)
+    model_dir = args.model
     if model_dir:
         if not (Path(model_dir) / "config.json").is_file():
             raise UserError(f"bench replay: --model {model_dir}: no config.json (not a model directory)")
@@ -97,5 +97,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = {f: drift_kl(tiny_model(f, seed=1), TEXT_VOCAB, lr, steps) for f in FAMILIES}
     print_table(f"albatross bench replay (mismatch KL, lr {lr:g})", _table(results))
     out = {"lr": lr, "steps": steps, "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "runs": results}
-    write_json(getattr(args, "json", None), out)
+    write_json(args.json, out)
     return out

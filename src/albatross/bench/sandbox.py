@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from albatross.bench.common import print_table, write_json
+from albatross.bench.common import percentile, print_table, to_ms, write_json
 
 ENV_DOCKERFILE = "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY data/ /app/\n"
 
@@ -38,19 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from albatross.bench.sandbox_tasks import add_task_arguments
 
     add_task_arguments(parser)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by nearest rank."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = max(1, int(round(q / 100 * len(ordered) + 0.5 - 1e-9)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000, 3)
 
 
 def measure_sh(n: int) -> list[float]:
@@ -165,20 +152,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"forks": args.forks, "warm": args.warm, "base": args.base,
                               "userns": userns_available(), "load_avg_before": os.getloadavg()[0]}
     sh = measure_sh(args.forks)
-    result.update(sh_ms_p50=_ms(percentile(sh, 50)), sh_ms_p99=_ms(percentile(sh, 99)))
+    result.update(sh_ms_p50=to_ms(percentile(sh, 50)), sh_ms_p99=to_ms(percentile(sh, 99)))
     with tempfile.TemporaryDirectory(prefix="albatross-bench-") as tmp:
         env_dir = _make_env(Path(tmp))
         backend = LocalBackend(warm=args.warm, base=args.base, hide_paths=[tmp])
         try:
             start = time.perf_counter()
             backend.prepare(env_dir)
-            result["parent_build_ms"] = _ms(time.perf_counter() - start)
+            result["parent_build_ms"] = to_ms(time.perf_counter() - start)
             _fill(result, backend, env_dir, args.forks, levels, args.per_level)
         finally:
             backend.close()
     result["load_avg_after"] = os.getloadavg()[0]
     _report(result, levels)
-    write_json(getattr(args, "json", None), result)
+    write_json(args.json, result)
     return result
 
 
@@ -187,10 +174,10 @@ def _fill(result: dict[str, Any], backend: Any, env_dir: Path, n: int, levels: l
     measure_forks(backend, env_dir, 5)  # warm up: parent built, pool filled
     times = measure_forks(backend, env_dir, n)
     result.update(
-        fork_ms_p50=_ms(percentile(times.first_output, 50)), fork_ms_p99=_ms(percentile(times.first_output, 99)),
-        fork_ms_mean=_ms(sum(times.first_output) / max(1, len(times.first_output))),
-        fork_done_ms_p50=_ms(percentile(times.done, 50)), fork_done_ms_p99=_ms(percentile(times.done, 99)),
-        close_ms_p50=_ms(percentile(times.close, 50)), close_ms_p99=_ms(percentile(times.close, 99)),
+        fork_ms_p50=to_ms(percentile(times.first_output, 50)), fork_ms_p99=to_ms(percentile(times.first_output, 99)),
+        fork_ms_mean=to_ms(sum(times.first_output) / max(1, len(times.first_output))),
+        fork_done_ms_p50=to_ms(percentile(times.done, 50)), fork_done_ms_p99=to_ms(percentile(times.done, 99)),
+        close_ms_p50=to_ms(percentile(times.close, 50)), close_ms_p99=to_ms(percentile(times.close, 99)),
         sequential_failures=times.failures,
     )
     for workers in levels:

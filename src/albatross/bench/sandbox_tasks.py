@@ -20,9 +20,10 @@ import resource
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from albatross.bench.common import print_table, write_json
+from albatross.bench.common import percentile, print_table, to_ms, write_json
 
 
 @dataclass
@@ -73,7 +74,8 @@ def images_of(backend: Any, dirs: list[str], log: Any = print) -> list[_Image]:
     from albatross.tasks.format import load_tasks
 
     found: dict[str, _Image] = {}
-    for task in load_tasks(dirs):
+    task_dirs: list[str | Path] = list(dirs)
+    for task in load_tasks(task_dirs):
         if dockerfile_problem(task):
             continue
         try:
@@ -110,13 +112,11 @@ def run_tasks(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         backend.close()
     _report(result)
-    write_json(getattr(args, "json", None), result)
+    write_json(args.json, result)
     return result
 
 
 def _measure(backend: Any, images: list[_Image], args: argparse.Namespace) -> dict[str, Any]:
-    from albatross.bench.sandbox import _ms, percentile
-
     result: dict[str, Any] = {"tasks": [i.task.id for i in images], "images": len(images),
                               "concurrent": args.concurrent, "forks": args.forks, "workers": args.workers,
                               "pace_ms": args.pace_ms, "settle_s": args.settle_s,
@@ -172,10 +172,10 @@ def _measure(backend: Any, images: list[_Image], args: argparse.Namespace) -> di
         for _image, attempt in mine:
             attempt.close()
     result.update(
-        fork_ms_p50=_ms(percentile(steady.latencies, 50)), fork_ms_p99=_ms(percentile(steady.latencies, 99)),
-        fork_ms_max=_ms(max(steady.latencies, default=float("nan"))),
+        fork_ms_p50=to_ms(percentile(steady.latencies, 50)), fork_ms_p99=to_ms(percentile(steady.latencies, 99)),
+        fork_ms_max=to_ms(max(steady.latencies, default=float("nan"))),
         forks_over_50ms=sum(x > 0.05 for x in steady.latencies),
-        ramp_fork_ms_p50=_ms(percentile(ramp.latencies, 50)), ramp_fork_ms_p99=_ms(percentile(ramp.latencies, 99)),
+        ramp_fork_ms_p50=to_ms(percentile(ramp.latencies, 50)), ramp_fork_ms_p99=to_ms(percentile(ramp.latencies, 99)),
         forks_per_s=round(len(steady.latencies) / wall, 2) if wall > 0 else 0.0,
         failures=len(ramp.failures) + len(steady.failures), failure_examples=(ramp.failures + steady.failures)[:5],
         alive_min=alive["min"], load_avg_after=list(os.getloadavg()))
@@ -226,5 +226,5 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tasks_requested(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "tasks", None))
+    return bool(args.tasks)
 

@@ -9,7 +9,7 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
 
 0. transformers as shipped: batches of 8 trajectories right-padded to their longest, eager experts (a loop
    over experts), the QSA indexer's Python loop over positions and its dense [B, 1, T, T] masks, full
-   [B, T, V] logits, no checkpointing (``bench.trajectories.padded_step``);
+   [B, T, V] logits, no checkpointing (``bench.batches.padded_step``);
 1. exact packing: albatross' trainer, first-fit-decreasing rows, packed-aware layers (``models/``);
 2. ``trainer.grouped_experts``; 3. ``trainer.fast_indexer``; 4. ``trainer.fused_hyper``;
 5. chunked log-probs at the loss tokens only (``trainer.logprob_chunk``, ``trainer.logprob_loss_only``);
@@ -51,10 +51,11 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
+from albatross.bench.batches import agent_lengths, padded_step, synthetic_batch
 from albatross.bench.common import GIB, run_watched, status_bytes
-from albatross.bench.trajectories import agent_lengths, padded_step, synthetic_batch
 
 MEMORY_LIMIT_GIB = 2.0
 VOCAB = 16_384
@@ -138,7 +139,9 @@ def build_model(model_dir: str | None, device: str) -> Any:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.for_model("qwen4_exp_text", **STUDY_MODEL)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # transformers: unannotated
+            config, dtype=torch.float32)
+    # a transformers model: ``set_experts_implementation`` is in transformers 5 (a version boundary)
     if hasattr(model, "set_experts_implementation") and _has_experts(model):
         model.set_experts_implementation("eager")
     return to_device(model, device).train()
@@ -155,7 +158,7 @@ def vocab_of(model: Any) -> int:
 
 
 def study_lengths(quick: bool) -> list[int]:
-    """Agent-like trajectory lengths (``bench.trajectories.agent_lengths``: log-normal, median 400, clipped)."""
+    """Agent-like trajectory lengths (``bench.batches.agent_lengths``: log-normal, median 400, clipped)."""
     return agent_lengths(6 if quick else 8, random.Random(1), cap=512 if quick else 2048)
 
 
@@ -217,7 +220,7 @@ def _trainer(model: Any, options: dict[str, Any], tokens: int, device: str) -> A
 
 
 def _padded(model: Any, device: str, batch_size: int) -> Any:
-    """Row 0's step: ``bench.trajectories.padded_step`` (bf16 autocast on a GPU); ``batch_size`` 1: each trajectory
+    """Row 0's step: ``bench.batches.padded_step`` (bf16 autocast on a GPU); ``batch_size`` 1: each trajectory
     alone, no padding."""
     import contextlib
 
@@ -318,7 +321,7 @@ def matmul_flops(model: Any, lengths: list[int]) -> float:
     tokens = sum(n - 1 for n in lengths)
     per_token = 0
     attention = 0
-    for module in model.modules():
+    for module in model.modules():  # transformers' modules: their parts are found by name (any architecture)
         name = type(module).__name__
         if isinstance(module, nn.Linear):
             per_token += 2 * module.in_features * module.out_features
@@ -395,7 +398,7 @@ SEED_PARTS_ONLY = "8 with the seed's frozen parts only (embedding trained)"
 
 
 def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, rounds: int = 1,
-                    log=print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                    log: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows 0-8 and row 8 with the seed's frozen parts only (``SEED_PARTS_ONLY``), each in a fresh child process.
 
     With ``rounds`` > 1 every row runs once per round, rows in order within a round, so each row's steps are
@@ -421,7 +424,7 @@ def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, rounds
 
 
 def longest_context(base: dict[str, Any], row: int, lengths: list[int], limit_gib: float, deadline: float,
-                    log=print) -> dict[str, Any]:
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Try one-trajectory contexts in order; the longest that trained one step under ``limit_gib``."""
     best: dict[str, Any] = {"context": 0}
     tried = []
@@ -443,7 +446,7 @@ def longest_context(base: dict[str, Any], row: int, lengths: list[int], limit_gi
     return {**best, "tried": tried}
 
 
-def context_rows(base: dict[str, Any], quick: bool, limit_gib: float, budget_s: float, log=print) -> dict[str, Any]:
+def context_rows(base: dict[str, Any], quick: bool, limit_gib: float, budget_s: float, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Row 9: the longest context of row 0's and of row 8's configuration under one memory limit."""
     deadline = time.monotonic() + budget_s
     start = 256 if quick else 1024
@@ -487,20 +490,20 @@ def first_loss_check(packed: list[float], padded: list[float], alone: Any, devic
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
-    quick = bool(getattr(args, "quick", False))
-    device = getattr(args, "device", "cpu") or "cpu"
-    limit = getattr(args, "study_memory_gib", None) or MEMORY_LIMIT_GIB
+    quick = bool(args.quick)
+    device = args.device or "cpu"
+    limit = args.study_memory_gib or MEMORY_LIMIT_GIB
     lengths = study_lengths(quick)
     # the whole batch in one packed micro-batch, as row 0 runs it in one padded batch
-    base = {"device": device, "model": getattr(args, "model", None), "micro_batch_tokens": max(4096, sum(lengths))}
-    rounds = 1 if quick else max(1, int(getattr(args, "study_rounds", None) or ROUNDS))
+    base = {"device": device, "model": args.model, "micro_batch_tokens": max(4096, sum(lengths))}
+    rounds = 1 if quick else max(1, int(args.study_rounds or ROUNDS))
     rows, seed_only = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED, rounds)
     alone = {**base, "padded_batch": 1}  # row 0's model on each trajectory alone: only asked for if row 0 differs
     losses = first_loss_check([x for r in [*rows[1:], seed_only] for x in r["first_losses"]], rows[0]["first_losses"],
                               lambda: _child_result(alone, "0 with each trajectory alone", {}, lengths, 1)["first_loss"],
                               device)
     same = losses["same_first_loss"]
-    budget = getattr(args, "study_budget_s", None) or (60.0 if quick else 900.0)
+    budget = args.study_budget_s or (60.0 if quick else 900.0)
     ctx = context_rows(base, quick, limit, budget)  # after the rows, so no row shares the CPU with it
     ctx_row = {"name": CONTEXT_ROW, "context_baseline": ctx["baseline"]["context"],
                "max_context": ctx["final"]["context"], "tokens_per_s": ctx["final"].get("tokens_per_s"),
@@ -518,7 +521,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": device, "quick": quick, "rounds": rounds, "steps_per_round": 1 if quick else STEPS_TIMED,
         "real_tokens": sum(n - 1 for n in lengths),
         "trajectories": len(lengths), "length_median": sorted(lengths)[len(lengths) // 2],
-        "length_max": max(lengths), "model": getattr(args, "model", None) or {"qwen4_exp": STUDY_MODEL},
+        "length_max": max(lengths), "model": args.model or {"qwen4_exp": STUDY_MODEL},
         "context": ctx,
     }
     table = [(r["name"], f"{r['tokens_per_s']:.0f} tok/s  {r['peak_gib']:.2f} GiB  {r['matmul_gflops']:.2f} "
@@ -529,7 +532,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                f"{limit:g} GiB (x{ctx_row['ratio']:.1f})"),
               ("cumulative speedup (row 8 / row 0)", round(result["cumulative_speedup"], 2))]
     print_table(f"albatross bench trainer --study ({device})", table)
-    write_json(getattr(args, "json", None), result)
+    write_json(args.json, result)
     return result
 
 

@@ -42,11 +42,17 @@ import random
 import resource
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from albatross.bench import study
+from albatross.bench.batches import agent_lengths, padded_step, padded_tokens, synthetic_batch
 from albatross.bench.common import GIB, run_watched, status_bytes
-from albatross.bench.trajectories import agent_lengths, padded_step, padded_tokens, synthetic_batch
+
+if TYPE_CHECKING:
+    import torch
+
+    from albatross.records import Batch
 
 THROUGHPUT_MODEL = {"vocab_size": 8192, "hidden_size": 128, "num_layers": 4}
 MEMORY_MODEL = {"vocab_size": 151_936, "hidden_size": 64, "num_layers": 4}
@@ -73,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # throughput -----------------------------------------------------------------------------------------
 
 
-def _timed(fn) -> tuple[float, Any]:
+def _timed(fn: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]]:
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
@@ -84,14 +90,14 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _measure(step) -> dict[str, float]:
+def _measure(step: Callable[[], dict[str, float]]) -> dict[str, float]:
     """Wall and CPU seconds of one call of ``step``, and its loss."""
     cpu0 = _cpu_seconds()
     seconds, metrics = _timed(step)
     return {"seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0, "loss": metrics["loss"]}
 
 
-def _variants(batch, cfg: dict[str, int], quick: bool) -> dict[str, Any]:
+def _variants(batch: Batch, cfg: dict[str, int], quick: bool) -> dict[str, Callable[[], dict[str, float]]]:
     """name -> a function running one full step on ``batch``, each with its own model and optimizer."""
     import torch
 
@@ -99,8 +105,9 @@ def _variants(batch, cfg: dict[str, int], quick: bool) -> dict[str, Any]:
     from albatross.trainer.model import tiny_causal_lm
     from albatross.trainer.step import Trainer
 
-    def model():
-        return tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"], seed=0)
+    def model() -> torch.nn.Module:
+        lm: torch.nn.Module = tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"], seed=0)
+        return lm
 
     steps: dict[str, Any] = {}
     for name, attention in [("packed", "varlen")] + ([] if quick else [("packed-dense", "dense")]):
@@ -114,7 +121,7 @@ def _variants(batch, cfg: dict[str, int], quick: bool) -> dict[str, Any]:
     return steps
 
 
-def bench_throughput(quick: bool, log=print) -> dict[str, Any]:
+def bench_throughput(quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
     """One warm-up step per variant, then the best of 1 (quick) or 2 interleaved timed steps."""
     from albatross.trainer.packing import pack
 
@@ -196,7 +203,8 @@ def sweep_plan(lengths: list[int]) -> list[tuple[str, int]]:
     return plan
 
 
-def memory_sweep(lengths: list[int], budget_s: float, limit_gib: float, log=print) -> list[dict[str, Any]]:
+def memory_sweep(lengths: list[int], budget_s: float, limit_gib: float,
+                 log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run ``sweep_plan`` while memory and time allow; a configuration stops at its first miss."""
     deadline = time.monotonic() + budget_s
     rows: list[dict[str, Any]] = []
@@ -285,16 +293,16 @@ def _table_rows(tp: dict[str, Any], mem: dict[str, Any]) -> list[tuple[str, Any]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from albatross.bench.common import print_table, write_json
 
-    if getattr(args, "study", False):
+    if args.study:
         return study.run(args)
 
-    quick = bool(getattr(args, "quick", False))
-    max_len = getattr(args, "max_seq_len", None) or (8192 if quick else 32768)
-    budget = getattr(args, "memory_budget_s", None) or (150.0 if quick else 600.0)
+    quick = bool(args.quick)
+    max_len = args.max_seq_len or (8192 if quick else 32768)
+    budget = args.memory_budget_s or (150.0 if quick else 600.0)
     lengths = [n for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
                if n <= max_len and (quick or n >= 4096)]
     tp = bench_throughput(quick)
-    mem = _memory_result(memory_sweep(lengths, budget, getattr(args, "memory_limit_gib", 16.0)))
+    mem = _memory_result(memory_sweep(lengths, budget, args.memory_limit_gib))
     rows = tp["rows"]
     result = {
         "packed_vs_padded_speedup": rows["packed"]["real_tokens_per_s"] / rows["padded"]["real_tokens_per_s"],
@@ -319,7 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              ("max seq len projected (24 GiB, straight line from a hidden-64 model)",
               result["max_seq_len_projected"])]
     print_table("albatross bench trainer", table)
-    write_json(getattr(args, "json", None), result)
+    write_json(args.json, result)
     return result
 
 

@@ -274,12 +274,6 @@ def _last_positions(indices_BSW: Tensor) -> list[int]:
     return sorted({int(i) for i in indices_BSW[0, -1].tolist() if i >= 0})
 
 
-def installed(model: nn.Module) -> Replay | None:
-    """The ``Replay`` that ``install`` put on ``model``; None before."""
-    replay: Replay | None = getattr(model, "_albatross_replay", None)  # the attribute install sets
-    return replay
-
-
 def install(model: nn.Module) -> Replay:
     """Route every MoE router and sparse-attention indexer of ``model`` through ``Replay`` (idempotent;
     parameters untouched)."""

@@ -14,7 +14,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from albatross.records import STATUS_INFRA_ERROR, Batch, Group, Sample, TrainSample, Trajectory
+from albatross.records import Batch, Group, Sample, TrainSample
 
 
 def admissible(untrained_batches: int, groups_in_flight: int, groups_per_step: int, max_staleness: int) -> bool:
@@ -44,8 +44,8 @@ class BatchBuilder:
     max_staleness: int | None = None
     credit: str = "all"  # ``rl.credit``: see ``credited``
     pending: list[Group] = field(default_factory=list)
-    counts: Counter = field(default_factory=Counter)  # over the whole run
-    window: Counter = field(default_factory=Counter)  # since the last batch: sent with it, logged per step
+    counts: Counter[str] = field(default_factory=Counter)  # over the whole run
+    window: Counter[str] = field(default_factory=Counter)  # since the last batch: sent with it, logged per step
 
     def _count(self, group: Group, seen: bool = True) -> None:
         counts = (["groups"] if seen else []) + ([f"dropped_{group.dropped}"] if group.dropped else [])
@@ -136,7 +136,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def group_complete(trajs: list[Trajectory], size: int) -> bool:
-    return sum(t.status != STATUS_INFRA_ERROR for t in trajs) >= size

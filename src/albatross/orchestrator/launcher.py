@@ -9,15 +9,52 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+from albatross.config import RunConfig
 from albatross.harness.agent import AgentLoop, AttemptSpec
 from albatross.harness.retry import run_with_retries
 from albatross.orchestrator.trainer_worker import trainer_main
+from albatross.records import Trajectory
 
 
 class Rollouts(Protocol):
-    def submit(self, spec: AttemptSpec) -> Future: ...
+    """Where attempts run."""
+
+    def submit(self, spec: AttemptSpec) -> Future[Trajectory]: ...
 
     def shutdown(self) -> None: ...
+
+
+class BatchQueue(Protocol):
+    """The bounded queue of batches to the trainer (``multiprocessing`` or ``ray.util.queue``); ``None`` asks the
+    trainer to stop, ``trainer_worker.FINISH`` to write its last version and stop."""
+
+    def put(self, item: Any, /, block: bool = True, timeout: float | None = None) -> None: ...
+
+    def put_nowait(self, item: Any, /) -> None: ...
+
+
+class ResultQueue(Protocol):
+    """The trainer's messages to the loop: one dict each (a step, a checkpoint, the final version, an error)."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> dict[str, Any]: ...
+
+    def get_nowait(self) -> dict[str, Any]: ...
+
+
+class TrainerProcess(Protocol):
+    """The trainer as the loop sees it: a process (``multiprocessing``) or an actor (``ray_backend.TrainerHandle``)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 class Launcher(Protocol):
@@ -25,17 +62,16 @@ class Launcher(Protocol):
 
     name: str
 
-    def queues(self, maxsize: int) -> tuple[Any, Any]:
+    def queues(self, maxsize: int) -> tuple[BatchQueue, ResultQueue]:
         """The batch queue (bounded by ``maxsize``) to the trainer and its result queue."""
         ...
 
-    def start_trainer(self, args: tuple) -> Any:
-        """Start ``trainer_worker.trainer_main(*args)``; a handle with ``pid``, ``is_alive``, ``join``, ``kill``,
-        ``exitcode``."""
+    def start_trainer(self, args: tuple[Any, ...]) -> TrainerProcess:
+        """Start ``trainer_worker.trainer_main(*args)``."""
         ...
 
-    def rollouts(self, loop: Any) -> Rollouts:
-        """Where attempts run: ``submit(spec) -> Future[Trajectory]``."""
+    def rollouts(self, agent: AgentLoop, cfg: RunConfig, counts: Counter[str]) -> Rollouts:
+        """Where the loop's attempts run (``agent``'s, ``counts`` gathers their infrastructure errors)."""
         ...
 
     def pids(self) -> dict[str, int]:
@@ -46,11 +82,11 @@ class Launcher(Protocol):
 class ThreadRollouts:
     """Attempts on threads of this process (the sandboxes run on this machine)."""
 
-    def __init__(self, agent: AgentLoop, workers: int, retries: int, counts: Counter) -> None:
+    def __init__(self, agent: AgentLoop, workers: int, retries: int, counts: Counter[str]) -> None:
         self.agent, self.retries, self.counts = agent, retries, counts
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="rollout")
 
-    def submit(self, spec: AttemptSpec) -> Future:
+    def submit(self, spec: AttemptSpec) -> Future[Trajectory]:
         return self.pool.submit(run_with_retries, self.agent, spec, self.retries, self.counts)
 
     def shutdown(self) -> None:
@@ -65,16 +101,15 @@ class LocalLauncher:
     def pids(self) -> dict[str, int]:
         return {}  # the loop records the trainer's pid itself
 
-    def queues(self, maxsize: int):
+    def queues(self, maxsize: int) -> tuple[BatchQueue, ResultQueue]:
         ctx = mp.get_context("spawn")
         return ctx.Queue(maxsize=maxsize), ctx.Queue()
 
-    def start_trainer(self, args: tuple):
+    def start_trainer(self, args: tuple[Any, ...]) -> TrainerProcess:
         proc = mp.get_context("spawn").Process(target=trainer_main, daemon=True, name="albatross-trainer",
                                                args=args)
         proc.start()
         return proc
 
-    def rollouts(self, loop: Any) -> ThreadRollouts:
-        return ThreadRollouts(loop.agent, loop.cfg.orchestrator.rollout_workers,
-                              loop.cfg.sandbox.max_infra_retries, loop.counts)
+    def rollouts(self, agent: AgentLoop, cfg: RunConfig, counts: Counter[str]) -> ThreadRollouts:
+        return ThreadRollouts(agent, cfg.orchestrator.rollout_workers, cfg.sandbox.max_infra_retries, counts)

@@ -18,16 +18,24 @@ import os
 import queue
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from albatross.config import RunConfig
+from albatross.engine.base import Engine
 from albatross.harness.agent import AgentLoop, AttemptSpec
 from albatross.orchestrator.buffer import BatchBuilder, admissible
-from albatross.orchestrator.launcher import Launcher, LocalLauncher
+from albatross.orchestrator.launcher import (
+    BatchQueue,
+    Launcher,
+    LocalLauncher,
+    ResultQueue,
+    Rollouts,
+    TrainerProcess,
+)
 from albatross.orchestrator.metrics import MetricsSink
 from albatross.orchestrator.state import (
     MixSampler,
@@ -38,7 +46,7 @@ from albatross.orchestrator.state import (
     prune_weights,
     truncate_lines,
 )
-from albatross.records import STATUS_INFRA_ERROR, Group, Trajectory, append_jsonl
+from albatross.records import STATUS_INFRA_ERROR, Batch, Group, Trajectory, append_jsonl
 from albatross.rl.scoring import GroupScorer
 from albatross.tasks.format import Task
 
@@ -47,36 +55,64 @@ class TrainerDied(RuntimeError):
     """The trainer process failed; the run stopped with everything needed to resume."""
 
 
+@dataclass(frozen=True)
+class StepEvent:
+    """One finished trainer step, as the loop hands it to its observers.
+
+    ``weights`` is the directory of the exported version (the loop prunes old versions after the observers
+    return, keeping ``trainer.keep_versions``: copy it there if it is to be kept); ``record`` is the row
+    written to ``metrics.jsonl`` (its ``time`` is ``time.time()`` when the step was recorded)."""
+
+    step: int
+    version: int
+    weights: str
+    record: dict[str, Any]
+
+
+class StepObserver(Protocol):
+    """Watches a run of ``AsyncLoop`` (pass it as ``observers=``): benchmarks and users' scripts measure or keep
+    things with it without changing the loop. Both methods run on the loop's scheduling thread: keep them short."""
+
+    def on_start(self) -> None:
+        """The scheduling loop starts: the trainer is ready and the time budget (``max_minutes``) starts now."""
+
+    def on_step(self, event: StepEvent) -> None:
+        """A trainer step finished; the engine already serves ``event.version``."""
+
+
 @dataclass
 class _PendingGroup:
     task: Task
     group_id: str
-    futures: list[Future]
+    futures: list[Future[Trajectory]]
 
 
 class AsyncLoop:
     """One training run: ``run()`` returns the final state; metrics and attempts go to ``run_dir``."""
 
-    def __init__(self, cfg: RunConfig, agent: AgentLoop, engine, tasks: list[Task], model_dir: Path,
+    def __init__(self, cfg: RunConfig, agent: AgentLoop, engine: Engine, tasks: list[Task], model_dir: Path,
                  run_dir: Path, log: Callable[[str], None] = print, resume: bool = False,
-                 launcher: Any = None, sink: MetricsSink | None = None,
-                 sources: dict[str, str] | None = None, weights: dict[str, float] | None = None) -> None:
+                 launcher: Launcher | None = None, sink: MetricsSink | None = None,
+                 sources: dict[str, str] | None = None, weights: dict[str, float] | None = None,
+                 observers: Sequence[StepObserver] = ()) -> None:
         """``sources`` (task id -> source name) and ``weights`` (source name -> weight): a task mix
-        (``tasks.mix``), drawn from by ``MixSampler`` and reported per source; None: one pool of tasks."""
+        (``tasks.mix``), drawn from by ``MixSampler`` and reported per source; None: one pool of tasks.
+        ``observers``: told when the scheduling loop starts and after every trainer step (``StepObserver``)."""
         self.cfg, self.agent, self.engine, self.tasks = cfg, agent, engine, tasks
+        self.observers = list(observers)
         self.sources = sources or {}
         self._given_sink = sink  # the run's sink (driver), else one of its own
         self.stop_reason = "not started"
         self.launcher: Launcher = launcher or LocalLauncher()
         self.model_dir, self.run_dir, self.log = Path(model_dir), Path(run_dir), log
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.scorer = GroupScorer(cfg.rl, _test_weights(cfg.rl.test_weights))
+        self.scorer = GroupScorer(cfg.rl, rl_test_weights(cfg.rl.test_weights))
         self.builder = BatchBuilder(cfg.orchestrator.groups_per_step, max_staleness=cfg.rl.max_staleness,
                                     credit=cfg.rl.credit)
         self.sampler = _sampler(tasks, self.sources, weights or {}, cfg.seed)
         self.state = RunState(version=engine.version)
-        self.counts: Counter = Counter()
-        self._window: Counter = Counter()  # attempts, solves, rewards since the last step
+        self.counts: Counter[str] = Counter()
+        self._window: Counter[str] = Counter()  # attempts, solves, rewards since the last step
         self._batches_sent = 0
         self._last_pass_rate = self._last_reward = 0.0
         self._t0 = time.monotonic()
@@ -139,14 +175,14 @@ class AsyncLoop:
         batch_q, result_q = self.launcher.queues(self.cfg.orchestrator.queue_size)
         proc = self.launcher.start_trainer((str(self.model_dir), str(self.run_dir), self.cfg.model_dump_json(),
                                             batch_q, result_q, self.state.version, self.state.trainer_checkpoint))
-        self._trainer_pid = proc.pid
+        self._trainer_pid = proc.pid or 0  # a started process has its pid
         self._pids: dict[str, int] = {}
         self._write_pids()
         self.sink = self._given_sink or MetricsSink(self.run_dir, self.cfg.orchestrator.max_steps, self.log,
                                                     self.cfg.orchestrator.wandb_project, self.cfg.model_dump(),
                                                     max_minutes=self.cfg.orchestrator.max_minutes)
         self.sink.start_training(self.state.step, self.state.elapsed_s)
-        pool = self.launcher.rollouts(self)
+        pool = self.launcher.rollouts(self.agent, self.cfg, self.counts)
         try:
             self._wait_ready(result_q, proc)
             self._drive(pool, batch_q, result_q, proc)
@@ -176,7 +212,7 @@ class AsyncLoop:
             tmp.write_text(json.dumps(pids))
             tmp.replace(self.run_dir / "pids.json")
 
-    def _wait_ready(self, result_q, proc) -> None:
+    def _wait_ready(self, result_q: ResultQueue, proc: TrainerProcess) -> None:
         while True:
             try:
                 msg = result_q.get(timeout=1.0)
@@ -192,7 +228,7 @@ class AsyncLoop:
                 self.engine.update_weights(msg["path"], msg["version"])
             return
 
-    def _finish_trainer(self, result_q, proc, batch_q) -> None:
+    def _finish_trainer(self, result_q: ResultQueue, proc: TrainerProcess, batch_q: BatchQueue) -> None:
         """A run that ended normally: the trainer writes the last version as a directory (``final_weights``),
         its checkpoints in flight land, then it exits."""
         from albatross.orchestrator.trainer_worker import FINISH
@@ -208,11 +244,13 @@ class AsyncLoop:
             self._snapshot(saved.trainer_checkpoint).save(self.run_dir)
 
     # ---- the scheduling loop ------------------------------------------------------------------
-    def _drive(self, pool, batch_q, result_q, proc) -> None:
+    def _drive(self, pool: Rollouts, batch_q: BatchQueue, result_q: ResultQueue, proc: TrainerProcess) -> None:
         oc = self.cfg.orchestrator
+        for observer in self.observers:
+            observer.on_start()
         deadline = time.monotonic() + oc.max_minutes * 60 - self.state.elapsed_s
         inflight: list[_PendingGroup] = []
-        ready: list = []
+        ready: list[Batch] = []
         while True:
             out_of_time = time.monotonic() > deadline
             stopping = out_of_time or self._batches_sent + len(ready) >= oc.max_steps
@@ -254,14 +292,14 @@ class AsyncLoop:
         the order they are sent, one version each, from the version it started with."""
         return self._start_version + self._batches_sent + n_ready
 
-    def _start_group(self, pool) -> _PendingGroup:
+    def _start_group(self, pool: Rollouts) -> _PendingGroup:
         task = self.tasks[self.sampler.next()]
         gid = f"g{self.state.group_seq:06d}"
         self.state.group_seq += 1
         futures = [pool.submit(AttemptSpec(task, gid, i)) for i in range(self.cfg.orchestrator.group_size)]
         return _PendingGroup(task, gid, futures)
 
-    def _collect(self, inflight: list[_PendingGroup], ready: list) -> list[_PendingGroup]:
+    def _collect(self, inflight: list[_PendingGroup], ready: list[Batch]) -> list[_PendingGroup]:
         still = []
         for pg in inflight:
             if not all(f.done() for f in pg.futures):
@@ -272,7 +310,7 @@ class AsyncLoop:
                 ready.append(batch)
         return still
 
-    def _finish_group(self, pg: _PendingGroup, trajs: list[Trajectory], train_version: int):
+    def _finish_group(self, pg: _PendingGroup, trajs: list[Trajectory], train_version: int) -> Batch | None:
         ok = [t for t in trajs if t.status != STATUS_INFRA_ERROR]
         group = Group(pg.task.id, pg.group_id, ok)
         if len(ok) < len(trajs):
@@ -299,7 +337,7 @@ class AsyncLoop:
         return batch
 
     # ---- trainer results ----------------------------------------------------------------------
-    def _drain_results(self, result_q, proc, block: bool) -> None:
+    def _drain_results(self, result_q: ResultQueue, proc: TrainerProcess, block: bool) -> None:
         while True:
             try:
                 msg = result_q.get(timeout=1.0) if block else result_q.get_nowait()
@@ -320,7 +358,7 @@ class AsyncLoop:
             if block:
                 return
 
-    def _finish_queued_steps(self, result_q, proc) -> None:
+    def _finish_queued_steps(self, result_q: ResultQueue, proc: TrainerProcess) -> None:
         """Let the trainer finish the batches already queued, so no finished step is lost."""
         deadline = time.monotonic() + 300
         while self.state.step < self._batches_sent and time.monotonic() < deadline:
@@ -340,6 +378,9 @@ class AsyncLoop:
         record = {**self._step_record(msg), **self._checkpoint_figures}
         self._checkpoint_figures = {}
         self.sink.step(record)
+        event = StepEvent(self.state.step, self.state.version, str(msg["path"]), record)
+        for observer in self.observers:
+            observer.on_step(event)
         prune_weights(self.run_dir, self.state.version, self.cfg.trainer.keep_versions)
         if msg.get("checkpoint"):
             self._pending[msg["checkpoint"]] = self._snapshot(msg["checkpoint"])
@@ -406,7 +447,8 @@ class AsyncLoop:
                 **({"engine restarts": self.engine.restarts} if self.engine.restarts else {})}
 
 
-def _sampler(tasks: list[Task], sources: dict[str, str], weights: dict[str, float], seed: int) -> Any:
+def _sampler(tasks: list[Task], sources: dict[str, str], weights: dict[str, float],
+             seed: int) -> TaskSampler | MixSampler:
     """One seeded cycle over the tasks, or (a task mix) a ``MixSampler`` over the sources with a weight."""
     if not sources:
         return TaskSampler(len(tasks), seed)
@@ -415,7 +457,8 @@ def _sampler(tasks: list[Task], sources: dict[str, str], weights: dict[str, floa
     return MixSampler(groups, [weights[n] for n in names], seed)
 
 
-def _test_weights(path: str) -> dict[str, dict[str, float]] | None:
+def rl_test_weights(path: str) -> dict[str, dict[str, float]] | None:
+    """The per-test weights of ``rl.test_weights`` (a gates report), or None when it is empty."""
     if not path:
         return None
     from albatross.tasks.gates import load_test_weights
@@ -425,7 +468,7 @@ def _test_weights(path: str) -> dict[str, dict[str, float]] | None:
     return load_test_weights(path)
 
 
-def _stop_trainer(proc, batch_q) -> None:
+def _stop_trainer(proc: TrainerProcess, batch_q: BatchQueue) -> None:
     """Ask the trainer to finish, then make sure it is gone (by the pid we started)."""
     if proc.is_alive():
         try:

@@ -13,11 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.errors import UserError
 from albatross.progress import Bar, Plan, fmt_duration
 from albatross.records import append_jsonl
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 WANDB_ID_FILE = "wandb_id"
 
@@ -126,7 +129,7 @@ def step_line(r: dict[str, Any], max_steps: int) -> str:
             f"infra {r.get('infra_error_attempts', 0)}")
 
 
-def _tensorboard(path: Path):
+def _tensorboard(path: Path) -> SummaryWriter | None:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard not installed: JSONL and console only
@@ -158,7 +161,8 @@ def wandb_init_args(project: str, run_dir: Path, config: dict[str, Any], name: s
             "id": run_id, "resume": "allow"}
 
 
-def _wandb(project: str, run_dir: Path, config: dict[str, Any], name: str, group: str, resume: bool):
+def _wandb(project: str, run_dir: Path, config: dict[str, Any], name: str, group: str,
+           resume: bool) -> Any:  # wandb's Run: wandb is optional and untyped here
     if not project:
         return None
     check_wandb(project)

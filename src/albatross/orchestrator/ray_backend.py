@@ -24,14 +24,23 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
+from albatross.config import RunConfig
 from albatross.engine.base import Completion, EngineError, SamplingParams, SingleEngine
 from albatross.engine.pool import EnginePool, LocalReplica
+from albatross.harness.agent import Agent, AttemptSpec
+from albatross.orchestrator.launcher import BatchQueue, ResultQueue
 from albatross.records import STATUS_INFRA_ERROR, Trajectory
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def _ray():
+# Ray's actor handles and object refs are ``Any`` here: Ray builds them at run time (``ray.remote``), untyped.
+
+
+def _ray() -> ModuleType:
     try:
         import ray
     except ImportError as e:
@@ -85,7 +94,8 @@ class RayEngineClient(SingleEngine):
             raise EngineError(f"engine actor: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return self._get(self.handle.generate.remote(prompts, params))
+        completions: list[Completion] = self._get(self.handle.generate.remote(prompts, params))
+        return completions
 
     def update_weights(self, path: str, version: int) -> None:
         self._get(self.handle.update_weights.remote(path, version))
@@ -109,7 +119,8 @@ def engine_pool(handles: list[Any], version: int = 0, log: Callable[[str], None]
 class RolloutWorker:
     """Runs attempts on its node: its own sandbox backend, an agent, an engine pool over the replicas."""
 
-    def __init__(self, cfg_json: str, tokenizer: Any, engines: list[Any], hide_paths: list[str]) -> None:
+    def __init__(self, cfg_json: str, tokenizer: PreTrainedTokenizerBase, engines: list[Any],
+                 hide_paths: list[str]) -> None:
         from albatross.config import RunConfig
         from albatross.harness.agent import build_agent
         from albatross.sandbox import backend_from_config
@@ -123,10 +134,10 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, spec: Any) -> tuple[Trajectory, dict[str, int]]:
+    def run(self, spec: AttemptSpec) -> tuple[Trajectory, dict[str, int]]:
         from albatross.harness.retry import run_with_retries
 
-        counts: Counter = Counter()
+        counts: Counter[str] = Counter()
         traj = run_with_retries(self.agent, spec, self.retries, counts)
         return traj, dict(counts)
 
@@ -139,7 +150,7 @@ class TrainerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, args: tuple) -> None:
+    def run(self, args: tuple[Any, ...]) -> None:
         from albatross.orchestrator.trainer_worker import trainer_main
 
         trainer_main(*args)
@@ -151,7 +162,7 @@ class TrainerActor:
 class TrainerHandle:
     """The trainer actor seen as the process handle the loop expects (is_alive, join, kill, exitcode)."""
 
-    def __init__(self, actor: Any, args: tuple) -> None:
+    def __init__(self, actor: Any, args: tuple[Any, ...]) -> None:
         ray = _ray()
         self.actor = actor
         try:
@@ -188,21 +199,21 @@ class TrainerHandle:
 class RayRollouts:
     """Attempts spread over the rollout workers (the one with fewest attempts outstanding first)."""
 
-    def __init__(self, workers: list[Any], counts: Counter) -> None:
+    def __init__(self, workers: list[Any], counts: Counter[str]) -> None:
         self.workers, self.counts = workers, counts
         self.outstanding = [0] * len(workers)
         self._lock = threading.Lock()
         self._turn = itertools.count()
 
-    def submit(self, spec: Any) -> Future:
+    def submit(self, spec: AttemptSpec) -> Future[Trajectory]:
         with self._lock:
             turn, n = next(self._turn), len(self.workers)
             i = min(range(n), key=lambda k: (self.outstanding[k], (k - turn) % n))
             self.outstanding[i] += 1
-        out: Future = Future()
+        out: Future[Trajectory] = Future()
         ref = self.workers[i].run.remote(spec)
 
-        def done(f: Future) -> None:
+        def done(f: Future[tuple[Trajectory, dict[str, int]]]) -> None:
             with self._lock:
                 self.outstanding[i] -= 1
             try:
@@ -225,7 +236,7 @@ class RayRollouts:
 # ---------------------------------------------------------------------------------------------- a run
 
 
-def check_resources(cfg: Any, resources: dict[str, float]) -> None:
+def check_resources(cfg: RunConfig, resources: dict[str, float]) -> None:
     """Actors that cannot all be placed would wait forever: say so at start-up, naming the fields."""
     from albatross.config import ConfigError
 
@@ -247,8 +258,8 @@ class RayRun:
 
     name = "ray"
 
-    def __init__(self, cfg: Any, model_dir: Path, run_dir: Path, tokenizer: Any, hide_paths: list[str],
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path, tokenizer: PreTrainedTokenizerBase,
+                 hide_paths: list[str], log: Callable[[str], None] = print) -> None:
         ray = _ray()
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
         rc = cfg.ray
@@ -287,19 +298,19 @@ class RayRun:
         self._trainer: TrainerHandle | None = None
 
     # the loop's launcher ----------------------------------------------------------------------------
-    def queues(self, maxsize: int):
+    def queues(self, maxsize: int) -> tuple[BatchQueue, ResultQueue]:
         from ray.util.queue import Queue
 
         return Queue(maxsize=maxsize, actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0})
 
-    def start_trainer(self, args: tuple) -> TrainerHandle:
+    def start_trainer(self, args: tuple[Any, ...]) -> TrainerHandle:
         ray, rc = _ray(), self.cfg.ray
         actor = ray.remote(TrainerActor).options(num_cpus=rc.trainer_cpus, num_gpus=rc.trainer_gpus).remote()
         self._trainer = TrainerHandle(actor, args)
         return self._trainer
 
-    def rollouts(self, loop: Any) -> RayRollouts:
-        return RayRollouts(self.workers, loop.counts)
+    def rollouts(self, agent: Agent, cfg: RunConfig, counts: Counter[str]) -> RayRollouts:
+        return RayRollouts(self.workers, counts)  # each worker has its own agent, built from the run's config
 
     def pids(self) -> dict[str, int]:
         out = {f"engine{i}": pid for i, pid in enumerate(self.engine_pids)}

@@ -51,7 +51,8 @@ class TaskSampler:
     """Cycles through tasks in a seeded shuffled order; its position is part of the run's state."""
 
     def __init__(self, n_tasks: int, seed: int) -> None:
-        self.n, self.rng, self.order, self.pos = n_tasks, random.Random(seed), [], 0
+        self.n, self.rng, self.pos = n_tasks, random.Random(seed), 0
+        self.order: list[int] = []
 
     def next(self) -> int:
         if self.pos >= len(self.order):

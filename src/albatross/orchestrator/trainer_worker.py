@@ -31,7 +31,7 @@ def trainer_main(model_dir: str, run_dir: str, cfg_json: str, batch_q: Any, resu
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _end_with_parent()
-    ranks: list[subprocess.Popen] = []
+    ranks: list[subprocess.Popen[bytes]] = []
     try:
         from albatross.config import RunConfig
 
@@ -225,11 +225,12 @@ def _join_group(device: Any, rank: int, world: int) -> None:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _start_ranks(model_dir: str, run_dir: str, cfg_json: str, version: int, resume_ckpt: str,
-                 world: int) -> list[subprocess.Popen]:
+                 world: int) -> list[subprocess.Popen[bytes]]:
     """Launch ranks 1..world-1 (their logs in ``<run_dir>/logs``) and set this process up as rank 0."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
     logs = Path(run_dir) / "logs"
@@ -247,7 +248,7 @@ def _start_ranks(model_dir: str, run_dir: str, cfg_json: str, version: int, resu
     return procs
 
 
-def _stop_ranks(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+def _stop_ranks(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
     """Wait for the other ranks to leave after the stop broadcast; kill (by pid) any that do not."""
     for p in procs:
         try:

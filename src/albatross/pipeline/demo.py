@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.config import ModelConfig, RunConfig, load_config
+
+if TYPE_CHECKING:
+    from transformers import (
+        LlamaForCausalLM,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
+
+    from albatross.harness.chat import TinyTokenizer
 
 QUICK_OVERRIDES = [
     "tasks.n_train=240", "tasks.n_heldout=8", "tasks.n_validation=0", "warmstart.steps=300", "warmstart.check_every=25",
@@ -41,7 +51,8 @@ def demo_config(config_path: str | None, quick: bool, out: str | None, overrides
     return load_config(path, extra)
 
 
-def demo_tokenizer(families: list[str] | None = None, heldout_families: list[str] | None = None):
+def demo_tokenizer(families: list[str] | None = None,
+                   heldout_families: list[str] | None = None) -> PreTrainedTokenizerFast:
     """The tiny model's tokenizer, a transformers tokenizer with its own chat template (``tiny_hf_tokenizer``):
     whole words of the corpus of the built-in families it trains on (the demo's three by default, so that adding
     families elsewhere never changes the demo model's vocabulary), bytes for everything else.
@@ -59,10 +70,12 @@ def demo_tokenizer(families: list[str] | None = None, heldout_families: list[str
 
     names = [*(families or DEMO_FAMILIES), *(f for f in heldout_families or [] if f not in (families or DEMO_FAMILIES))]
     words = [w for w in TinyTokenizer.from_corpus(corpus_strings(names)).words if not w.startswith(" ")]
-    return tiny_hf_tokenizer(words, word_pattern=BARE_WORD_PATTERN)
+    tokenizer: PreTrainedTokenizerFast = tiny_hf_tokenizer(words, word_pattern=BARE_WORD_PATTERN)
+    return tokenizer
 
 
-def build_tiny(cfg: ModelConfig, tokenizer: Any, seed: int = 0):
+def build_tiny(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase | TinyTokenizer,
+               seed: int = 0) -> LlamaForCausalLM:
     """A Llama-architecture causal LM with random weights, sized by ``cfg`` (nothing downloaded), whose generation
     config stops at the end of an assistant turn (``<|end|>``) as well as at ``<|eos|>``.
 
@@ -72,8 +85,12 @@ def build_tiny(cfg: ModelConfig, tokenizer: Any, seed: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from albatross.harness.chat import TinyTokenizer
+
     torch.manual_seed(seed)
-    if hasattr(tokenizer, "special"):  # the legacy TinyTokenizer
+    ids: dict[str, Any]
+    end: int | list[int]
+    if isinstance(tokenizer, TinyTokenizer):  # the legacy tokenizer
         ids = {"vocab_size": tokenizer.vocab_size, "bos_token_id": tokenizer.special("<|user|>"),
                "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
         end = tokenizer.special("<|end|>")
@@ -91,13 +108,16 @@ def build_tiny(cfg: ModelConfig, tokenizer: Any, seed: int = 0):
     return model
 
 
-def save_model(model: Any, tokenizer: Any, directory: str | Path) -> Path:
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TinyTokenizer,
+               directory: str | Path) -> Path:
     """``save_pretrained`` of the model and of its tokenizer (a transformers one, or the demo's)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    from albatross.harness.chat import TinyTokenizer
+
     model.save_pretrained(directory, safe_serialization=True)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(directory)
-    else:
+    if isinstance(tokenizer, TinyTokenizer):
         tokenizer.save(directory)
+    else:
+        tokenizer.save_pretrained(directory)
     return directory

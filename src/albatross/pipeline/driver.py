@@ -3,6 +3,12 @@
 Stages: tasks -> model (``model.path`` checked, or the demo's tiny model) -> warm start (optional) -> base eval
 -> asynchronous RL -> trained eval -> final model, summary and report. Each stage logs progress lines; a resumed
 run (``--resume``) keeps what is done and continues.
+
+The stages that set a run up are public methods of ``Pipeline``, for benchmarks and users' scripts that build
+their own run from the same parts: ``prepare_out``, ``load_tasks``, ``load_model``, ``open_backend``
+(with ``hide_paths``), ``pass_rate_fn`` (the warm start's check), ``eval_config`` and ``start_engine`` (a subclass
+may replace it to start the engine its own way). The loop's steps are watched with ``orchestrator.loop``'s
+``StepObserver``.
 """
 
 from __future__ import annotations
@@ -11,13 +17,31 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.cache import cache_root
 from albatross.config import RunConfig
 from albatross.errors import UserError
 from albatross.pipeline import summary as summ
 from albatross.progress import Plan
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from albatross.engine.base import Engine
+    from albatross.eval.run import EvalResult
+    from albatross.harness.agent import Agent
+    from albatross.orchestrator.loop import AsyncLoop
+    from albatross.orchestrator.metrics import MetricsSink
+    from albatross.orchestrator.ray_backend import RayRun
+    from albatross.orchestrator.state import RunState
+    from albatross.pipeline.model import ModelInfo
+    from albatross.sandbox.base import Backend
+    from albatross.tasks.format import Task
+
+    # what ``_run_with`` hands to ``_summary``: base and trained evaluations, the final state, the loop, the model
+    RunResults = tuple[EvalResult | None, EvalResult | None, RunState, AsyncLoop, ModelInfo, int]
 
 
 class Pipeline:
@@ -64,13 +88,13 @@ class Pipeline:
 
         torch.manual_seed(self.cfg.seed)
         torch.set_num_threads(self.cfg.engine.threads)  # this process runs the built-in engine (and the warm start)
-        self._prepare_out()
+        self.prepare_out()
         with self.plan.phase("tasks") as ph:
-            train, heldout = self._tasks()
+            train, heldout = self.load_tasks()
             ph.reason = f"{len(train)} train, {len(heldout)} held-out tasks ready"
-        tokenizer, model_dir = self._model()
+        tokenizer, model_dir = self.load_model()
         with self.plan.phase("sandbox") as ph:
-            backend = self._backend()
+            backend = self.open_backend()
             ph.reason = f"backend {backend.name} ready"
         self.timings.record("sandbox", self.plan.phases[1].elapsed_s or 0.0, 1)
         self.sink = self._sink()
@@ -127,7 +151,7 @@ class Pipeline:
         phases.append(Phase("report", 5.0))
         return Plan(phases, self.log)
 
-    def _sink(self) -> Any:
+    def _sink(self) -> MetricsSink:
         """The run's metrics sink: trainer steps, warm start and evaluations to JSONL, TensorBoard and W&B."""
         from albatross.orchestrator.metrics import MetricsSink
 
@@ -136,7 +160,8 @@ class Pipeline:
                            max_minutes=oc.max_minutes, run_name=self.out.name, group=self.cfg.name,
                            resume=self.resume, plan=self.plan)
 
-    def _run_with(self, backend: Any, tokenizer: Any, model_dir: Path | None, train: list, heldout: list) -> tuple:
+    def _run_with(self, backend: Backend, tokenizer: PreTrainedTokenizerBase, model_dir: Path | None,
+                  train: list[Task], heldout: list[Task]) -> RunResults:
         from albatross.harness.agent import build_agent
         from albatross.orchestrator.loop import AsyncLoop
         from albatross.pipeline.model import describe
@@ -147,9 +172,9 @@ class Pipeline:
         info = describe(self.model_name, base_dir)
         self.log(f"[model] {info.architecture}, {info.parameters / 1e6:.2f}M parameters, from {base_dir}")
         ray_run = self._ray(base_dir, tokenizer) if cfg.orchestrator.backend == "ray" else None
-        engine = ray_run.engine if ray_run else self._engine(base_dir)
+        engine = ray_run.engine if ray_run else self.start_engine(base_dir)
         agent.engine = engine
-        evaluator = build_agent(self._eval_config(), engine, backend, tokenizer)
+        evaluator = build_agent(self.eval_config(), engine, backend, tokenizer)
         try:
             base = self._base_eval(evaluator, heldout)
             loop = AsyncLoop(cfg, agent, engine, train, base_dir, self.out / "run", self.log,
@@ -172,7 +197,8 @@ class Pipeline:
         self._export_final(base_dir, state.version, tokenizer, loop.final_adapter)
         return base, trained, state, loop, info, version
 
-    def _warm_start(self, agent: Any, tokenizer: Any, train: list, model_dir: Path | None) -> Path:
+    def _warm_start(self, agent: Agent, tokenizer: PreTrainedTokenizerBase, train: list[Task],
+                    model_dir: Path | None) -> Path:
         """The warm start as a phase of the plan: a bar over its steps, its metrics logged, why it stopped."""
         import json
 
@@ -180,12 +206,12 @@ class Pipeline:
         from albatross.progress import Bar
 
         if warm_start_source(self.cfg) == "off":
-            return warm_start(self.cfg, tokenizer, agent, train, model_dir, self._pass_rate_fn(agent, train),
+            return warm_start(self.cfg, tokenizer, agent, train, model_dir, self.pass_rate_fn(agent, train),
                               cache_root(), self.log)
         bar = Bar("warm-start", self.cfg.warmstart.steps, self.log, plan=self.plan)
         steps = [0]
 
-        def on_step(step: int, metrics: dict) -> None:
+        def on_step(step: int, metrics: dict[str, float]) -> None:
             steps[0] = step
             self.sink.scalars("warmstart", {k: v for k, v in metrics.items() if k != "step"}, step)
             if bar.tty or "pass_rate" not in metrics:  # plain lines: warmstart.py prints each check
@@ -195,7 +221,7 @@ class Pipeline:
             t0 = time.monotonic()
             try:
                 base_dir = warm_start(self.cfg, tokenizer, agent, train, model_dir,
-                                      self._pass_rate_fn(agent, train), cache_root(), self.log, on_step)
+                                      self.pass_rate_fn(agent, train), cache_root(), self.log, on_step)
             finally:
                 bar.close()
             info = json.loads((base_dir / "warmstart.json").read_text())
@@ -205,7 +231,7 @@ class Pipeline:
             self.timings.record("warmstart_step", time.monotonic() - t0, steps[0])
         return base_dir
 
-    # ---- stages -------------------------------------------------------------------------------
+    # ---- stages (public: see the module's docstring) ----------------------------------------
     def _claim_out(self) -> None:
         """A new run never writes into a directory that holds files: one line (exit 2) unless ``--resume``
         continues it or ``--overwrite`` replaces it (only a run directory, one with config.json)."""
@@ -226,7 +252,7 @@ class Pipeline:
             else:
                 child.unlink()
 
-    def _prepare_out(self) -> None:
+    def prepare_out(self) -> None:
         """A fresh run starts from an empty output directory; a resumed one keeps everything."""
         out = self.out
         if out.exists() and not out.is_dir():
@@ -240,7 +266,7 @@ class Pipeline:
         (out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         (out / "command").write_text(self.command + "\n")  # what `--resume` continues and its title names
 
-    def _tasks(self) -> tuple[list, list]:
+    def load_tasks(self) -> tuple[list[Task], list[Task]]:
         """Training and held-out tasks (``tasks.train`` / ``heldout``, or generated built-in ones); generated
         validation tasks go to ``self.validation``."""
         from albatross.tasks.builtin import generate_tasks
@@ -248,11 +274,13 @@ class Pipeline:
 
         tc = self.cfg.tasks
         generated = self.out / "tasks"
-        self.validation: list = []
+        self.validation: list[Task] = []
         if tc.mix:
             return self._mix_tasks(generated)
         if tc.train:
-            train, heldout = load_tasks(tc.train), load_tasks(tc.heldout) if tc.heldout else []
+            train_dirs: list[str | Path] = list(tc.train)
+            heldout_dirs: list[str | Path] = list(tc.heldout)
+            train, heldout = load_tasks(train_dirs), load_tasks(heldout_dirs) if heldout_dirs else []
         else:
             if not (self.resume and (generated / "train").is_dir()):
                 try:
@@ -271,7 +299,7 @@ class Pipeline:
                  + (f" (held-out families: {', '.join(tc.heldout_families)})" if tc.heldout_families else ""))
         return train, heldout
 
-    def _mix_tasks(self, generated: Path) -> tuple[list, list]:
+    def _mix_tasks(self, generated: Path) -> tuple[list[Task], list[Task]]:
         """``tasks.mix``: the training and held-out tasks of every source (``tasks/mix.py``), with their source."""
         from albatross.tasks.builtin import generate_tasks
         from albatross.tasks.format import load_tasks
@@ -279,7 +307,7 @@ class Pipeline:
 
         tc = self.cfg.tasks
 
-        def generate(families: list[str]) -> dict[str, list]:
+        def generate(families: list[str]) -> dict[str, list[Task]]:
             if not (self.resume and (generated / "train").is_dir()):
                 generate_tasks(generated, families=families, n_train=tc.n_train, n_heldout=tc.n_heldout,
                                seed=tc.seed)
@@ -293,7 +321,7 @@ class Pipeline:
         self.log(f"[tasks] mix of {len(sources)} sources: {describe(sources)}")
         return train, heldout
 
-    def _model(self) -> tuple[Any, Path | None]:
+    def load_model(self) -> tuple[PreTrainedTokenizerBase, Path | None]:
         """The tokenizer and the directory of ``model.path`` (checked), or the demo's tokenizer and None (its
         tiny model is built by the warm start)."""
         from albatross.pipeline.demo import demo_tokenizer
@@ -317,34 +345,34 @@ class Pipeline:
             (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         return path
 
-    def _backend(self) -> Any:
+    def open_backend(self) -> Backend:
         from albatross.sandbox import backend_from_config
 
-        backend = backend_from_config(self.cfg.sandbox, hide_paths=self._hide_paths())
+        backend = backend_from_config(self.cfg.sandbox, hide_paths=self.hide_paths())
         self.log(f"[sandbox] backend {backend.name} (isolated: {backend.isolated})")
         return backend
 
-    def _hide_paths(self) -> list[str]:
+    def hide_paths(self) -> list[str]:
         return [str(self.out), str(cache_root())] + ([self.cfg.model.path] if self.cfg.model.path else [])
 
-    def _engine(self, base_dir: Path) -> Any:
+    def start_engine(self, base_dir: Path) -> Engine:
         """The rollout engine of ``[engine]`` (``engine/launch.py``): built-in, or vLLM / SGLang servers launched
         or attached, serving ``base_dir`` at version 0."""
         from albatross.engine.launch import make_engine
 
         return make_engine(self.cfg, base_dir, self.out / "run", self.log)
 
-    def _ray(self, base_dir: Path, tokenizer: Any) -> Any:
+    def _ray(self, base_dir: Path, tokenizer: PreTrainedTokenizerBase) -> RayRun:
         from albatross.orchestrator.ray_backend import RayRun
 
-        return RayRun(self.cfg, base_dir, self.out / "run", tokenizer, self._hide_paths(), self.log)
+        return RayRun(self.cfg, base_dir, self.out / "run", tokenizer, self.hide_paths(), self.log)
 
-    def _eval_config(self) -> RunConfig:
+    def eval_config(self) -> RunConfig:
         """The run's config with evaluation's sampling temperature (``eval.temperature``)."""
         sampling = self.cfg.sampling.model_copy(update={"temperature": self.cfg.eval.temperature})
         return self.cfg.model_copy(update={"sampling": sampling})
 
-    def _pass_rate_fn(self, agent: Any, train: list) -> Callable[[Any], float]:
+    def pass_rate_fn(self, agent: Agent, train: list[Task]) -> Callable[[torch.nn.Module], float]:
         """The warm start's stopping check: pass@1 of a copy of the model on a sample of the training tasks it
         has demonstrations of."""
         import copy
@@ -358,7 +386,7 @@ class Pipeline:
         rng = random.Random(self.cfg.seed)
         device = str(engine_device(self.cfg.engine.device, self.cfg.trainer.gpus))
 
-        def pass_rate(model: Any) -> float:
+        def pass_rate(model: torch.nn.Module) -> float:
             pool = demonstrated(train, self.cfg.tasks.reward_only_families)
             tasks = rng.sample(pool, min(self.cfg.warmstart.check_tasks, len(pool)))
             engine = BuiltinEngine(copy.deepcopy(model).eval(), device=device,
@@ -372,7 +400,7 @@ class Pipeline:
 
         return pass_rate
 
-    def _base_eval(self, agent: Any, heldout: list) -> Any:
+    def _base_eval(self, agent: Agent, heldout: list[Task]) -> EvalResult | None:
         """Evaluate the starting model; a resumed run only runs the (task, trial) pairs not yet scored."""
         from albatross.eval.run import EvalResult, final_records, finished_pairs, load_attempts
         from albatross.records import STATUS_INFRA_ERROR, Trajectory
@@ -394,7 +422,7 @@ class Pipeline:
         self._log_eval("base", result)
         return result
 
-    def _trained_eval(self, agent: Any, heldout: list) -> Any:
+    def _trained_eval(self, agent: Agent, heldout: list[Task]) -> EvalResult | None:
         if not heldout:
             return None
         (self.out / "eval_trained.jsonl").unlink(missing_ok=True)  # a resumed run evaluates anew
@@ -404,7 +432,7 @@ class Pipeline:
         self._log_eval("trained", result)
         return result
 
-    def _validation_eval(self, agent: Any) -> Any:
+    def _validation_eval(self, agent: Agent) -> EvalResult | None:
         """The trained model on the validation split (``tasks.n_validation``): the figure to tune on."""
         if not self.validation:
             return None
@@ -413,7 +441,8 @@ class Pipeline:
         self._log_eval("validation", result)
         return result
 
-    def _evaluate(self, phase: str, agent: Any, tasks: list, path: Path, skip: set | None = None) -> Any:
+    def _evaluate(self, phase: str, agent: Agent, tasks: list[Task], path: Path,
+                  skip: set[tuple[str, int]] | None = None) -> EvalResult:
         """One evaluation as a phase of the plan: a bar over its attempts, and how it ended."""
         from albatross.eval.run import evaluate
         from albatross.progress import Bar
@@ -431,7 +460,7 @@ class Pipeline:
         self.timings.record("eval_attempt", time.monotonic() - t0, todo)
         return result
 
-    def _log_eval(self, name: str, result: Any) -> None:
+    def _log_eval(self, name: str, result: EvalResult) -> None:
         """An evaluation's Pass@1 (and its standard error over tasks) to TensorBoard / W&B as ``eval/<name>``."""
         step = self.sink.max_steps if name != "base" else 0
         self.sink.scalars(f"eval/{name}", {"pass_at_1": result.pass_at_1,
@@ -453,7 +482,8 @@ class Pipeline:
                           self.sink.max_steps if name != "base" else 0)
         self.source_rows[name] = rows
 
-    def _export_final(self, base_dir: Path, version: int, tokenizer: Any, adapter: str = "") -> None:
+    def _export_final(self, base_dir: Path, version: int, tokenizer: PreTrainedTokenizerBase,
+                      adapter: str = "") -> None:
         """``<out>/final``: the last trained weights with the model's tokenizer, chat template and a generation
         config that stops at the end of a turn, a directory that loads with transformers
         (``AutoModelForCausalLM.from_pretrained``) and serves with any engine. With ``[trainer.lora]``: the adapter
@@ -503,8 +533,8 @@ class Pipeline:
         path = write_report([self.out], self.out / "report.html")
         self.log(f"[report] {path}")
 
-    def _summary(self, base: Any, trained: Any, state: Any, loop: Any, info: Any, version: int, *, heldout: list,
-                 seconds: float) -> dict[str, Any]:
+    def _summary(self, base: EvalResult | None, trained: EvalResult | None, state: RunState, loop: AsyncLoop,
+                 info: ModelInfo, version: int, *, heldout: list[Task], seconds: float) -> dict[str, Any]:
         groups = max(1, loop.builder.counts["groups"])
         infra = int(loop.counts["infra_error_attempts"]) + sum(r.infra_errors for r in (base, trained) if r)
         out = {
@@ -551,6 +581,6 @@ def default_out(name: str, root: str | Path = "runs") -> str:
     return str(path)
 
 
-def _fmt(result: Any) -> str:
+def _fmt(result: EvalResult) -> str:
     se = result.pass_at_1_se
     return f"{result.pass_at_1:.3f}" + (f" +/- {se:.3f}" if se is not None else "")

@@ -15,19 +15,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from albatross.harness.agent import AttemptSpec
+from albatross.harness.agent import Agent, AttemptSpec
 from albatross.harness.retry import run_with_retries
+from albatross.rl.scoring import GroupScorer
 from albatross.tasks.format import Task
 from albatross.tasks.probe import MIN_ATTEMPTS, ProbeRow, score_row
 
 
-def probe(agent: Any, tasks: list[Task], attempts: int, scorer: Any, retries: int = 3, workers: int = 8,
+def probe(agent: Agent, tasks: list[Task], attempts: int, scorer: GroupScorer, retries: int = 3, workers: int = 8,
           progress: Callable[[ProbeRow], None] | None = None) -> list[ProbeRow]:
     """Run ``attempts`` attempts at every task with ``agent`` and score each task's group with
     ``scorer`` (a ``GroupScorer``). Rows come back in task order."""
     if attempts < MIN_ATTEMPTS:
         raise ValueError(f"attempts must be at least {MIN_ATTEMPTS} (DESIGN.md: probe each task >= 4 times)")
-    counts: dict[str, Counter] = {t.id: Counter() for t in tasks}
+    counts: dict[str, Counter[str]] = {t.id: Counter() for t in tasks}
     specs = [AttemptSpec(t, f"probe-{t.id}", i) for t in tasks for i in range(attempts)]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="probe") as pool:
         futures = [pool.submit(run_with_retries, agent, s, retries, counts[s.task.id]) for s in specs]

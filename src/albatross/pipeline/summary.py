@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from albatross.eval.run import EvalResult
+    from albatross.tasks.format import Task
 
 SUMMARY_KEYS = (
     "base_pass_at_1", "trained_pass_at_1", "heldout_tasks", "train_steps", "wall_seconds",
@@ -18,7 +22,7 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def eval_fields(prefix: str, result: Any) -> dict[str, Any]:
+def eval_fields(prefix: str, result: EvalResult | None) -> dict[str, Any]:
     """``<prefix>_pass_at_1`` and its standard error over tasks (``eval/stats.py``; None when nothing was
     evaluated)."""
     if result is None:
@@ -26,7 +30,7 @@ def eval_fields(prefix: str, result: Any) -> dict[str, Any]:
     return {f"{prefix}_pass_at_1": _round(result.pass_at_1), f"{prefix}_pass_at_1_se": _round(result.pass_at_1_se)}
 
 
-def by_family(heldout: list[Any], **results: Any) -> dict[str, dict[str, float | None]]:
+def by_family(heldout: list[Task], **results: EvalResult | None) -> dict[str, dict[str, float | None]]:
     """``heldout_pass_at_1_by_family``: {"base": {family: pass@1}, "trained": {...}} (``family_of`` each task)."""
     from albatross.eval.run import pass_at_1_by_family
     from albatross.tasks.format import family_of
@@ -36,7 +40,7 @@ def by_family(heldout: list[Any], **results: Any) -> dict[str, dict[str, float |
             for name, r in results.items()}
 
 
-def difference_fields(base: Any, trained: Any) -> dict[str, Any]:
+def difference_fields(base: EvalResult | None, trained: EvalResult | None) -> dict[str, Any]:
     """``trained_minus_base``: the paired difference over the held-out tasks, its 95% interval and a verdict
     (``eval/stats.py``, the interval every figure uses); nothing when either evaluation is missing."""
     from albatross.eval.stats import outcome_rates, paired_difference, verdict
@@ -47,7 +51,7 @@ def difference_fields(base: Any, trained: Any) -> dict[str, Any]:
     return {"trained_minus_base": {**diff.as_dict(), "verdict": verdict(diff)}}
 
 
-def split_fields(heldout: list[Any], reward_only: list[str], **results: Any) -> dict[str, Any]:
+def split_fields(heldout: list[Task], reward_only: list[str], **results: EvalResult | None) -> dict[str, Any]:
     """With ``tasks.reward_only_families``: ``<name>_pass_at_1_reward_only`` / ``_warm_started`` (and their
     ``_se``) for each result, over the held-out tasks of the reward-only families and of the others."""
     from albatross.tasks.format import family_of

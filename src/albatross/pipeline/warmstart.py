@@ -19,12 +19,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from albatross.config import RunConfig
 from albatross.errors import UserError
 from albatross.records import Sample
 from albatross.tasks.format import Task
+
+if TYPE_CHECKING:
+    from albatross.harness.agent import Agent
 
 CACHE_VERSION = 4  # bump when the demo's tasks, tokenizer or model layout change
 
@@ -51,7 +54,7 @@ def demonstrated(tasks: list[Task], reward_only: list[str]) -> list[Task]:
     return kept
 
 
-def collect_demonstrations(agent: Any, tasks: list[Task], workers: int = 8) -> list[Sample]:
+def collect_demonstrations(agent: Agent, tasks: list[Task], workers: int = 8) -> list[Sample]:
     """One demonstration per task with oracle steps; a demonstration that fails verification is skipped. None
     succeeding is a ``UserError`` naming the first task and how its demonstration ended."""
     from albatross.engine.scripted import ScriptedEngine
@@ -99,13 +102,13 @@ def chat_samples(path: str | Path, tokenizer: Any) -> list[Sample]:
     return samples
 
 
-def _render(tokenizer: Any, messages: list[dict], generation: bool) -> list[int]:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], generation: bool) -> list[int]:
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation)
-    ids = out["input_ids"] if hasattr(out, "keys") else out
+    ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding, 4 a list
     return list(ids)
 
 
-def _chat_sample(messages: list[dict], tokenizer: Any) -> Sample:
+def _chat_sample(messages: list[dict[str, Any]], tokenizer: Any) -> Sample:
     sample = Sample([], [], [], [])
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
@@ -128,6 +131,7 @@ def cache_key(cfg: RunConfig, source: str, tokenizer: Any, tasks: list[Task], mo
     h = hashlib.sha256()
     blob = {"v": CACHE_VERSION, "source": source, "model": cfg.model.model_dump(), "warm": cfg.warmstart.model_dump(),
             "harness": cfg.harness.model_dump(), "seed": cfg.seed,
+            # transformers: a fast tokenizer has ``vocab``, others only ``get_vocab()`` (the key keeps its form)
             "vocab": getattr(tokenizer, "vocab", None) or sorted(tokenizer.get_vocab().items())}
     h.update(json.dumps(blob, sort_keys=True, default=str).encode())
     if model_dir is not None:
@@ -148,7 +152,7 @@ def _hash_tree(h: Any, root: Path) -> None:
 
 def warm_start(cfg: RunConfig, tokenizer: Any, agent: Any, tasks: list[Task], model_dir: Path | None,
                pass_rate: Callable[[Any], float], cache_root: Path, log: Callable[[str], None] = print,
-               on_step: Callable[[int, dict], None] | None = None) -> Path:
+               on_step: Callable[[int, dict[str, float]], None] | None = None) -> Path:
     """The model directory RL starts from: ``model_dir`` itself when the warm start is off, else the
     warm-started copy (``model_dir`` None: the demo's tiny model, built here), cached under ``cache_root``.
     ``on_step(step, metrics)`` after each SFT step (progress and metrics logging); ``warmstart.json`` of the
@@ -178,7 +182,7 @@ def warm_start(cfg: RunConfig, tokenizer: Any, agent: Any, tasks: list[Task], mo
 
 def _train(cfg: RunConfig, tokenizer: Any, demos: list[Sample], model_dir: Path | None,
            pass_rate: Callable[[Any], float], log: Callable[[str], None], t0: float,
-           on_step: Callable[[int, dict], None] | None = None) -> tuple[Any, list[dict], str]:
+           on_step: Callable[[int, dict[str, float]], None] | None = None) -> tuple[Any, list[dict[str, Any]], str]:
     import torch
 
     from albatross.devices import trainer_device
@@ -190,7 +194,7 @@ def _train(cfg: RunConfig, tokenizer: Any, demos: list[Sample], model_dir: Path 
     model = build_tiny(cfg.model, tokenizer, seed=cfg.seed) if model_dir is None else load_model(model_dir)
     trainer = Trainer.from_config(model.to(trainer_device(cfg.trainer.device)), cfg, lr=cfg.warmstart.lr, lora=False)
     rng = random.Random(cfg.seed)
-    history: list[dict] = []
+    history: list[dict[str, Any]] = []
     ws = cfg.warmstart
     reason = f"warmstart.steps ({ws.steps}) done"  # why it stopped, said by the run's progress line
     for step in range(1, ws.steps + 1):
@@ -210,7 +214,7 @@ def _train(cfg: RunConfig, tokenizer: Any, demos: list[Sample], model_dir: Path 
     return model.cpu(), history, reason
 
 
-def _save(model: Any, tokenizer: Any, model_dir: Path | None, out: Path, info: dict) -> None:
+def _save(model: Any, tokenizer: Any, model_dir: Path | None, out: Path, info: dict[str, Any]) -> None:
     from albatross.pipeline.demo import save_model
     from albatross.pipeline.model import copy_tokenizer_files
 

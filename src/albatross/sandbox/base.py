@@ -246,7 +246,7 @@ class Backend(Protocol):
     name: str
     isolated: bool  # False: no isolation at all (``process``), and the harness says so loudly
     restarts: int  # sandbox helpers (zygotes) started again after dying
-    faults: FaultInjector  # the forks made to fail on purpose (``fail_rate``: fault-injection tests and benchmarks)
+    faults: FaultInjector  # the forks and attempts it was asked to fail (``fail_rate``), and how many it failed
 
     def prepare(self, env_dir: Path | None, network: str = "none", build_timeout_s: float | None = None) -> Prepared:
         """Build (once, cached) the parent environment that attempts of ``env_dir`` fork from, for attempts

@@ -1,11 +1,17 @@
-"""Synthetic agent trajectories and the padded baseline step the trainer benchmarks compare against
-(``bench trainer``, its ``--study``, ``bench gpu``)."""
+"""Synthetic agent trajectories and the padded baseline trainer step, shared by ``bench trainer`` and its
+``--study`` (``bench/study.py``), and by ``bench gpu``."""
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from typing import TYPE_CHECKING
+
+from albatross.records import Batch, Sample, TrainSample
+
+if TYPE_CHECKING:
+    import torch
+
 
 # synthetic trajectories -----------------------------------------------------------------------------
 
@@ -15,12 +21,10 @@ def agent_lengths(n: int, rng: random.Random, cap: int = 4096) -> list[int]:
     return [min(max(int(rng.lognormvariate(math.log(400), 1.0)), 64), cap) for _ in range(n)]
 
 
-def synthetic_batch(lengths: list[int], vocab: int, seed: int = 0):
+def synthetic_batch(lengths: list[int], vocab: int, seed: int = 0) -> Batch:
     """Random trajectories: a 48-token prompt, then model turns (loss tokens) and observations."""
-    from albatross.records import Batch, Sample, TrainSample
-
     rng = random.Random(seed)
-    samples = []
+    samples: list[TrainSample] = []
     for n in lengths:
         mask = [0 if t < 48 or (t // 96) % 3 == 2 else 1 for t in range(n)]  # every 3rd block: observation
         # rollout log-probs near a random model's (-log V), so importance ratios sit around 1
@@ -33,7 +37,7 @@ def synthetic_batch(lengths: list[int], vocab: int, seed: int = 0):
 # the padded baseline --------------------------------------------------------------------------------
 
 
-def _padded_tensors(samples: list, length: int) -> dict[str, Any]:
+def _padded_tensors(samples: list[TrainSample], length: int) -> dict[str, torch.Tensor]:
     import torch
 
     b = len(samples)
@@ -53,7 +57,7 @@ def _padded_tensors(samples: list, length: int) -> dict[str, Any]:
     return out
 
 
-def padded_order(samples: list, sort: bool) -> list:
+def padded_order(samples: list[TrainSample], sort: bool) -> list[TrainSample]:
     """The order the padded baseline batches trajectories in: arrival order, or sorted by length."""
     return sorted(samples, key=lambda ts: len(ts.sample.token_ids)) if sort else list(samples)
 
@@ -64,7 +68,8 @@ def padded_tokens(lengths: list[int], batch_size: int = 8, sort: bool = False) -
     return sum(len(c) * (max(c) - 1) for c in (xs[i : i + batch_size] for i in range(0, len(xs), batch_size)))
 
 
-def padded_step(model, optimizer, batch, batch_size: int = 8, grad_clip: float = 1.0,
+def padded_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, batch_size: int = 8,
+                grad_clip: float = 1.0,
                 sort: bool = False) -> dict[str, float]:
     """The straightforward step: padded batches (``sort``: by length), full logits, the same TIS loss and
     AdamW step."""
@@ -84,7 +89,7 @@ def padded_step(model, optimizer, batch, batch_size: int = 8, grad_clip: float =
         logp = torch.log_softmax(logits.float(), -1).gather(-1, t["tgt"][..., None])[..., 0]
         loss, _ = tis_loss(logp.flatten(), t["old"].flatten(), t["adv"].flatten(), t["mask"].flatten(),
                            t["ver"].flatten(), current_version=0, num_batch_tokens=n_loss)
-        loss.backward()
+        torch.autograd.backward(loss)
         loss_sum += float(loss.detach())
         processed += len(chunk) * length
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
