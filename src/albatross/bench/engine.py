@@ -601,10 +601,11 @@ def mtp_speculation(model_dir: Path, quick: bool, draft_tokens: int = 2) -> dict
     from albatross.models.mtp import attach_mtp, get_mtp
     from albatross.trainer.model import load_model
 
-    model = load_model(model_dir).eval()
+    model = load_model(model_dir)
+    model.train(False)
     source = "checkpoint" if get_mtp(model) is not None else "random (the checkpoint has none)"
     attach_mtp(model)
-    vocab = int(model.get_input_embeddings().num_embeddings)
+    vocab = int(model.config.vocab_size)
     try:
         prompts = agent_prompts(load_tokenizer(model_dir), 48)
     except (FileNotFoundError, OSError, ValueError, KeyError):

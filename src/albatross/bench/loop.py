@@ -118,6 +118,10 @@ class SlowAttempt:
     def __init__(self, inner: Attempt, delay: TailDelay) -> None:
         self._inner, self._delay = inner, delay
 
+    @property
+    def first_output_at(self) -> float | None:
+        return self._inner.first_output_at
+
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
         time.sleep(self._delay.draw())
         return self._inner.exec(command, timeout_s)

@@ -486,11 +486,11 @@ def sft_control(w: Workload, name: str, seed: int, seconds: float) -> dict[str, 
 
     from albatross.devices import trainer_device
     from albatross.engine.builtin import BuiltinEngine
-    from albatross.trainer.model import load_model
+    from albatross.trainer.model import load_model, to_device
     from albatross.trainer.step import Trainer
 
     torch.manual_seed(seed)
-    model = load_model(w.base_dir).to(trainer_device(w.cfg.trainer.device))
+    model = to_device(load_model(w.base_dir), trainer_device(w.cfg.trainer.device))
     trainer = Trainer.from_config(model, w.cfg, lr=w.cfg.warmstart.lr, lora=False)
     rng, bs, steps = random.Random(seed), w.cfg.warmstart.batch_size, 0
     t0 = time.monotonic()
@@ -498,7 +498,7 @@ def sft_control(w: Workload, name: str, seed: int, seconds: float) -> dict[str, 
         trainer.sft_step(rng.sample(w.demos, min(bs, len(w.demos))))
         steps += 1
     wall = time.monotonic() - t0
-    engine = BuiltinEngine(model.cpu().eval(), max_batch_size=w.cfg.engine.max_batch_size)
+    engine = BuiltinEngine(model.cpu().train(False), max_batch_size=w.cfg.engine.max_batch_size)
     try:
         result = w.evaluate(engine)
     finally:
@@ -522,12 +522,12 @@ def seed_runs(w: Workload, parts: Parts, seeds: int, minutes: float) -> dict[str
 
 
 def _one_seed(w: Workload, seed: int, minutes: float, keep_versions: bool) -> dict[str, dict[str, Any]]:
-    from albatross.harness.agent import build_agent
+    from albatross.harness.agent import builtin_agent
     from albatross.pipeline.warmstart import collect_demonstrations, demonstrated
 
     if not w.demos:  # the demonstrations the warm start had: none of a reward-only family
         demonstrable = demonstrated(w.train, w.cfg.tasks.reward_only_families)
-        w.demos = collect_demonstrations(build_agent(w.cfg, None, w.backend, w.tokenizer), demonstrable)
+        w.demos = collect_demonstrations(builtin_agent(w.cfg, None, w.backend, w.tokenizer), demonstrable)
     names = (f"rl-seed{seed}", f"sft-seed{seed}", f"rl-noeff-seed{seed}")
     for name in names:  # a run measured anew starts from nothing (not from a stopped run's directory)
         shutil.rmtree(w.root / name, ignore_errors=True)

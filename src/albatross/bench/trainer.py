@@ -50,7 +50,7 @@ from albatross.bench.batches import agent_lengths, padded_step, padded_tokens, s
 from albatross.bench.common import GIB, run_watched, status_bytes
 
 if TYPE_CHECKING:
-    import torch
+    from transformers import PreTrainedModel
 
     from albatross.records import Batch
 
@@ -105,8 +105,8 @@ def _variants(batch: Batch, cfg: dict[str, int], quick: bool) -> dict[str, Calla
     from albatross.trainer.model import tiny_causal_lm
     from albatross.trainer.step import Trainer
 
-    def model() -> torch.nn.Module:
-        lm: torch.nn.Module = tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"], seed=0)
+    def model() -> PreTrainedModel:
+        lm: PreTrainedModel = tiny_causal_lm(cfg["vocab_size"], cfg["hidden_size"], cfg["num_layers"], seed=0)
         return lm
 
     steps: dict[str, Any] = {}

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from albatross.config import RunConfig
 from albatross.engine.base import Completion, EngineError, SamplingParams, SingleEngine
 from albatross.engine.pool import EnginePool, LocalReplica
-from albatross.harness.agent import Agent, AttemptSpec
+from albatross.harness.agent import AgentLoop, AttemptSpec
 from albatross.orchestrator.launcher import BatchQueue, ResultQueue
 from albatross.records import STATUS_INFRA_ERROR, Trajectory
 
@@ -309,7 +309,7 @@ class RayRun:
         self._trainer = TrainerHandle(actor, args)
         return self._trainer
 
-    def rollouts(self, agent: Agent, cfg: RunConfig, counts: Counter[str]) -> RayRollouts:
+    def rollouts(self, agent: AgentLoop, cfg: RunConfig, counts: Counter[str]) -> RayRollouts:
         return RayRollouts(self.workers, counts)  # each worker has its own agent, built from the run's config
 
     def pids(self) -> dict[str, int]:

@@ -81,7 +81,7 @@ def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any
     import torch
 
     from albatross.devices import trainer_device
-    from albatross.trainer.model import load_model
+    from albatross.trainer.model import load_model, to_device
     from albatross.trainer.step import Trainer
 
     torch.set_num_threads(cfg.trainer.threads)
@@ -94,7 +94,7 @@ def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any
 
     sender = make_weight_sender(cfg, run_dir / "weights", run_dir, rank, model_dir=model_dir)
     try:
-        trainer = Trainer.from_config(load_model(model_dir).to(device), cfg, fsdp=world > 1)
+        trainer = Trainer.from_config(to_device(load_model(model_dir), device), cfg, fsdp=world > 1)
         where = f"{device}" + (f" x {world} ranks" if world > 1 else "")
         _steps(trainer, sender, run_dir, cfg, next_batch, result_q, version, resume_ckpt, where,
                declared_dtype(model_dir))

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from albatross.engine.base import Engine
     from albatross.eval.run import EvalResult
-    from albatross.harness.agent import Agent
+    from albatross.harness.agent import AgentLoop
     from albatross.orchestrator.loop import AsyncLoop
     from albatross.orchestrator.metrics import MetricsSink
     from albatross.orchestrator.ray_backend import RayRun
@@ -197,7 +197,7 @@ class Pipeline:
         self._export_final(base_dir, state.version, tokenizer, loop.final_adapter)
         return base, trained, state, loop, info, version
 
-    def _warm_start(self, agent: Agent, tokenizer: PreTrainedTokenizerBase, train: list[Task],
+    def _warm_start(self, agent: AgentLoop, tokenizer: PreTrainedTokenizerBase, train: list[Task],
                     model_dir: Path | None) -> Path:
         """The warm start as a phase of the plan: a bar over its steps, its metrics logged, why it stopped."""
         import json
@@ -372,7 +372,7 @@ class Pipeline:
         sampling = self.cfg.sampling.model_copy(update={"temperature": self.cfg.eval.temperature})
         return self.cfg.model_copy(update={"sampling": sampling})
 
-    def pass_rate_fn(self, agent: Agent, train: list[Task]) -> Callable[[torch.nn.Module], float]:
+    def pass_rate_fn(self, agent: AgentLoop, train: list[Task]) -> Callable[[torch.nn.Module], float]:
         """The warm start's stopping check: pass@1 of a copy of the model on a sample of the training tasks it
         has demonstrations of."""
         import copy
@@ -400,7 +400,7 @@ class Pipeline:
 
         return pass_rate
 
-    def _base_eval(self, agent: Agent, heldout: list[Task]) -> EvalResult | None:
+    def _base_eval(self, agent: AgentLoop, heldout: list[Task]) -> EvalResult | None:
         """Evaluate the starting model; a resumed run only runs the (task, trial) pairs not yet scored."""
         from albatross.eval.run import EvalResult, final_records, finished_pairs, load_attempts
         from albatross.records import STATUS_INFRA_ERROR, Trajectory
@@ -422,7 +422,7 @@ class Pipeline:
         self._log_eval("base", result)
         return result
 
-    def _trained_eval(self, agent: Agent, heldout: list[Task]) -> EvalResult | None:
+    def _trained_eval(self, agent: AgentLoop, heldout: list[Task]) -> EvalResult | None:
         if not heldout:
             return None
         (self.out / "eval_trained.jsonl").unlink(missing_ok=True)  # a resumed run evaluates anew
@@ -432,7 +432,7 @@ class Pipeline:
         self._log_eval("trained", result)
         return result
 
-    def _validation_eval(self, agent: Agent) -> EvalResult | None:
+    def _validation_eval(self, agent: AgentLoop) -> EvalResult | None:
         """The trained model on the validation split (``tasks.n_validation``): the figure to tune on."""
         if not self.validation:
             return None
@@ -441,7 +441,7 @@ class Pipeline:
         self._log_eval("validation", result)
         return result
 
-    def _evaluate(self, phase: str, agent: Agent, tasks: list[Task], path: Path,
+    def _evaluate(self, phase: str, agent: AgentLoop, tasks: list[Task], path: Path,
                   skip: set[tuple[str, int]] | None = None) -> EvalResult:
         """One evaluation as a phase of the plan: a bar over its attempts, and how it ended."""
         from albatross.eval.run import evaluate

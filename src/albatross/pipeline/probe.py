@@ -15,14 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from albatross.harness.agent import Agent, AttemptSpec
+from albatross.harness.agent import AgentLoop, AttemptSpec
 from albatross.harness.retry import run_with_retries
 from albatross.rl.scoring import GroupScorer
 from albatross.tasks.format import Task
 from albatross.tasks.probe import MIN_ATTEMPTS, ProbeRow, score_row
 
 
-def probe(agent: Agent, tasks: list[Task], attempts: int, scorer: GroupScorer, retries: int = 3, workers: int = 8,
+def probe(agent: AgentLoop, tasks: list[Task], attempts: int, scorer: GroupScorer, retries: int = 3, workers: int = 8,
           progress: Callable[[ProbeRow], None] | None = None) -> list[ProbeRow]:
     """Run ``attempts`` attempts at every task with ``agent`` and score each task's group with
     ``scorer`` (a ``GroupScorer``). Rows come back in task order."""

@@ -187,12 +187,12 @@ def _train(cfg: RunConfig, tokenizer: Any, demos: list[Sample], model_dir: Path 
 
     from albatross.devices import trainer_device
     from albatross.pipeline.demo import build_tiny
-    from albatross.trainer.model import load_model
+    from albatross.trainer.model import load_model, to_device
     from albatross.trainer.step import Trainer
 
     torch.manual_seed(cfg.seed)
     model = build_tiny(cfg.model, tokenizer, seed=cfg.seed) if model_dir is None else load_model(model_dir)
-    trainer = Trainer.from_config(model.to(trainer_device(cfg.trainer.device)), cfg, lr=cfg.warmstart.lr, lora=False)
+    trainer = Trainer.from_config(to_device(model, trainer_device(cfg.trainer.device)), cfg, lr=cfg.warmstart.lr, lora=False)
     rng = random.Random(cfg.seed)
     history: list[dict[str, Any]] = []
     ws = cfg.warmstart

@@ -174,7 +174,10 @@ class VerifierExec:
 class Attempt(Protocol):
     """One forked attempt. Every process, mount and file of it is gone after ``close``."""
 
-    first_output_at: float | None  # perf_counter() when the last command first wrote (None: not measured)
+    @property
+    def first_output_at(self) -> float | None:
+        """perf_counter() when the last command first wrote (None: not measured)."""
+        ...
 
     def exec(self, command: str, timeout_s: float | None = None) -> ExecResult: ...
 

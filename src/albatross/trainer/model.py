@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, Qwen2ForCausalLM
 
     from albatross.config import TrainerConfig
+    from albatross.models import CausalLM
 
 
 def load_model(directory: str | Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
@@ -60,7 +61,7 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def freeze(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+def freeze(model: CausalLM, patterns: Sequence[str]) -> list[str]:
     """Freeze the parameters that ``patterns`` select; return the frozen names.
 
     Each entry is a part name (``first_layers:N``, ``ngram``, ``indexer``, ``mtp``, ``vision``, ``router``;
@@ -84,7 +85,7 @@ class ModelOptionError(UserError, ValueError):
 HOST_PARTS = ("ngram",)
 
 
-def keep_on_host(model: nn.Module, parts: Sequence[str]) -> int:
+def keep_on_host(model: CausalLM, parts: Sequence[str]) -> int:
     """Move the parameters of the named ``parts`` (``ngram``) to host memory; returns their bytes.
 
     transformers' n-gram embedding already gathers its rows on the device its table lives on and moves
@@ -108,7 +109,7 @@ def keep_on_host(model: nn.Module, parts: Sequence[str]) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
-def apply_model_options(model: nn.Module, trainer: TrainerConfig) -> dict[str, int]:
+def apply_model_options(model: CausalLM, trainer: TrainerConfig) -> dict[str, int]:
     """Install the model-specific kernels the ``[trainer]`` options ask for; returns what each touched.
 
     ``grouped_experts`` (``models/experts.py``), ``fast_indexer`` (``models/indexer.py``, QSA), ``fused_hyper``
