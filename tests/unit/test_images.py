@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from albatross.sandbox import images, rootfs
+from albatross.sandbox.bootstrap import source_urls
 from albatross.sandbox.build import EnvBuildError
 
 
@@ -77,9 +78,9 @@ def test_unknown_refs_are_refused(ref: str) -> None:
 
 
 def test_host_mirror_reads_deb822_and_one_line_sources(tmp_path: Path) -> None:
-    urls = list(images._source_urls("Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n", ".sources"))
+    urls = list(source_urls("Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n", ".sources"))
     assert urls == ["http://mirror.example/debian"]
-    urls = list(images._source_urls("# c\ndeb [arch=amd64] http://m.example/debian bookworm main\n", ".list"))
+    urls = list(source_urls("# c\ndeb [arch=amd64] http://m.example/debian bookworm main\n", ".list"))
     assert urls == ["http://m.example/debian"]
 
 

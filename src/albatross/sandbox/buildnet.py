@@ -30,9 +30,11 @@ from urllib.parse import urlparse
 from albatross.cache import images_root
 from albatross.sandbox import egress
 from albatross.sandbox.base import ExecResult
+from albatross.sandbox.bootstrap import host_mirror
 from albatross.sandbox.build import Builder, EnvBuildError
 from albatross.sandbox.dockerfile import Instruction, Run
 from albatross.sandbox.layers import DiskGuard
+from albatross.sandbox.ubuntu import ubuntu_mirror
 
 PIP_CACHE = "/var/cache/albatross-pip"
 NPM_CACHE = "/var/cache/albatross-npm"
@@ -143,9 +145,6 @@ def host_package_indexes() -> dict[str, str]:
 def registry_hosts(configured: Iterable[str]) -> list[str]:
     """The registries a build may reach: ``configured`` plus the hosts of the Debian mirror and the pip and
     npm indexes this machine's own settings name (bases and builds use them)."""
-    from albatross.sandbox.images import host_mirror
-    from albatross.sandbox.ubuntu import ubuntu_mirror
-
     hosts = [h.strip().lower() for h in configured if h.strip()]
     urls = [host_mirror(), ubuntu_mirror(), *" ".join(host_package_indexes().get(v, "") for v in
                                      ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "npm_config_registry")).split()]

@@ -24,6 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from albatross.sandbox.bootstrap import (
+    MMDEBSTRAP_MINBASE,
+    bootstrap_tool,
+    finish_root,
+    images_dir,
+    run_bootstrapper,
+    source_urls,
+)
 from albatross.sandbox.rootfs import BaseUnavailable
 
 DEFAULT_MIRROR = "http://archive.ubuntu.com/ubuntu"
@@ -38,11 +46,9 @@ USER_SINCE = ("noble",)  # releases whose image has the ``ubuntu`` user (uid 100
 
 def ubuntu_mirror() -> str:
     """The Ubuntu mirror of this machine's apt sources, else the Ubuntu archive."""
-    from albatross.sandbox.images import _source_urls
-
     for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
         with contextlib.suppress(OSError):
-            for url in _source_urls(path.read_text(encoding="utf-8", errors="replace"), path.suffix):
+            for url in source_urls(path.read_text(encoding="utf-8", errors="replace"), path.suffix):
                 if url.rstrip("/").endswith("/ubuntu") and "security" not in url:
                     return url.rstrip("/")
     return DEFAULT_MIRROR
@@ -87,14 +93,6 @@ def sources(release: str, mirror: str) -> list[str]:
 
 def bootstrap_ubuntu(recipe: Any, tmp: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Build the Ubuntu base of ``recipe`` (an ``images.Recipe`` with ``distro="ubuntu"``) into ``tmp``."""
-    from albatross.sandbox.images import (
-        MMDEBSTRAP_MINBASE,
-        _finish_root,
-        bootstrap_tool,
-        images_dir,
-        run_bootstrapper,
-    )
-
     if bootstrap_tool() != "mmdebstrap":
         raise BaseUnavailable("Ubuntu bases need mmdebstrap (apt-get install mmdebstrap)")
     keys = keyring(recipe.mirror, images_dir() / "keyrings")
@@ -103,7 +101,7 @@ def bootstrap_ubuntu(recipe: Any, tmp: Path, log: Callable[[str], None]) -> dict
             recipe.release, str(tmp), *sources(recipe.release, recipe.mirror)]
     start = time.monotonic()
     run_bootstrapper(argv, f"mmdebstrap Ubuntu {recipe.release} from {recipe.mirror}", log)
-    _finish_root(tmp, recipe)
+    finish_root(tmp, recipe.python)
     if recipe.release in USER_SINCE:
         add_default_user(tmp)
     seconds = round(time.monotonic() - start, 1)
