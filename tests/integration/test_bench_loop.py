@@ -80,30 +80,27 @@ def test_slow_backend_delays_exec_and_forwards_everything_else():
 
 
 def test_engine_busy_counts_only_time_inside_the_window():
-    class Runner:
-        def step(self):
-            time.sleep(0.05)
-
-        def admit(self, rows):
-            time.sleep(0.02)
-
-    class Engine:
-        runner = Runner()
+    class Engine:  # the engine's own counter of seconds in forward passes
+        busy_seconds = 0.0
 
     engine = Engine()
     meter = EngineBusy(engine)
-    engine.runner.step()  # before the window: not counted
+    engine.busy_seconds += 5.0  # before the window: not counted
     assert meter.busy == 0.0
     meter.open_window(10.0)
-    t0 = time.monotonic()
-    engine.runner.step()
-    engine.runner.admit([])
-    inside = time.monotonic() - t0
-    assert 0.069 <= meter.busy <= inside  # both calls (50 + 20 ms of sleep), nothing outside the window
-    meter.end = time.monotonic()  # the window closes: later calls are not counted
-    before = meter.busy
-    engine.runner.step()
-    assert meter.busy == before
+    engine.busy_seconds += 0.07
+    assert meter.busy == pytest.approx(0.07)
+    meter.stop()  # the run ended before the window did: later passes are not counted
+    engine.busy_seconds += 1.0
+    assert meter.busy == pytest.approx(0.07)
+
+    timed = EngineBusy(engine)
+    timed.open_window(0.05)
+    engine.busy_seconds += 0.5
+    time.sleep(0.3)  # the window closes on its own
+    engine.busy_seconds += 2.0
+    assert timed.busy == pytest.approx(0.5)
+    timed.stop()
 
 
 def test_mode_figures_count_steps_within_the_budget(tmp_path):

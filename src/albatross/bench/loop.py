@@ -178,30 +178,34 @@ class SlowBackend:
 
 
 class EngineBusy:
-    """Seconds the engine's worker spends in forward passes (prefill on admission and decode steps) inside a
-    window, by wrapping the runner's ``admit`` and ``step`` on this instance only."""
+    """Seconds the engine spent in forward passes (prefill and decode) inside a window: its own counter
+    (``BuiltinEngine.busy_seconds``) read when the window opens and when it closes (a timer), or when ``stop``
+    is called first. A pass that straddles an edge counts where it ended (passes last milliseconds)."""
 
     def __init__(self, engine: BuiltinEngine) -> None:
-        self.busy = 0.0
-        self.start = self.end = math.inf
-        runner = engine.runner
-        for name in ("admit", "step"):
-            setattr(runner, name, self._timed(getattr(runner, name)))
+        self.engine = engine
+        self._start: float | None = None
+        self._end: float | None = None
+        self._timer: threading.Timer | None = None
 
     def open_window(self, seconds: float) -> None:
-        self.start = time.monotonic()
-        self.end = self.start + seconds
+        self._start = self.engine.busy_seconds
+        self._timer = threading.Timer(seconds, self.stop)
+        self._timer.daemon = True
+        self._timer.start()
 
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.monotonic()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                t1 = time.monotonic()
-                self.busy += max(0.0, min(t1, self.end) - max(t0, self.start))
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._start is not None and self._end is None:
+            self._end = self.engine.busy_seconds
 
-        return timed
+    @property
+    def busy(self) -> float:
+        if self._start is None:
+            return 0.0
+        end = self._end if self._end is not None else self.engine.busy_seconds
+        return max(0.0, end - self._start)
 
 
 class BudgetWatch:
@@ -308,7 +312,10 @@ def run_mode(name: str, cfg: RunConfig, base_dir: Path, train: list[Task], heldo
         loop = AsyncLoop(cfg, slow, engine, train, base_dir, run_dir, log, observers=[watch])
         load0 = os.getloadavg()[0]
         t0 = time.monotonic()
-        state = loop.run()
+        try:
+            state = loop.run()
+        finally:
+            meter.stop()
         out["wall_seconds"] = round(time.monotonic() - t0, 1)
         out["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         out.update(mode_figures(run_dir, watch.drive_start, budget_s, meter.busy))
