@@ -32,6 +32,8 @@ from typing import Any
 
 from albatross.bench.common import print_table, write_json
 
+MAX_CONCURRENCY = 64  # the engine's batch bound in these measurements: the most clients a run uses
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests and repeats (about a minute)")
@@ -210,7 +212,7 @@ def throughput(model_dir: Path, prompts: list[list[int]], concurrency: list[int]
         ps, lengths = workload(prompts, c, per_client)
         best = {"builtin": 0.0, "hf": 0.0}
         for _ in range(repeats):
-            with BuiltinEngine(model, max_batch_size=64, prefix_cache_tokens=0) as eng:
+            with BuiltinEngine(model, max_batch_size=MAX_CONCURRENCY, prefix_cache_tokens=0) as eng:
                 secs, toks = closed_loop(builtin_submit(eng), ps, lengths, c)
             best["builtin"] = max(best["builtin"], toks / secs)
             hf = HFServer(model, pad_id=0)
@@ -342,7 +344,7 @@ def _best_rates(runs: dict[str, Callable[[], tuple[float, int]]], repeats: int) 
 def _builtin_run(model: Any, prompts: list[list[int]], lengths: list[int], concurrency: int) -> tuple[float, int]:
     from albatross.engine.builtin import BuiltinEngine
 
-    with BuiltinEngine(model, max_batch_size=64, prefix_cache_tokens=0) as eng:
+    with BuiltinEngine(model, max_batch_size=MAX_CONCURRENCY, prefix_cache_tokens=0) as eng:
         return closed_loop(builtin_submit(eng), prompts, lengths, concurrency)
 
 
@@ -691,7 +693,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return results
     prompts = agent_prompts(load_tokenizer(model_dir), 64)
     per_client = 2 if quick else 4
-    results.update(throughput(model_dir, prompts, [1, 16, 64], per_client, repeats=1 if quick else 2))
+    results.update(throughput(model_dir, prompts, [1, 16, MAX_CONCURRENCY], per_client, repeats=1 if quick else 2))
     results.update(kv_reuse(model_dir, prompts, repeats=1 if quick else 3))
     results.update(speculative(model_dir, prompts[: 8 if quick else 64], 4, repeats=1 if quick else 3))
     results.update(weight_swap(model_dir, prompts, repeats=3 if quick else 5))

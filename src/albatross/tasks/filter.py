@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from albatross.config import default
 from albatross.tasks.probe import ProbeRow
 
 DEFAULT_BAND = (0.15, 0.85)
@@ -69,7 +70,7 @@ def observed_zero_signal(rows: list[ProbeRow]) -> float:
 
 
 def filter_rows(rows: list[ProbeRow], low: float = DEFAULT_BAND[0], high: float = DEFAULT_BAND[1],
-                group_size: int = 8) -> FilterResult:
+                group_size: int = default("orchestrator", "group_size")) -> FilterResult:
     """Keep the rows with ``low <= pass rate <= high`` (tasks with no scored attempt are dropped)."""
     if not 0.0 <= low <= high <= 1.0:
         raise ValueError(f"the band must satisfy 0 <= low <= high <= 1, got [{low}, {high}]")
