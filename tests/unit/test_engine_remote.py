@@ -181,7 +181,7 @@ def fake_sglang_package(root: Path) -> Path:
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text('__version__ = "0.0-fake"\n')
     (pkg / "launch_server.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"import sys\nsys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]\n"
         "from test_engine_remote import serve_main\nserve_main(sys.argv[1:])\n")
     return root
 
