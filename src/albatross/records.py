@@ -86,7 +86,7 @@ class Sample:
             self.routing = [[] for _ in self.token_ids]
         if self.routing is not None:
             known = model and routing is not None and len(routing) == len(ids)
-            self.routing.extend(routing if known else [[] for _ in ids])  # type: ignore[arg-type]
+            self.routing.extend(routing if known and routing is not None else [[] for _ in ids])
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if model else 0] * len(ids))
         if model:

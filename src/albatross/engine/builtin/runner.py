@@ -316,7 +316,8 @@ class ModelRunner:
         self._leave(keep)
 
     def _drafts(self) -> list[list[int]]:
-        left = (self.st.max_tokens_B - self.index_B).tolist()  # type: ignore[union-attr]
+        assert self.st is not None  # drafts are proposed for a running batch, which has its sampling tensors
+        left = (self.st.max_tokens_B - self.index_B).tolist()
         k = self.spec.draft_tokens
         return [
             s.ngrams.propose(min(k, n - 1)) if s is not None and s.ngrams is not None else []
