@@ -41,6 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from albatross.bench.common import percentile
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -243,11 +245,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+def _quantile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank (``percentile``); 0.0 of nothing."""
+    return percentile(values, q * 100) if values else 0.0
 
 
 def mode_figures(run_dir: Path, drive_start: float, budget_s: float, busy_s: float) -> dict[str, Any]:
@@ -277,8 +277,8 @@ def mode_figures(run_dir: Path, drive_start: float, budget_s: float, busy_s: flo
         "dropped_stale_tokens": int(sum(r.get("stale_tokens_dropped", 0) for r in inside)),
         "trained_tokens": int(tokens),
         "attempts": len(attempts),
-        "attempt_seconds_p50": round(_percentile(durations, 0.5), 3),
-        "attempt_seconds_p90": round(_percentile(durations, 0.9), 3),
+        "attempt_seconds_p50": round(_quantile(durations, 0.5), 3),
+        "attempt_seconds_p90": round(_quantile(durations, 0.9), 3),
         "attempt_seconds_max": round(max(durations, default=0.0), 3),
         "attempt_seconds_mean": round(statistics.mean(durations), 3) if durations else 0.0,
     }
@@ -326,8 +326,8 @@ def run_mode(name: str, cfg: RunConfig, base_dir: Path, train: list[Task], heldo
         out["train_version_mismatches"] = int(loop.counts["train_version_mismatches"])
         out["infra_error_attempts"] = int(loop.counts["infra_error_attempts"])
         draws = sorted(delay.draws)
-        out["command_delays"] = {"n": len(draws), "p50_s": round(_percentile(draws, 0.5), 3),
-                                 "p99_s": round(_percentile(draws, 0.99), 3),
+        out["command_delays"] = {"n": len(draws), "p50_s": round(_quantile(draws, 0.5), 3),
+                                 "p99_s": round(_quantile(draws, 0.99), 3),
                                  "max_s": round(max(draws, default=0.0), 3)}
         if engine.version != watch.budget_version:  # steps trained after the budget do not count
             weights = watch.budget_weights or base_dir  # no step within the budget: the base model
