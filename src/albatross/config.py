@@ -432,8 +432,23 @@ class RayConfig(_Section):
     worker_cpus: float = Field(0.25, gt=0, description="CPUs reserved by each rollout worker actor.")
     engine_cpus: float = Field(0.5, gt=0, description="CPUs reserved by each engine replica actor.")
     engine_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each engine replica actor.")
-    trainer_cpus: float = Field(1.0, gt=0, description="CPUs reserved by the trainer actor.")
-    trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved by the trainer actor.")
+    trainer_cpus: float = Field(1.0, gt=0, description="CPUs reserved by each trainer rank actor (`trainer.gpus` "
+                                "ranks: one per GPU, or gloo ranks on CPUs).")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved by each trainer rank actor: 1 for a GPU "
+                                "trainer (one rank per GPU), 0 on CPUs.")
+    trainer_placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        "pack", description="Ray placement group strategy of the trainer ranks: `pack` fills a node's GPUs first, "
+        "`strict_spread` puts every rank on a different node.")
+    trainer_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
+                                                "trainer rank asks for (nodes started with `ray start --resources "
+                                                "'{\"trainer\": 8}'` take them): pins the trainer to those nodes.")
+    engine_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
+                                               "engine replica actor asks for: pins the engines to the nodes that "
+                                               "have them.")
+    worker_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
+                                               "rollout worker asks for. Empty: the workers go to the nodes "
+                                               "without GPUs (all nodes if every node has some) with the most free "
+                                               "CPUs, and move to another node if theirs is lost.")
 
 
 class EvalConfig(_Section):

@@ -76,8 +76,30 @@ def _rank_source() -> Any:
     return dist.broadcast_object(None)
 
 
+def serve_rank(model_dir: str, run_dir: str, cfg_json: str, batch_q: Any, result_q: Any, version: int,
+               resume_ckpt: str, rank: int, world: int) -> None:
+    """One rank of a trainer whose ranks were placed for it (Ray actors, ``ray_backend.TrainerGroup``): the
+    rendezvous is in ``MASTER_ADDR``/``MASTER_PORT``, the rank sees only its own GPU, and ``run_dir`` is its own
+    directory (checkpoints are written per rank, ``checkpoint.save_state(private=True)``). Rank 0 reads
+    ``batch_q`` and reports on ``result_q`` (an error too); the others get the batches by broadcast."""
+    from albatross.config import RunConfig
+
+    cfg = RunConfig.model_validate_json(cfg_json)
+    source = _queue_source(batch_q) if rank == 0 else _rank_source
+    try:
+        _serve(model_dir, Path(run_dir), cfg, source, result_q if rank == 0 else None, version, resume_ckpt,
+               rank=rank, world=world, local_rank=0, private=True)
+    except Exception:
+        if rank == 0:  # the loop stops the run cleanly and reports this
+            result_q.put({"error": traceback.format_exc()})
+            return
+        raise
+
+
 def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any], result_q: Any, version: int,
-           resume_ckpt: str, rank: int, world: int) -> None:
+           resume_ckpt: str, rank: int, world: int, local_rank: int | None = None, private: bool = False) -> None:
+    """Step as rank ``rank`` of ``world`` on device ``local_rank`` (default ``rank``: one machine's GPUs);
+    ``private``: ``run_dir`` is this rank's own (no filesystem shared with the other ranks)."""
     import torch
 
     from albatross.devices import trainer_device
@@ -86,7 +108,7 @@ def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any
 
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)
-    device = trainer_device(cfg.trainer.device, rank)
+    device = trainer_device(cfg.trainer.device, rank if local_rank is None else local_rank)
     if world > 1:
         _join_group(device, rank, world)
     from albatross.trainer.weights import make_weight_sender
@@ -97,7 +119,7 @@ def _serve(model_dir: str, run_dir: Path, cfg: Any, next_batch: Callable[[], Any
         trainer = Trainer.from_config(to_device(load_model(model_dir), device), cfg, fsdp=world > 1)
         where = f"{device}" + (f" x {world} ranks" if world > 1 else "")
         _steps(trainer, sender, run_dir, cfg, next_batch, result_q, version, resume_ckpt, where,
-               declared_dtype(model_dir))
+               declared_dtype(model_dir), private)
     finally:
         from albatross.trainer import distributed as dist
 
@@ -116,7 +138,7 @@ def _rank() -> int:
 
 
 def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Callable[[], Any], result_q: Any,
-           version: int, resume_ckpt: str, where: str, dtype: str) -> None:
+           version: int, resume_ckpt: str, where: str, dtype: str, private: bool = False) -> None:
     """Step on each batch until ``None`` (stop) or ``FINISH``; publish the weights after every step
     (``engine.weight_sync``: the locator goes to ``engine.update_weights``), checkpoint when due. A resumed trainer
     first publishes the weights of its checkpoint (the engines start from the base model)."""
@@ -146,7 +168,8 @@ def _steps(trainer: Any, sender: Any, run_dir: Path, cfg: Any, next_batch: Calla
             metrics.update(_peak_memory())
             ckpt, report = "", None
             if checkpoints.due(trainer.version):
-                ckpt, report = _checkpoint(trainer, run_dir / "checkpoints", dtype, checkpoints, result_q, metrics)
+                ckpt, report = _checkpoint(trainer, run_dir / "checkpoints", dtype, checkpoints, result_q, metrics,
+                                           private)
             _put(result_q, {**metrics, "version": trainer.version, "path": str(path), "checkpoint": ckpt,
                             "trainer_wait_s": wait_s})
             if report is not None:
@@ -169,13 +192,13 @@ def _peak_memory() -> dict[str, float]:
 
 
 def _checkpoint(trainer: Any, directory: Path, dtype: str, checkpoints: Any, result_q: Any,
-                metrics: dict[str, Any]) -> tuple[str, Callable[[], None]]:
+                metrics: dict[str, Any], private: bool = False) -> tuple[str, Callable[[], None]]:
     """Start a background checkpoint of ``trainer``; returns its path and ``report``, which sends its
     ``checkpoint_done`` (or ``checkpoint_error``) message once it is on disk."""
     t0 = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"trainer-v{trainer.version:06d}"
-    write = trainer.save(path, dtype=dtype, background=True)
+    write = trainer.save(path, dtype=dtype, background=True, private=private)
     metrics["checkpoint_stage_s"] = time.monotonic() - t0  # the trainer's own pause: a copy to host memory
     version = trainer.version
 

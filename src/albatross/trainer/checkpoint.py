@@ -259,9 +259,10 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _finish(tmp: Path, final: Path) -> int:
-    """Rank 0, once every rank's part is on disk: fsync, rename into place; the checkpoint's bytes."""
-    if rank() == 0:
+def _finish(tmp: Path, final: Path, private: bool = False) -> int:
+    """Rank 0 (every rank with ``private`` directories), once every rank's part is on disk: fsync, rename into
+    place; the checkpoint's bytes."""
+    if rank() == 0 or private:
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -271,19 +272,22 @@ def _finish(tmp: Path, final: Path) -> int:
 
 
 def save_state(path: str | Path, model: nn.Module, optimizer: TrainerOptimizer, step: int, extra: dict[str, Any],
-               dtype: str = "float32", background: bool = False) -> Future[int]:
+               dtype: str = "float32", background: bool = False, private: bool = False) -> Future[int]:
     """Save model (in ``dtype``) and optimizer state, the step and ``extra`` for resume, as a directory at
     ``path`` written under a temporary name and renamed when complete. Every rank calls it. ``background``: the
-    state is copied to host memory now and written from a thread. Returns a future of the bytes written (rank 0;
-    0 elsewhere), already done when not in the background."""
+    state is copied to host memory now and written from a thread. ``private``: each rank's ``path`` is its own
+    directory (ranks on machines that share no filesystem): each writes its part there and renames it itself; the
+    union of the ranks' directories is the checkpoint. Returns a future of the bytes written (rank 0; 0 elsewhere
+    unless ``private``), already done when not in the background."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
     final = Path(path)
     tmp = final.with_name(f".{final.name}.tmp")
     state = {"model": _model_sd(model, dtype), "optim": _optim_sd(model, optimizer)}
-    if rank() == 0:
+    if rank() == 0 or private:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+    if rank() == 0:
         torch.save({"step": step, "extra": extra, "dtype": dtype}, tmp / META_NAME)
     barrier()
     group = _checkpoint_group()
@@ -291,7 +295,7 @@ def save_state(path: str | Path, model: nn.Module, optimizer: TrainerOptimizer, 
     if not background:
         with _quiet():
             save(state, checkpoint_id=str(tmp), process_group=group)
-        done.set_result(_finish(tmp, final))
+        done.set_result(_finish(tmp, final, private))
         return done
     with _quiet():
         started = async_save(state, checkpoint_id=str(tmp), process_group=group)
@@ -301,7 +305,7 @@ def save_state(path: str | Path, model: nn.Module, optimizer: TrainerOptimizer, 
     def finished(f: Future[Any]) -> None:
         try:
             f.result()
-            done.set_result(_finish(tmp, final))
+            done.set_result(_finish(tmp, final, private))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the checkpoint
             done.set_exception(e)
 

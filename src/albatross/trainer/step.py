@@ -412,11 +412,14 @@ class Trainer:
         return self._apply(metrics, t0, sum(len(s.token_ids) for s in samples))
 
     # resume --------------------------------------------------------------------------------------
-    def save(self, path: str | Path, dtype: str = "float32", background: bool = False) -> Future[int]:
+    def save(self, path: str | Path, dtype: str = "float32", background: bool = False,
+             private: bool = False) -> Future[int]:
         """Model (in ``dtype``), optimizer, step, version and every rank's RNG state (every rank must call it);
-        ``background``: written from a thread after a copy to host memory. A future of the bytes written."""
+        ``background``: written from a thread after a copy to host memory; ``private``: ``path`` is each rank's own
+        (``checkpoint.save_state``). A future of the bytes written."""
         extra = {"version": self.version, "rng": dist.gather(rng_state())}
-        return save_state(path, self.model, self.optimizer, self.steps, extra, dtype=dtype, background=background)
+        return save_state(path, self.model, self.optimizer, self.steps, extra, dtype=dtype, background=background,
+                          private=private)
 
     def load(self, path: str | Path) -> None:
         """Restore what ``save`` wrote, so the next steps repeat those of the uninterrupted run."""
