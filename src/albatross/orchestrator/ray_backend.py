@@ -352,30 +352,34 @@ class TaskShipper:
     """Every task's directories as objects, packed once per task (``ray_files.task_roots``)."""
 
     def __init__(self) -> None:
-        self._refs: dict[str, dict[str, Any]] = {}
+        self._refs: dict[str, tuple[Task, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def refs(self, task: Task) -> dict[str, Any]:
-        from albatross.orchestrator.ray_files import task_roots
+    def ship(self, task: Task) -> tuple[Task, dict[str, Any]]:
+        """``task`` with absolute paths, and an object of each of its root directories by path."""
+        from albatross.orchestrator.ray_files import resolve_task, task_roots
 
         with self._lock:
             if task.id not in self._refs:
-                ray = _ray()
-                self._refs[task.id] = {str(root): ray.put(pack_tree(root)) for root in task_roots(task)}
+                ray, resolved = _ray(), resolve_task(task)
+                self._refs[task.id] = (resolved, {str(root): ray.put(pack_tree(root)) for root in task_roots(resolved)})
             return self._refs[task.id]
 
 
 class RayRollouts:
-    """Attempts spread over the rollout workers: each to the worker whose node has the most free cores per attempt
-    it runs (memory-starved nodes last); a worker lost mid-attempt sends the attempt to another worker."""
+    """Attempts spread over the rollout workers: each to the live worker whose node has the most free cores per
+    attempt it runs (memory-starved nodes last). A worker lost mid-attempt (its node gone) is set aside until Ray
+    has started it again; its attempts go to the other workers, or wait for one to be back."""
 
     def __init__(self, run: RayRun, counts: Counter[str]) -> None:
         self.run, self.counts = run, counts
         n = len(run.workers)
         self.outstanding = [0] * n
+        self.up = [True] * n
         self.loads: list[dict[str, float]] = [{"free_cores": 1.0, "mem_gib": 8.0}] * n
         self.tasks = TaskShipper()
         self._lock = threading.Lock()
+        self._back = threading.Condition(self._lock)
         self._turn = itertools.count()
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._measure, name="ray-load", daemon=True)
@@ -385,54 +389,84 @@ class RayRollouts:
         ray = _ray()
         while not self._stop.is_set():
             for i, w in enumerate(self.run.workers):
-                try:
-                    self.loads[i] = ray.get(w.load.remote(), timeout=5)
-                except Exception:  # noqa: BLE001 - a lost worker: it is restarted elsewhere, measured again
-                    self.loads[i] = {"free_cores": 0.0, "mem_gib": 0.0}
+                if self.up[i]:
+                    try:
+                        self.loads[i] = ray.get(w.load.remote(), timeout=5)
+                    except Exception:  # noqa: BLE001 - a lost worker: the attempt that finds it sets it aside
+                        pass
             self._stop.wait(5.0)
 
-    def _pick(self, avoid: int = -1) -> int:
-        with self._lock:
-            turn, n = next(self._turn), len(self.outstanding)
+    def _pick(self) -> int | None:
+        """The live worker with the lowest share of its node's free cores (called under the lock)."""
+        turn, live = next(self._turn), [k for k in range(len(self.up)) if self.up[k]]
+        if not live:
+            return None
 
-            def cost(k: int) -> tuple[bool, float, int]:
-                load = self.loads[k]
-                share = (1 + self.outstanding[k]) / max(0.25, load["free_cores"])
-                return k == avoid and n > 1, share * (1 if load["mem_gib"] >= 1 else 4), (k - turn) % n
+        def cost(k: int) -> tuple[float, int]:
+            load = self.loads[k]
+            share = (1 + self.outstanding[k]) / max(0.25, load["free_cores"])
+            return share * (1 if load["mem_gib"] >= 1 else 4), (k - turn) % len(self.up)
 
-            i = min(range(n), key=cost)
-            self.outstanding[i] += 1
-            return i
+        return min(live, key=cost)
 
     def submit(self, spec: AttemptSpec) -> Future[Trajectory]:
         out: Future[Trajectory] = Future()
-        self._send(spec, out, self.run.cfg.sandbox.max_infra_retries, -1)
+        self._send(spec, out, self.run.cfg.sandbox.max_infra_retries)
         return out
 
-    def _send(self, spec: AttemptSpec, out: Future[Trajectory], tries_left: int, avoid: int) -> None:
-        i = self._pick(avoid)
+    def _send(self, spec: AttemptSpec, out: Future[Trajectory], tries_left: int) -> None:
+        with self._lock:
+            i = self._pick()
+            while i is None and not self._stop.is_set():  # every worker is being started again
+                self._back.wait(1.0)
+                i = self._pick()
+            if i is not None:
+                self.outstanding[i] += 1
+        if i is None:
+            out.set_result(Trajectory(task_id=spec.task.id, group_id=spec.group_id, attempt=spec.attempt,
+                                      status=STATUS_INFRA_ERROR, error="RolloutWorkerDied: the run stopped"))
+            return
+        worker = i
         generation, engines = self.run.engine_handles()
-        ref = self.run.workers[i].run.remote(spec, self.tasks.refs(spec.task), generation, engines)
+        task, trees = self.tasks.ship(spec.task)
+        ref = self.run.workers[worker].run.remote(dataclasses.replace(spec, task=task), trees, generation, engines)
 
         def done(f: Future[tuple[Trajectory, dict[str, int]]]) -> None:
-            with self._lock:
-                self.outstanding[i] -= 1
             try:
                 traj, counts = f.result()
             except Exception as e:  # noqa: BLE001 - the worker (or its node) died: an infrastructure error
                 with self._lock:
+                    self.outstanding[worker] -= 1
                     self.counts.update({"infra_error_attempts": 1, "infra_error:RolloutWorkerDied": 1})
-                if tries_left > 0 and not self._stop.is_set():
-                    self._send(spec, out, tries_left - 1, i)
+                    lost, self.up[worker] = self.up[worker], False
+                if lost:
+                    threading.Thread(target=self._revive, args=(worker,), daemon=True).start()
+                if tries_left > 0 and not self._stop.is_set():  # not from Ray's callback thread: it may wait
+                    threading.Thread(target=self._send, args=(spec, out, tries_left - 1), daemon=True).start()
                     return
-                traj = Trajectory(task_id=spec.task.id, group_id=spec.group_id, attempt=spec.attempt,
-                                  status=STATUS_INFRA_ERROR, error=f"RolloutWorkerDied: {type(e).__name__}")
-                counts = {}
+                out.set_result(Trajectory(task_id=spec.task.id, group_id=spec.group_id, attempt=spec.attempt,
+                                          status=STATUS_INFRA_ERROR, error=f"RolloutWorkerDied: {type(e).__name__}"))
+                return
             with self._lock:
+                self.outstanding[worker] -= 1
                 self.counts.update(counts)
             out.set_result(traj)
 
         ref.future().add_done_callback(done)
+
+    def _revive(self, i: int) -> None:
+        """Wait until Ray has started worker ``i`` again (on a node left), then send it attempts again."""
+        ray = _ray()
+        while not self._stop.is_set():
+            try:
+                ray.get(self.run.workers[i].ready.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - still being started again
+                self._stop.wait(1.0)
+                continue
+            with self._lock:
+                self.up[i] = True
+                self._back.notify_all()
+            return
 
     def shutdown(self) -> None:
         self._stop.set()  # the workers live as long as the RayRun; RayRun.close stops them
@@ -560,7 +594,7 @@ def check_ray_config(cfg: RunConfig) -> None:
     if cfg.engine.urls:
         raise ConfigError("engine.urls: servers attached by URL are not Ray actors; leave it empty with "
                           "orchestrator.backend = \"ray\"")
-    if cfg.trainer.device != "cpu" and not cfg.ray.trainer_gpus:
+    if cfg.trainer.device == "cuda" and not cfg.ray.trainer_gpus:
         raise ConfigError(f"ray.trainer_gpus: 0 with trainer.device = {cfg.trainer.device!r}; a GPU trainer takes "
                           "1 GPU per rank (set ray.trainer_gpus = 1, or trainer.device = \"cpu\")")
     engine_actor_gpus(cfg)
@@ -644,8 +678,11 @@ class RayRun:
         engine_cls = ray.remote(EngineActor).options(
             **_options(rc.engine_cpus, engine_actor_gpus(cfg), rc.engine_resources), max_restarts=0,
             max_concurrency=max(8, cfg.orchestrator.rollout_workers + 4))
-        replicas = [RayReplica(lambda i=i: engine_cls.remote(cfg_json, self.model, self.tag, i), self.source,
-                               cfg.engine.start_timeout_s) for i in range(cfg.engine.replicas)]
+        def spawner(i: int) -> Callable[[], Any]:
+            return lambda: engine_cls.remote(cfg_json, self.model, self.tag, i)
+
+        replicas = [RayReplica(spawner(i), self.source, cfg.engine.start_timeout_s)
+                    for i in range(cfg.engine.replicas)]
         self.replicas = replicas
         self._pool = EnginePool.started(replicas, log=self.log)
         self._pool.on_restart = self._engines_moved
@@ -706,13 +743,13 @@ class RayRun:
         ray, rc = _ray(), cfg.ray
         alive = [n for n in ray.nodes() if n.get("Alive")]
         cpu_only = [n for n in alive if not n["Resources"].get("GPU")] or alive
-        used: Counter[str] = Counter()
+        used: dict[str, float] = {}
         for part, node in self.placement.items():
             if part.startswith("trainer"):
-                used[node] += rc.trainer_cpus
+                used[node] = used.get(node, 0.0) + rc.trainer_cpus
             elif part.startswith("engine"):
-                used[node] += rc.engine_cpus
-        free = {n["NodeID"]: n["Resources"].get("CPU", 0.0) - used[n["NodeID"]] for n in cpu_only}
+                used[node] = used.get(node, 0.0) + rc.engine_cpus
+        free = {n["NodeID"]: n["Resources"].get("CPU", 0.0) - used.get(n["NodeID"], 0.0) for n in cpu_only}
         out = []
         for _ in range(rc.rollout_workers):
             best = max(free, key=lambda k: free[k])
@@ -746,9 +783,12 @@ class RayRun:
     # the loop's launcher ----------------------------------------------------------------------------
     def queues(self, maxsize: int) -> tuple[BatchQueue, ResultQueue]:
         from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        batches = Queue(maxsize=maxsize, actor_options={"num_cpus": 0})
-        return batches, RayResults(Queue(actor_options={"num_cpus": 0}), self)
+        # on the driver's node: a queue on a node that is lost would take the run with it
+        here = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(self.placement["driver"], False)}
+        batches = Queue(maxsize=maxsize, actor_options=dict(here))
+        return batches, RayResults(Queue(actor_options=dict(here)), self)
 
     def start_trainer(self, args: tuple[Any, ...]) -> TrainerGroup:
         """Start ``trainer_worker.trainer_main(*args)``'s work on the rank actors: the model and a resumed
