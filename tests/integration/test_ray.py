@@ -102,8 +102,7 @@ def test_a_run_across_three_ray_nodes_survives_losing_its_rollout_node(tmp_path_
     assert rows and len(keys) == len(set(keys)), "an attempt was counted twice"
     lost = state["counts"].get("infra_error:RolloutWorkerDied", 0)
     assert lost >= 1, "no attempt was in flight on the lost node"
-    # only the attempts in flight (at most orchestrator.rollout_workers) were lost, each at most once per worker
-    assert lost <= cfg.ray.rollout_workers * cfg.orchestrator.rollout_workers, lost
+    assert lost <= cfg.orchestrator.rollout_workers, f"{lost}: more than the attempts in flight were lost"
     pids = json.loads((out / "run" / "pids.json").read_text())
     assert not any(Path(f"/proc/{pid}").exists() for name, pid in pids.items() if name != "orchestrator"), \
         "an actor outlived the cluster"

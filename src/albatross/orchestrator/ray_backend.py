@@ -22,6 +22,7 @@ The orchestrator (admission control, scoring, batching, metrics, evaluations) st
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -367,23 +368,29 @@ class TaskShipper:
 
 
 class RayRollouts:
-    """Attempts spread over the rollout workers: each to the live worker whose node has the most free cores per
-    attempt it runs (memory-starved nodes last). A worker lost mid-attempt (its node gone) is set aside until Ray
-    has started it again; its attempts go to the other workers, or wait for one to be back."""
+    """Attempts spread over the rollout workers, ``orchestrator.rollout_workers`` at once (the others wait here, not
+    on a worker): each to the live worker whose node has the most free cores per attempt it runs (memory-starved
+    nodes last). A worker lost mid-attempt sets aside every worker of its node until Ray has started them again;
+    the attempts it held are run again on the workers left (infrastructure errors, never scored)."""
 
     def __init__(self, run: RayRun, counts: Counter[str]) -> None:
         self.run, self.counts = run, counts
         n = len(run.workers)
         self.outstanding = [0] * n
         self.up = [True] * n
+        self.nodes = [run.placement.get(f"rollout{i}", "") for i in range(n)]
         self.loads: list[dict[str, float]] = [{"free_cores": 1.0, "mem_gib": 8.0}] * n
+        self.slots = run.cfg.orchestrator.rollout_workers
+        self.waiting: collections.deque[tuple[AttemptSpec, Future[Trajectory], int]] = collections.deque()
         self.tasks = TaskShipper()
         self._lock = threading.Lock()
-        self._back = threading.Condition(self._lock)
+        self._wake = threading.Condition(self._lock)
         self._turn = itertools.count()
         self._stop = threading.Event()
-        self._watch = threading.Thread(target=self._measure, name="ray-load", daemon=True)
-        self._watch.start()
+        self._threads = [threading.Thread(target=self._dispatch, name="ray-dispatch", daemon=True),
+                         threading.Thread(target=self._measure, name="ray-load", daemon=True)]
+        for t in self._threads:
+            t.start()
 
     def _measure(self) -> None:
         ray = _ray()
@@ -411,22 +418,35 @@ class RayRollouts:
 
     def submit(self, spec: AttemptSpec) -> Future[Trajectory]:
         out: Future[Trajectory] = Future()
-        self._send(spec, out, self.run.cfg.sandbox.max_infra_retries)
+        with self._lock:
+            self.waiting.append((spec, out, self.run.cfg.sandbox.max_infra_retries))
+            self._wake.notify_all()
         return out
 
-    def _send(self, spec: AttemptSpec, out: Future[Trajectory], tries_left: int) -> None:
-        with self._lock:
-            i = self._pick()
-            while i is None and not self._stop.is_set():  # every worker is being started again
-                self._back.wait(1.0)
-                i = self._pick()
-            if i is not None:
-                self.outstanding[i] += 1
-        if i is None:
-            out.set_result(Trajectory(task_id=spec.task.id, group_id=spec.group_id, attempt=spec.attempt,
-                                      status=STATUS_INFRA_ERROR, error="RolloutWorkerDied: the run stopped"))
-            return
-        worker = i
+    def _dispatch(self) -> None:
+        """Send waiting attempts while fewer than ``slots`` run and a worker is live."""
+        while True:
+            with self._lock:
+                i = None
+                while not self._stop.is_set():
+                    i = self._pick() if self.waiting and sum(self.outstanding) < self.slots else None
+                    if i is not None:
+                        break
+                    self._wake.wait(1.0)
+                if i is None:  # stopped: what still waits ends as an infrastructure error, never scored
+                    left, self.waiting = list(self.waiting), collections.deque()
+                else:
+                    left = []
+                    item = self.waiting.popleft()
+                    self.outstanding[i] += 1
+            for spec, out, _ in left:
+                out.set_result(Trajectory(task_id=spec.task.id, group_id=spec.group_id, attempt=spec.attempt,
+                                          status=STATUS_INFRA_ERROR, error="RolloutWorkerDied: the run stopped"))
+            if i is None:
+                return
+            self._send(i, *item)
+
+    def _send(self, worker: int, spec: AttemptSpec, out: Future[Trajectory], tries_left: int) -> None:
         generation, engines = self.run.engine_handles()
         task, trees = self.tasks.ship(spec.task)
         ref = self.run.workers[worker].run.remote(dataclasses.replace(spec, task=task), trees, generation, engines)
@@ -435,41 +455,53 @@ class RayRollouts:
             try:
                 traj, counts = f.result()
             except Exception as e:  # noqa: BLE001 - the worker (or its node) died: an infrastructure error
+                self._lost(worker)
                 with self._lock:
                     self.outstanding[worker] -= 1
                     self.counts.update({"infra_error_attempts": 1, "infra_error:RolloutWorkerDied": 1})
-                    lost, self.up[worker] = self.up[worker], False
-                if lost:
-                    threading.Thread(target=self._revive, args=(worker,), daemon=True).start()
-                if tries_left > 0 and not self._stop.is_set():  # not from Ray's callback thread: it may wait
-                    threading.Thread(target=self._send, args=(spec, out, tries_left - 1), daemon=True).start()
-                    return
+                    if tries_left > 0 and not self._stop.is_set():  # first in line for a live worker
+                        self.waiting.appendleft((spec, out, tries_left - 1))
+                        self._wake.notify_all()
+                        return
                 out.set_result(Trajectory(task_id=spec.task.id, group_id=spec.group_id, attempt=spec.attempt,
                                           status=STATUS_INFRA_ERROR, error=f"RolloutWorkerDied: {type(e).__name__}"))
                 return
             with self._lock:
                 self.outstanding[worker] -= 1
                 self.counts.update(counts)
+                self._wake.notify_all()
             out.set_result(traj)
 
         ref.future().add_done_callback(done)
+
+    def _lost(self, worker: int) -> None:
+        """Set aside ``worker`` and every worker on its node (lost with it), each until Ray has it back."""
+        with self._lock:
+            gone = [k for k in range(len(self.up)) if self.up[k] and (k == worker or self.nodes[k] == self.nodes[worker])]
+            for k in gone:
+                self.up[k] = False
+        for k in gone:
+            threading.Thread(target=self._revive, args=(k,), daemon=True).start()
 
     def _revive(self, i: int) -> None:
         """Wait until Ray has started worker ``i`` again (on a node left), then send it attempts again."""
         ray = _ray()
         while not self._stop.is_set():
             try:
-                ray.get(self.run.workers[i].ready.remote(), timeout=30)
+                info = ray.get(self.run.workers[i].ready.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - still being started again
                 self._stop.wait(1.0)
                 continue
             with self._lock:
-                self.up[i] = True
-                self._back.notify_all()
+                self.up[i], self.nodes[i] = True, info["node"]
+                self._wake.notify_all()
             return
 
     def shutdown(self) -> None:
-        self._stop.set()  # the workers live as long as the RayRun; RayRun.close stops them
+        with self._lock:
+            self._stop.set()  # the workers live as long as the RayRun; RayRun.close stops them
+            self._wake.notify_all()
+        self._threads[0].join(timeout=10)
 
 
 # ---------------------------------------------------------------------------------------------- trainer
