@@ -51,8 +51,9 @@ def test_a_run_across_three_ray_nodes_survives_losing_its_rollout_node(tmp_path_
     out = tmp_path_factory.mktemp("ray") / "out"
     ray_tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths live under it
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))  # the cluster's files, its address file included
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"trainer": 1, "engine": 1}, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args={  # a lost node is noticed within seconds
+        "num_cpus": 2, "resources": {"trainer": 1, "engine": 1}, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     cluster.add_node(num_cpus=1, resources={"trainer": 1})
     rollout_node = cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, log_to_driver=False)
