@@ -46,6 +46,8 @@ def test_a_run_across_three_ray_nodes_survives_losing_its_rollout_node(tmp_path_
     from albatross.orchestrator.ray_files import node_root
     from albatross.pipeline.demo import demo_config
     from albatross.pipeline.driver import Pipeline
+    from albatross.trainer.checkpoint import load_state
+    from albatross.trainer.model import load_model
 
     monkeypatch.setenv("ALBATROSS_CACHE", str(demo_cache))
     out = tmp_path_factory.mktemp("ray") / "out"
@@ -96,6 +98,8 @@ def test_a_run_across_three_ray_nodes_survives_losing_its_rollout_node(tmp_path_
     ckpt = Path(state["trainer_checkpoint"])
     assert ckpt.is_relative_to(out) and ckpt.name == f"trainer-v{state['version']:06d}"
     assert {p.name for p in ckpt.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}, list(ckpt.iterdir())
+    step, extra = load_state(ckpt, load_model(str(out / "final")))  # what --resume ships back to the ranks loads
+    assert extra["version"] == state["version"] and step == state["version"]
     assert sorted(p.name for p in (out / "run" / "weights").iterdir() if p.name.startswith("v")) == ["v000005"]
 
     rows = [json.loads(line) for line in (out / "run" / "trajectories.jsonl").read_text().splitlines()]
