@@ -134,3 +134,19 @@ def test_actors_that_do_not_fit_the_cluster_are_a_config_error() -> None:
     check_ray_config(load_config(None, ["trainer.device=cuda", "ray.trainer_gpus=1"]))
     with pytest.raises(ConfigError, match=r"engine.weight_sync: nccl is not available across Ray nodes"):
         check_ray_config(load_config(None, ["engine.type=vllm", "engine.weight_sync=nccl"]))
+
+
+def test_what_a_ray_run_cannot_do_stops_it_before_anything_slow(tmp_path) -> None:
+    """`albatross train --backend ray` with NCCL weight sync: one line naming the field, exit code 2, no run."""
+    import subprocess
+    import sys
+
+    out, config = tmp_path / "out", tmp_path / "run.toml"
+    config.write_text('name = "r"\n')
+    r = subprocess.run([sys.executable, "-m", "albatross.cli", "train", str(config), "--backend", "ray",
+                        "--out", str(out),
+                        "--engine.type", "vllm", "--engine.weight_sync", "nccl"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "engine.weight_sync: nccl is not available across Ray nodes" in r.stderr
+    assert "Traceback" not in r.stderr and not (out / "run").exists()

@@ -81,6 +81,10 @@ class Pipeline:
         check_wandb(self.cfg.orchestrator.wandb_project)
         self._check_agent()
         check_run(self.cfg)
+        if self.cfg.orchestrator.backend == "ray":  # before anything slow: what a Ray run cannot do
+            from albatross.orchestrator.ray_backend import check_ray_config
+
+            check_ray_config(self.cfg)
         self._claim_out()
         self.plan = self._plan()
         self.plan.announce()  # the phases to come with an estimate each, before anything slow
