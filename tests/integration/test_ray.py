@@ -150,3 +150,36 @@ def test_what_a_ray_run_cannot_do_stops_it_before_anything_slow(tmp_path) -> Non
     assert r.returncode == 2, r.stderr[-2000:]
     assert "engine.weight_sync: nccl is not available across Ray nodes" in r.stderr
     assert "Traceback" not in r.stderr and not (out / "run").exists()
+
+
+def test_a_builtin_engine_actor_serves_the_versions_shipped_to_it(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """An engine actor of the built-in type (on its actor's device): the model and a weight version arrive as
+    objects, are written below the node's own directory, and the next tokens carry the version."""
+    from albatross.config import load_config
+    from albatross.engine.base import SamplingParams
+    from albatross.orchestrator.ray_engines import EngineActor
+    from albatross.orchestrator.ray_files import pack_tree
+
+    node = tmp_path / "node"
+    monkeypatch.setenv("ALBATROSS_NODE_DIR", str(node))  # the actor's node directory (its env comes from here)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = load_config(None, ["engine.threads=1"])
+        actor = ray.remote(EngineActor).options(num_cpus=0).remote(
+            cfg.model_dump_json(), ray.put(pack_tree(tiny_model_dir)), "run", 0)
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=1)
+        [before] = ray.get(actor.generate.remote([[3, 4, 5]], params))
+        assert set(before.versions) == {0}
+        version = ray.put(pack_tree(tiny_model_dir))  # a version with the same weights: only the label moves
+        assert ray.get(actor.update_weights.remote(version, "weights/v000003", 3)) == 3
+        [after] = ray.get(actor.generate.remote([[3, 4, 5]], params))
+        [loaded] = ray.get(actor.history.remote())
+        ray.get(actor.close.remote())
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert set(after.versions) == {3} and after.token_ids == before.token_ids
+    assert loaded["version"] == 3 and Path(loaded["path"]).is_relative_to(node)
+    assert (Path(loaded["path"]) / "config.json").is_file()
