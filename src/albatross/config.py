@@ -326,8 +326,12 @@ class LoRAConfig(_Section):
         default_factory=lambda: ["attention", "mlp"], description="Linear layers that get adapters: `attention` "
         "(every linear layer of the decoder layers' attention, linear attention included), `mlp` (the dense MLP "
         "and shared experts; MoE routers never), or a glob over module names (`*.q_proj`, "
-        "`model.layers.1.mlp.*`) or a module's last name (`q_proj`). One that selects no linear layer is an "
-        "error. Experts stored as 3D tensors are not covered.")
+        "`model.layers.1.mlp.*`) or a module's last name (`q_proj`), and `lm_head`: the output layer (only when "
+        "named; a group or glob never selects it), which lets the adapters scale the logits themselves (a model "
+        "whose final norm and output layer are frozen may not reach a sharp enough policy without it). One that "
+        "selects no linear layer is an error. Experts stored as 3D tensors are not covered. `lm_head` on a model "
+        "that ties it to the input embedding adapts the output alone and needs `serve = \"adapter\"` (vLLM and "
+        "the built-in engine serve it); `serve = \"merged\"` is refused there.")
     merge: bool = Field(False, description="Also write the merged model (base + adapters) to `<out>/final/merged` "
                         "beside the adapter in `<out>/final`.")
     serve: Literal["adapter", "merged"] = Field(

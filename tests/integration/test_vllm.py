@@ -343,13 +343,16 @@ def _lora_samples(pool, version: int):
 
 
 @needs_vllm
-@pytest.mark.parametrize("serve", ["adapter", "merged"])
+@pytest.mark.parametrize(("serve", "targets", "version"), [  # an adapter's version is its name on vLLM: one per case
+    ("adapter", ("attention", "mlp"), 2), ("merged", ("attention", "mlp"), 2),
+    ("adapter", ("attention", "mlp", "lm_head"), 3)])
 def test_a_lora_trainer_serves_vllm_with_the_mismatch_of_a_full_model(vllm_pool, weights, tmp_path, one_thread,
-                                                                      serve) -> None:
+                                                                      serve, targets, version) -> None:
     """A LoRA trainer's step reaches vLLM as the sender of a run makes it: the adapter alone, loaded hot through
     vLLM's LoRA routes and served by name (`adapter`), or the merged weights reloaded in place (`merged`); on
     tokens vLLM then samples (every one labelled with the version), the LoRA trainer's mismatch KL at staleness 0
-    is that of a full-model trainer holding the same merged weights, far below the base model's."""
+    is that of a full-model trainer holding the same merged weights, far below the base model's. An adapter on the
+    tied output layer (`lm_head`) too: vLLM applies it to the logits alone (its LoRA logits processor)."""
     from albatross.records import Batch
     from albatross.trainer.model import load_model
     from albatross.trainer.step import Trainer
@@ -357,22 +360,24 @@ def test_a_lora_trainer_serves_vllm_with_the_mismatch_of_a_full_model(vllm_pool,
 
     vllm_pool.update_weights(str(weights[0]), 0)
     try:
-        lora = Trainer(load_model(weights[0]), TrainerConfig(lr=3e-2, lora=LoRAConfig(rank=4)))
+        lora = Trainer(load_model(weights[0]), TrainerConfig(lr=3e-2, lora=LoRAConfig(rank=4,
+                                                                                   target_modules=list(targets))))
         first = Batch(_lora_samples(vllm_pool, 0), groups=1, min_version=0)
         lora.step(first, current_version=0)
         lora.step(first, current_version=1)  # B moved: now A does too
-        merged = FilesystemSender(tmp_path / "weights", names="served").send(lora.export_view(), 2)
-        path = AdapterSender(tmp_path / "adapters").send(lora.export_view(), 2) if serve == "adapter" else merged
-        vllm_pool.update_weights(path, 2)
-        fresh = Batch(_lora_samples(vllm_pool, 2), groups=1, min_version=2)
-        lora_kl = lora.rl_gradients(fresh, current_version=2)["mismatch_kl"]
+        merged = FilesystemSender(tmp_path / "weights", names="served").send(lora.export_view(), version)
+        adapters = AdapterSender(tmp_path / "adapters")
+        path = adapters.send(lora.export_view(), version) if serve == "adapter" else merged
+        vllm_pool.update_weights(path, version)
+        fresh = Batch(_lora_samples(vllm_pool, version), groups=1, min_version=version)
+        lora_kl = lora.rl_gradients(fresh, current_version=version)["mismatch_kl"]
         still = TrainerConfig(lr=1e-9)
-        full_kl = Trainer(load_model(merged), still).rl_gradients(fresh, current_version=2)["mismatch_kl"]
-        base_kl = Trainer(load_model(weights[0]), still).rl_gradients(fresh, current_version=2)["mismatch_kl"]
+        full_kl = Trainer(load_model(merged), still).rl_gradients(fresh, current_version=version)["mismatch_kl"]
+        base_kl = Trainer(load_model(weights[0]), still).rl_gradients(fresh, current_version=version)["mismatch_kl"]
     finally:
         vllm_pool.update_weights(str(weights[0]), 0)  # a full reload: later requests go to the base model again
-    print(f"\nmismatch KL at staleness 0 after 2 LoRA steps ({serve}): LoRA trainer {lora_kl:.2e}, full model "
-          f"{full_kl:.2e}, base (the adapters left out) {base_kl:.2e}")
+    print(f"\nmismatch KL at staleness 0 after 2 LoRA steps ({serve}, {'+'.join(targets)}): LoRA trainer "
+          f"{lora_kl:.2e}, full model {full_kl:.2e}, base (the adapters left out) {base_kl:.2e}")
     assert lora_kl <= 2 * full_kl + 1e-6
     assert base_kl > 10 * (lora_kl + 1e-7)  # the adapters moved the policy: vLLM serves them
 

@@ -190,3 +190,58 @@ def test_serving_adapters_is_refused_where_no_engine_route_takes_them(tmp_path):
             check_run(load_config(path))
         path.write_text(f"[trainer.lora]\nrank = 8\nserve = \"merged\"\n[engine]\n{engine}\n")
         check_run(load_config(path))  # the merged weights go through any engine's transport
+
+
+def test_an_adapter_on_the_tied_output_layer_is_served_and_merged_apart_from_the_embedding(tmp_path):
+    """`target_modules = [..., "lm_head"]` on a model whose LM head is tied to its embedding: the adapter (its A
+    and B only, never the head's base weight) changes the output layer alone; the built-in engine serving it and
+    the merged export (an untied config) both reproduce the trainer's logits, the input embedding untouched."""
+    from safetensors.torch import load_file
+
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.trainer.model import load_model
+    from albatross.trainer.weights.filesystem import AdapterSender
+
+    trainer = lora_trainer(target_modules=["attention", "lm_head"])
+    assert any(n.startswith("lm_head.lora_") for n, p in trainer.model.named_parameters() if p.requires_grad)
+    for s in range(3):
+        trainer.step(batch(s))
+    path = AdapterSender(tmp_path / "adapters").send(trainer.export_view(), 1)
+    saved = load_file(f"{path}/adapter_model.safetensors")
+    assert any(k.startswith("base_model.model.lm_head.lora_") for k in saved)
+    assert all(".lora_" in k for k in saved), sorted(saved)  # no copy of the (vocab x hidden) head or embedding
+    base = tiny_causal_lm(VOCAB)
+    engine = BuiltinEngine(tiny_causal_lm(VOCAB), fast_forward=False)
+    ids = torch.randint(0, VOCAB, (1, 16))
+    try:
+        engine.update_weights(str(path), 1)
+        served = engine.model
+        torch.testing.assert_close(logits(served, ids), logits(trainer.model, ids), atol=1e-5, rtol=1e-5)
+        assert torch.equal(served.model.embed_tokens.weight, base.model.embed_tokens.weight)  # the input side kept
+        assert not torch.equal(served.lm_head.weight, base.lm_head.weight)
+    finally:
+        engine.close()
+    merged = export_weights(trainer.export_view(), tmp_path / "weights", 1)
+    model = load_model(merged)
+    assert not model.config.tie_word_embeddings
+    torch.testing.assert_close(logits(model, ids), logits(trainer.model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_on_a_tied_output_layer_is_refused_when_merged_weights_are_served(tmp_path):
+    from albatross.trainer.lora import check_tied_output
+
+    with pytest.raises(LoRAError, match="lm_head.*serve = \"adapter\""):
+        lora_trainer(target_modules=["lm_head"], serve="merged")
+    merged = load_config(None, ["trainer.lora.rank=8", 'trainer.lora.target_modules=["lm_head"]',
+                                "trainer.lora.serve=merged"])
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": true}')
+    with pytest.raises(LoRAError, match="config.json.*serve = \"adapter\""):  # before training, from the directory
+        check_tied_output(merged, tmp_path)
+    with pytest.raises(LoRAError, match="the demo model"):
+        check_tied_output(merged, None)
+    check_tied_output(load_config(None, ["trainer.lora.rank=8", 'trainer.lora.target_modules=["lm_head"]']), tmp_path)
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
+    check_tied_output(merged, tmp_path)  # an untied head: the merged weights carry it
+    model = tiny_causal_lm(VOCAB)
+    assert target_modules(model, ["lm_head"]) == ["lm_head"]
+    assert "lm_head" not in target_modules(model, ["*", "attention", "mlp"])  # only when named

@@ -9,11 +9,21 @@ at ``--temperature``, ``rl.scoring.GroupScorer`` scores them (advantages, zero-s
 scores tokens at the sampling temperature) takes the step; the new weights go into the engine before the next
 groups are sampled (on-policy, version by version).
 
+``lora/tis/grpo`` trains LoRA adapters instead (rank ``LORA_RANK`` on ``LORA_TARGETS``, the base frozen) and
+sends each version to the engine as a run does (``serve = "adapter"``: the adapter in PEFT's format, which the
+engine merges into the base it holds). Its targets include the output layer (``lm_head``, tied to the
+embedding here): without it no LoRA can learn this family. The final RMSNorm fixes the norm of the last hidden
+state and its gain is frozen, so with a frozen output embedding the largest probability any hidden state can give
+a word at temperature 0.8 is bounded by the embedding's geometry, which the short warm start leaves small
+(0.36-0.43 for seed 0's words): adapters on attention and MLP alone learn each key's word as the argmax (greedy
+Pass@1 1.0) but end at about 0.41 sampled.
+
 A row learns when its pass rate (sampled at the training temperature, over fresh prompts) ends at or above
 ``LEARNED`` (0.8). ``all_on_policy`` checks the importance ratio: the largest per-step mismatch KL between the
 engine's and the trainer's log-probs of the same tokens at equal weights stays under ``ON_POLICY_KL`` (a trainer
 scoring tokens at another temperature than the sampler's shows here). The JSON's keys: ``rows`` (``name``,
-``loss``, ``advantage``, ``start_pass``, ``end_pass``, ``steps``, ``seconds``, ``mismatch_kl``), ``all_learn``
+``loss``, ``advantage``, ``start_pass``, ``end_pass``, ``steps``, ``seconds``, ``mismatch_kl``, ``lora``: null, or
+the adapters' ``rank``, ``target_modules``, ``parameters`` and ``trainable_parameters``), ``all_learn``
 (every row ends >= 0.8), ``all_on_policy``.
 """
 
@@ -22,7 +32,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from albatross.bench.common import print_table, write_json
 
@@ -30,8 +40,34 @@ ANSWERS = ("apple", "mango", "kiwi", "lemon", "grape", "peach")
 KEYS = ("salt", "pepper")  # key i's right answer: ANSWERS[i]
 LEARNED = 0.8
 ON_POLICY_KL = 1e-3
-ROWS: tuple[tuple[str, str], ...] = (  # (loss, advantage)
-    ("tis", "grpo"), ("ppo_clip", "grpo"), ("masked_is", "grpo"), ("cispo", "grpo"), ("tis", "rloo"), ("tis", "topk"),
+LORA_RANK = 8
+LORA_TARGETS = ("attention", "mlp", "lm_head")  # the output layer too: without it the row cannot learn (module doc)
+
+
+class Row(NamedTuple):
+    """One row: a loss and an advantage, trained in full or (``lora``) as LoRA adapters served as a run serves
+    them."""
+
+    loss: str
+    advantage: str
+    lora: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{'lora/' if self.lora else ''}{self.loss}/{self.advantage}"
+
+    def overrides(self) -> tuple[str, ...]:
+        """The run-config overrides of the row beyond the loss and advantage."""
+        if not self.lora:
+            return ()
+        targets = ", ".join(f'"{t}"' for t in LORA_TARGETS)
+        return (f"trainer.lora.rank={LORA_RANK}", f"trainer.lora.target_modules=[{targets}]",
+                "trainer.lora.serve=adapter")
+
+
+ROWS: tuple[Row, ...] = (
+    Row("tis", "grpo"), Row("ppo_clip", "grpo"), Row("masked_is", "grpo"), Row("cispo", "grpo"), Row("tis", "rloo"),
+    Row("tis", "topk"), Row("tis", "grpo", lora=True),
 )
 
 
@@ -143,9 +179,12 @@ def rollout_groups(engine: Any, work: Workload, rng: random.Random, cfg: Any, n_
     return groups
 
 
-def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, steps: int) -> dict[str, Any]:
-    """Train a copy of the warm-started model with one loss and advantage; the row's figures."""
+def run_row(row: Row, args: argparse.Namespace, base: Any, steps: int) -> dict[str, Any]:
+    """Train a copy of the warm-started model with the row's loss and advantage (in full, or its LoRA adapters);
+    the row's figures. With LoRA each version goes to the engine as a run sends it: the adapter in PEFT's
+    format, merged by the engine into the base it holds."""
     import copy
+    import tempfile
 
     from albatross.config import load_config
     from albatross.engine.builtin import BuiltinEngine
@@ -153,17 +192,20 @@ def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, step
     from albatross.rl.scoring import GroupScorer
     from albatross.trainer.step import Trainer
 
-    cfg = load_config(None, [f"rl.loss={loss}", f"rl.advantage={advantage}", f"sampling.temperature={args.temperature}",
-                             f"trainer.lr={args.lr}", "orchestrator.group_size=8", "rl.efficiency_lambda=0",
-                             "rl.credit=divergence", f"seed={args.seed}"])
+    cfg = load_config(None, [f"rl.loss={row.loss}", f"rl.advantage={row.advantage}",
+                             f"sampling.temperature={args.temperature}", f"trainer.lr={args.lr}",
+                             "orchestrator.group_size=8", "rl.efficiency_lambda=0", "rl.credit=divergence",
+                             f"seed={args.seed}", *row.overrides()])
     work = copy.copy(base)
     work.model = copy.deepcopy(base.model)
     rng = random.Random(args.seed + 1)
     t0 = time.monotonic()
+    engine_model = copy.deepcopy(work.model).eval()  # before LoRA goes into the trainer's copy
     trainer = Trainer.from_config(work.model.train(), cfg)
     scorer = GroupScorer(cfg.rl)
     kls: list[float] = []
-    with BuiltinEngine(copy.deepcopy(work.model).eval(), max_batch_size=128) as engine:
+    with BuiltinEngine(engine_model, max_batch_size=128) as engine, tempfile.TemporaryDirectory() as tmp:
+        send = _sender(cfg, engine, tmp)
         start = pass_rate(engine, work, args.temperature, args.seed + 2)
         for _ in range(steps):
             groups = [scorer.score_group(g) for g in rollout_groups(engine, work, rng, cfg, 8)]
@@ -171,15 +213,34 @@ def run_row(loss: str, advantage: str, args: argparse.Namespace, base: Any, step
             if not kept:
                 continue
             kls.append(trainer.step(make_batch(kept, cfg.rl.credit))["mismatch_kl"])
-            weights = {k: v.detach().clone() for k, v in work.model.state_dict().items()}
-            engine.update_weights_from_state_dict(weights, trainer.version)
+            send(trainer)
         end = pass_rate(engine, work, args.temperature, args.seed + 2)
-    return {"name": f"{loss}/{advantage}", "loss": loss, "advantage": advantage, "start_pass": round(start, 4),
+    lora = cfg.trainer.lora
+    return {"name": row.name, "loss": row.loss, "advantage": row.advantage, "start_pass": round(start, 4),
             "end_pass": round(end, 4), "steps": steps, "seconds": round(time.monotonic() - t0, 1),
-            "mismatch_kl": round(max(kls), 6) if kls else 0.0}
+            "mismatch_kl": round(max(kls), 6) if kls else 0.0,
+            "lora": {"rank": lora.r, "target_modules": list(lora.target_modules), **trainer.parameter_counts()}
+            if lora.on else None}
 
 
-def measure(args: argparse.Namespace, rows: tuple[tuple[str, str], ...] = ROWS,
+def _sender(cfg: Any, engine: Any, tmp: str) -> Any:
+    """How each version reaches the engine: the state dict (a full fine-tune), or with ``[trainer.lora]`` what a
+    run sends (``serve = "adapter"``: the adapter in PEFT's format, which the engine merges into its base)."""
+    from albatross.trainer.weights.filesystem import AdapterSender
+
+    if cfg.trainer.lora.sends_adapter:
+        sender = AdapterSender(tmp)
+        return lambda trainer: engine.update_weights(sender.send(trainer.export_view(), trainer.version),
+                                                     trainer.version)
+
+    def state(trainer: Any) -> None:
+        view = trainer.export_view()  # merged weights under the base names with serve = "merged"
+        weights = {k: v.detach().clone() for k, v in view.state_dict().items()}
+        engine.update_weights_from_state_dict(weights, trainer.version)
+    return state
+
+
+def measure(args: argparse.Namespace, rows: tuple[tuple[str, str] | tuple[str, str, bool], ...] = ROWS,
             base: Workload | None = None) -> dict[str, Any]:
     """Warm-start the family's model (unless ``base`` is given), then train one copy per row."""
     import torch
@@ -191,9 +252,9 @@ def measure(args: argparse.Namespace, rows: tuple[tuple[str, str], ...] = ROWS,
         base = Workload(args.seed)
         warm_start(base, random.Random(args.seed))
     out = []
-    for loss, advantage in rows:
-        row = run_row(loss, advantage, args, base, steps)
-        print(f"[learn] {row['name']:<18} pass {row['start_pass']:.2f} -> {row['end_pass']:.2f}  "
+    for spec in rows:
+        row = run_row(Row(*spec), args, base, steps)
+        print(f"[learn] {row['name']:<20} pass {row['start_pass']:.2f} -> {row['end_pass']:.2f}  "
               f"({row['steps']} steps, {row['seconds']:.0f}s, max on-policy KL {row['mismatch_kl']:.1e})", flush=True)
         out.append(row)
     return {"rows": out, "all_learn": all(r["end_pass"] >= LEARNED for r in out),

@@ -76,7 +76,7 @@ class Pipeline:
         from albatross.orchestrator.metrics import check_wandb
 
         t0 = time.monotonic()
-        from albatross.trainer.lora import check_run
+        from albatross.trainer.lora import check_run, check_tied_output
 
         check_wandb(self.cfg.orchestrator.wandb_project)
         self._check_agent()
@@ -97,6 +97,7 @@ class Pipeline:
             train, heldout = self.load_tasks()
             ph.reason = f"{len(train)} train, {len(heldout)} held-out tasks ready"
         tokenizer, model_dir = self.load_model()
+        check_tied_output(self.cfg, model_dir)
         with self.plan.phase("sandbox") as ph:
             backend = self.open_backend()
             ph.reason = f"backend {backend.name} ready"

@@ -1,6 +1,7 @@
 """LoRA (``[trainer.lora]``): low-rank adapters injected with PEFT into the model in place, the base frozen.
 
-``apply_lora`` resolves ``target_modules`` to the model's linear layers (``attention``, ``mlp``, globs), injects
+``apply_lora`` resolves ``target_modules`` to the model's linear layers (``attention``, ``mlp``, globs, and the
+output layer ``lm_head`` when named), injects
 the adapters (``peft.inject_adapter_in_model``: the model stays the same transformers object, so packing, the
 chunked log-probs and activation checkpointing see the model they know) and freezes every other parameter, so only
 the adapters get gradients and optimizer state. The engines get the merged weights under the base model's names
@@ -12,6 +13,7 @@ transformers load.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from albatross.errors import UserError
 
 ADAPTER = "default"  # PEFT's adapter name inside the model
 GROUPS = ("attention", "mlp")
+OUTPUT = "lm_head"  # the pattern naming the output layer (whatever its module name in the family)
 ATTENTION_PARTS = ("attn", "attention", "mixer")
 MLP_PARTS = ("mlp", "feed_forward", "ffn")
 SKIPPED_PARTS = ("experts", "router", "indexer", "mtp", "visual", "vision_tower", "vision_model", "ple", "ngram")
@@ -54,12 +57,40 @@ def _in_group(name: str, group: str) -> bool:
     return any(any(w in p for w in wanted) for p in parents)
 
 
+def _head(model: nn.Module) -> nn.Linear | None:
+    """The model's output layer (its LM head) when it is a plain linear layer."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return None
+    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers
+    return head if isinstance(head, nn.Linear) else None
+
+
+def output_layer(model: nn.Module) -> str:
+    """The module name of the model's output layer (``lm_head`` in most families), or ``""`` when it is not a
+    plain linear layer (then it cannot take an adapter)."""
+    head = _head(model)
+    return next((name for name, m in model.named_modules() if m is head), "") if head is not None else ""
+
+
+def output_is_tied(model: nn.Module) -> bool:
+    """Whether the output layer's weight is the input embedding's (``tie_word_embeddings``)."""
+    from transformers import PreTrainedModel
+
+    head = _head(model)
+    embed = model.get_input_embeddings() if isinstance(model, PreTrainedModel) else None
+    return head is not None and isinstance(embed, nn.Embedding) and head.weight is embed.weight
+
+
 def target_modules(model: nn.Module, patterns: list[str]) -> list[str]:
     """Full names of the linear layers ``patterns`` select (``attention``, ``mlp``, a glob over module names, or
-    a module's last name). A glob or name that selects nothing is a ``LoRAError`` naming the model's linear
-    layers (a typo never silently trains less); a group may be empty in a model (``mlp`` of a MoE without shared
-    experts) as long as the whole selection is not."""
+    a module's last name; ``lm_head``, the output layer, only when a pattern is its name, never through a group
+    or a glob). A glob or name that selects nothing is a ``LoRAError`` naming the model's linear layers (a typo
+    never silently trains less); a group may be empty in a model (``mlp`` of a MoE without shared experts) as
+    long as the whole selection is not."""
     linears = _decoder_linears(model)
+    head = output_layer(model)
     if not patterns:
         raise LoRAError("trainer.lora.target_modules: empty; e.g. [\"attention\", \"mlp\"]")
     chosen: dict[str, None] = {}
@@ -67,6 +98,12 @@ def target_modules(model: nn.Module, patterns: list[str]) -> list[str]:
         if pattern == "experts":
             raise LoRAError("trainer.lora.target_modules: \"experts\": adapters on MoE experts (3D expert "
                             "tensors) are not supported yet; use \"attention\", \"mlp\" (shared experts) or globs")
+        if pattern in (OUTPUT, head) and pattern:
+            if not head:
+                raise LoRAError(f"trainer.lora.target_modules: {pattern!r}: the output layer of this "
+                                f"{type(model).__name__} is not a linear layer, so it cannot take an adapter")
+            chosen[head] = None
+            continue
         if pattern in GROUPS:
             hits = [n for n in linears if _in_group(n, pattern)]
         else:
@@ -74,7 +111,8 @@ def target_modules(model: nn.Module, patterns: list[str]) -> list[str]:
         if not hits and pattern not in GROUPS:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise LoRAError(f"trainer.lora.target_modules: {pattern!r} selects no linear layer of this "
-                            f"{type(model).__name__} (its decoder's linear layers: {', '.join(leaves) or 'none'})")
+                            f"{type(model).__name__} (its decoder's linear layers: {', '.join(leaves) or 'none'}; "
+                            f"its output layer: {OUTPUT})")
         chosen.update(dict.fromkeys(hits))
     if not chosen:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
@@ -99,8 +137,16 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, base_path: str = "") -> Any:
     from peft import inject_adapter_in_model
 
     config = peft_config(model, cfg, base_path)
+    head = output_layer(model)
+    if head in config.target_modules and output_is_tied(model) and cfg.serve == "merged":
+        raise LoRAError("trainer.lora.target_modules: \"lm_head\" on a model whose output layer is tied to its "
+                        "input embedding needs trainer.lora.serve = \"adapter\": the merged weights cannot carry "
+                        "it (an engine that loads a tied model loads one tensor for both)")
     device = next(model.parameters()).device
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    with warnings.catch_warnings():  # PEFT's advice to tie an adapter on a tied LM head to the embedding too: the
+        # adapter is meant for the output alone (the merged weights and the engines untie the head instead)
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*")
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     model.to(device)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
@@ -148,7 +194,7 @@ class MergedView(nn.Module):
 
     def __init__(self, model: nn.Module, lora_config: Any) -> None:
         super().__init__()
-        self.config = model.config
+        self.config = _merged_config(model)
         self._model = [model]  # a list: not registered as a submodule
         self._lora_config = lora_config
         self._state: dict[str, torch.Tensor] | None = None
@@ -162,11 +208,32 @@ class MergedView(nn.Module):
         return self._state
 
 
+def _merged_config(model: nn.Module) -> Any:
+    """The merged model's config: the model's, untied when an adapter on a tied output layer makes the merged LM
+    head differ from the input embedding (so what loads the merged weights keeps both)."""
+    import copy
+
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return model.config
+    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers
+    embed = model.get_input_embeddings()
+    layer = next((m for m in lora_layers(model).values() if m is head), None)
+    if layer is None or not isinstance(embed, nn.Embedding) or layer.get_base_layer().weight is not embed.weight:
+        return model.config
+    config = copy.deepcopy(model.config)
+    for c in {id(c): c for c in (config, config.get_text_config())}.values():
+        c.tie_word_embeddings = False
+    return config
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's saved names (``base_model.model.<module>.lora_A.weight``)."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    # save_embedding_layers=False: an adapter on the output layer saves its A and B, never the layer's base weight
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False)
     return {f"base_model.model.{k}": v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
@@ -196,6 +263,23 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"parameters": total, "trainable_parameters": trainable}
+
+
+def check_tied_output(cfg: RunConfig, model_dir: str | Path | None) -> None:
+    """Refuse, in one line before training starts, an adapter on a tied output layer (``lm_head`` in
+    ``target_modules``; ``model_dir``'s ``tie_word_embeddings`` true, or None: the demo's tiny model, tied) with
+    ``serve = "merged"`` (the trainer refuses it too, from the model itself)."""
+    import json
+
+    lora = cfg.trainer.lora
+    if not lora.on or lora.serve != "merged" or OUTPUT not in lora.target_modules:
+        return
+    path = Path(model_dir) / "config.json" if model_dir is not None else None
+    config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    if config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", True)):
+        raise LoRAError(f"trainer.lora.target_modules: \"lm_head\" on a model whose output layer is tied to its input "
+                        f"embedding ({path or 'the demo model'}) needs trainer.lora.serve = \"adapter\": the merged "
+                        f"weights cannot carry it (an engine that loads a tied model loads one tensor for both)")
 
 
 def check_run(cfg: RunConfig) -> None:

@@ -37,6 +37,7 @@ from albatross.engine.builtin.runner import (
     _cache_kwarg,
     _Seq,
     check_state_dict,
+    untie_changed,
 )
 from albatross.engine.builtin.sampling import (
     SamplingTensors,
@@ -175,6 +176,7 @@ class SequenceRunner(ModelRunner, Generic[_S]):
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy ``state_dict`` in (checked), set ``version``, drop the snapshots (they came from the old weights)."""
+        untie_changed(self.model, state_dict)
         targets = check_state_dict(self.model, state_dict)
         with torch.no_grad():
             for name, tensor in state_dict.items():

@@ -163,6 +163,7 @@ class ModelRunner:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Check names and shapes, copy ``state_dict`` into the model in place, set ``version``. The prefix cache
         is dropped (its KV came from the old weights); running rows keep their KV and continue."""
+        untie_changed(self.model, state_dict)
         targets = check_state_dict(self.model, state_dict)
         with torch.no_grad():
             for name, tensor in state_dict.items():
@@ -481,6 +482,27 @@ class ModelRunner:
 
 
 # ------------------------------------------------------------------------------------------------ weights
+
+
+def untie_changed(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Give a tied parameter its own storage when ``state_dict`` brings different values for names that share it
+    (a LoRA adapter on a tied LM head: the merged ``lm_head.weight`` is no longer ``model.embed_tokens.weight``);
+    the names untied. The same values under both names (a checkpoint's tied alias) leave the tie alone."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    untied = []
+    for name in state_dict:
+        p = params.get(name)
+        if p is None:
+            continue
+        other = first.setdefault(p.data_ptr(), name)
+        if other == name or state_dict[name] is state_dict[other] or torch.equal(state_dict[name], state_dict[other]):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        module.register_parameter(leaf, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+        untied.append(name)
+    return untied
 
 
 def check_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
