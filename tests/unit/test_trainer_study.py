@@ -289,7 +289,7 @@ def test_study_quick_writes_its_keys_in_row_order(tmp_path):
 
     out = tmp_path / "study.json"
     cmd = [sys.executable, "-m", "albatross.cli", "bench", "trainer", "--study", "--quick", "--json", str(out),
-           "--study-budget-s", "300", "--study-memory-gib", "1"]  # 1 GiB: a short context ladder
+           "--study-budget-s", "1", "--study-memory-gib", "1"]  # the context search's sure lengths only
     subprocess.run(cmd, check=True, timeout=1500, capture_output=True)
     data = json.loads(out.read_text())
     assert [r["name"] for r in data["study"]] == [name for name, _ in study.ROWS] + [study.CONTEXT_ROW]
