@@ -1,7 +1,31 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+
+from background_mypy import TEST_ID, BackgroundMypy, MypyResult, run_mypy
+
+_MYPY = pytest.StashKey[BackgroundMypy]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The strict type check starts in the background now when its test is selected (``background_mypy.py``)."""
+    if shutil.which("mypy") and any(item.nodeid.endswith(TEST_ID) for item in session.items):
+        session.config.stash[_MYPY] = BackgroundMypy()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background = session.config.stash.get(_MYPY, None)
+    if background is not None:
+        background.close()
+
+
+@pytest.fixture
+def mypy_result(request: pytest.FixtureRequest, tmp_path: Path) -> MypyResult:
+    """The strict type check's result on a cold cache: the background run's, else one run now."""
+    background = request.config.stash.get(_MYPY, None)
+    return background.result() if background is not None else run_mypy(tmp_path / "cache")
 
 
 @pytest.fixture(scope="module")

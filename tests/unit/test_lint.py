@@ -14,8 +14,9 @@ def test_ruff_clean():
 
 
 @pytest.mark.skipif(shutil.which("mypy") is None, reason="mypy not installed (pip install -e '.[dev]')")
-def test_mypy_strict_clean(tmp_path):
-    """The type checker, strict on src/albatross as pyproject.toml configures it, finds nothing."""
-    r = subprocess.run(["mypy", "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True)
+def test_mypy_strict_clean(mypy_result):
+    """The type checker, strict on src/albatross as pyproject.toml configures it, on a cold cache, finds nothing
+    (started in the background when the session starts: tests/background_mypy.py)."""
+    r = mypy_result
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert "Success: no issues found" in r.stdout
