@@ -1,31 +1,38 @@
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from background_mypy import TEST_ID, BackgroundMypy, MypyResult, run_mypy
+from background import Job, Result, run_now, startable
 
-_MYPY = pytest.StashKey[BackgroundMypy]()
+_JOBS = pytest.StashKey[dict[str, Job]]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The strict type check starts in the background now when its test is selected (``background_mypy.py``)."""
-    if shutil.which("mypy") and any(item.nodeid.endswith(TEST_ID) for item in session.items):
-        session.config.stash[_MYPY] = BackgroundMypy()
+    """The commands of the selected tests marked ``background`` start now, at the lowest priority
+    (``background.py``)."""
+    jobs: dict[str, Job] = {}
+    if not session.config.option.collectonly:
+        for item in session.items:
+            marker = item.get_closest_marker("background")
+            if marker is not None and startable(marker.args[0]):
+                jobs[item.nodeid] = Job(*marker.args, **marker.kwargs)
+    session.config.stash[_JOBS] = jobs
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    background = session.config.stash.get(_MYPY, None)
-    if background is not None:
-        background.close()
+    for job in session.config.stash.get(_JOBS, {}).values():
+        job.close()
 
 
 @pytest.fixture
-def mypy_result(request: pytest.FixtureRequest, tmp_path: Path) -> MypyResult:
-    """The strict type check's result on a cold cache: the background run's, else one run now."""
-    background = request.config.stash.get(_MYPY, None)
-    return background.result() if background is not None else run_mypy(tmp_path / "cache")
+def background(request: pytest.FixtureRequest, tmp_path: Path) -> Result:
+    """The result of the test's ``background`` command: started when the session started, else run now."""
+    job = request.config.stash.get(_JOBS, {}).get(request.node.nodeid)
+    if job is not None:
+        return job.result()
+    marker = request.node.get_closest_marker("background")
+    return run_now(marker.args[0], tmp_path / "background", **marker.kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ def test_ruff_clean():
 
 
 @pytest.mark.skipif(shutil.which("mypy") is None, reason="mypy not installed (pip install -e '.[dev]')")
-def test_mypy_strict_clean(mypy_result):
+@pytest.mark.background(["mypy", "--cache-dir", "{dir}/cache"], cwd=ROOT)
+def test_mypy_strict_clean(background):
     """The type checker, strict on src/albatross as pyproject.toml configures it, on a cold cache, finds nothing
-    (started in the background when the session starts: tests/background_mypy.py)."""
-    r = mypy_result
+    (it runs while the session's other tests do: tests/background.py)."""
+    r = background
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert "Success: no issues found" in r.stdout
