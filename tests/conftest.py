@@ -3,6 +3,37 @@ from pathlib import Path
 
 import pytest
 
+from background import Job, Result, run_now, startable
+
+_JOBS = pytest.StashKey[dict[str, Job]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The commands of the selected tests marked ``background`` start now, at the lowest priority
+    (``background.py``)."""
+    jobs: dict[str, Job] = {}
+    if not session.config.option.collectonly:
+        for item in session.items:
+            marker = item.get_closest_marker("background")
+            if marker is not None and startable(marker.args[0]):
+                jobs[item.nodeid] = Job(*marker.args, **marker.kwargs)
+    session.config.stash[_JOBS] = jobs
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for job in session.config.stash.get(_JOBS, {}).values():
+        job.close()
+
+
+@pytest.fixture
+def background(request: pytest.FixtureRequest, tmp_path: Path) -> Result:
+    """The result of the test's ``background`` command: started when the session started, else run now."""
+    job = request.config.stash.get(_JOBS, {}).get(request.node.nodeid)
+    if job is not None:
+        return job.result()
+    marker = request.node.get_closest_marker("background")
+    return run_now(marker.args[0], tmp_path / "background", **marker.kwargs)
+
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory):

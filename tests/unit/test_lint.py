@@ -14,8 +14,10 @@ def test_ruff_clean():
 
 
 @pytest.mark.skipif(shutil.which("mypy") is None, reason="mypy not installed (pip install -e '.[dev]')")
-def test_mypy_strict_clean(tmp_path):
-    """The type checker, strict on src/albatross as pyproject.toml configures it, finds nothing."""
-    r = subprocess.run(["mypy", "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True)
+@pytest.mark.background(["mypy", "--cache-dir", "{dir}/cache"], cwd=ROOT)
+def test_mypy_strict_clean(background):
+    """The type checker, strict on src/albatross as pyproject.toml configures it, on a cold cache, finds nothing
+    (it runs while the session's other tests do: tests/background.py)."""
+    r = background
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert "Success: no issues found" in r.stdout

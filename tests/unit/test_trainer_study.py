@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -283,15 +282,16 @@ def test_config_options_reach_the_trainer():
     assert set(trainer.model_options) == {"grouped_experts", "fast_indexer", "fused_hyper", "host_param_bytes"}
 
 
-def test_study_quick_writes_its_keys_in_row_order(tmp_path):
-    """``bench trainer --study --quick``: every key, rows 0..9 in order, one first-step loss."""
+@pytest.mark.background([sys.executable, "-m", "albatross.cli", "bench", "trainer", "--study", "--quick", "--json",
+                         "{dir}/study.json", "--study-budget-s", "1",  # the context search's sure lengths only
+                         "--study-memory-gib", "1"])
+def test_study_quick_writes_its_keys_in_row_order(background):
+    """``bench trainer --study --quick``: every key, rows 0..9 in order, one first-step loss (the command runs
+    while the session's other tests do: tests/background.py)."""
     from albatross.bench import study
 
-    out = tmp_path / "study.json"
-    cmd = [sys.executable, "-m", "albatross.cli", "bench", "trainer", "--study", "--quick", "--json", str(out),
-           "--study-budget-s", "300", "--study-memory-gib", "1"]  # 1 GiB: a short context ladder
-    subprocess.run(cmd, check=True, timeout=1500, capture_output=True)
-    data = json.loads(out.read_text())
+    assert background.returncode == 0, background.stdout[-3000:] + background.stderr[-3000:]
+    data = json.loads((background.dir / "study.json").read_text())
     assert [r["name"] for r in data["study"]] == [name for name, _ in study.ROWS] + [study.CONTEXT_ROW]
     for row in data["study"][:-1]:
         assert row["tokens_per_s"] > 0 and row["peak_gib"] > 0 and row["matmul_gflops"] > 0

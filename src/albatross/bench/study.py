@@ -27,9 +27,12 @@ a long tail to the cap) from the same fresh weights, so every row's first-step l
    fraction), its allocator set to return freed tensors to the system (``MEASURED_ALLOCATOR``), so the
    resident set is what the step holds, not what glibc keeps of freed blocks. Row 0 doubles T from 1,024
    until one does not fit; row 8 starts at 4x row 0's, doubles while it fits, else tries 2x and 1x. It runs
-   after rows 0-8, within ``--study-budget-s``. Measured, not projected.
+   after rows 0-8, within ``--study-budget-s`` (row 0's first length and row 8's 2x and 1x run whatever the
+   budget has left, so the row always says something). Measured, not projected.
 
-Each row runs in its own child process (its peak is the child's ``VmHWM``; on a GPU ``max_memory_allocated``,
+Each row runs in its own child process (``--quick``: forked from one process that imported torch and transformers
+once, ``bench/forked.py``, where a fresh one spends most of a quick row importing them; the context search always
+starts fresh processes); its peak is the child's ``VmHWM`` (on a GPU ``max_memory_allocated``,
 after a warm-up step of a throwaway copy on two short trajectories), in ``--study-rounds`` rounds (default 3,
 each running every row once, in order, timing 2 steps), so each row's steps are spread over the whole
 measurement rather than falling in one slow spell of a shared machine. Reported: non-padding tokens/s (real
@@ -374,9 +377,21 @@ def _child_main(spec: dict[str, Any]) -> None:
 # the study ------------------------------------------------------------------------------------------
 
 
+# what a forked row child needs imported (``--quick``: rows fork from a process that imported these once)
+FORK_PRELOAD = ["torch", "transformers", "transformers.models.qwen4_exp.modeling_qwen4_exp", "albatross.bench.study",
+                "albatross.trainer.step"]
+
+
 def _child_result(base: dict[str, Any], name: str, options: dict[str, Any], lengths: list[int],
-                  steps: int) -> dict[str, Any]:
-    r = run_child({**base, "options": options, "lengths": lengths, "steps": steps}, None, 1800)
+                  steps: int, fork: bool = False) -> dict[str, Any]:
+    """One row's child: a fresh ``python``, or (``fork``) a child forked from the fork server (``bench/forked.py``)."""
+    spec = {**base, "options": options, "lengths": lengths, "steps": steps}
+    if fork:
+        from albatross.bench.forked import run_forked
+
+        r = run_forked(row_child, spec, 1800, FORK_PRELOAD, tail_chars=300)
+    else:
+        r = run_child(spec, None, 1800)
     if r["status"] != "ok":
         raise RuntimeError(f"study row {name!r}: {r['status']}")
     return r
@@ -398,8 +413,10 @@ SEED_PARTS_ONLY = "8 with the seed's frozen parts only (embedding trained)"
 
 
 def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, rounds: int = 1,
-                    log: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rows 0-8 and row 8 with the seed's frozen parts only (``SEED_PARTS_ONLY``), each in a fresh child process.
+                    log: Callable[[str], None] = print,
+                    fork: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows 0-8 and row 8 with the seed's frozen parts only (``SEED_PARTS_ONLY``), each in a fresh child process
+    (``fork``: forked from the fork server, as ``--quick`` runs them).
 
     With ``rounds`` > 1 every row runs once per round, rows in order within a round, so each row's steps are
     spread over the whole measurement and a slow spell of a shared machine does not fall on one row alone.
@@ -409,7 +426,7 @@ def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, rounds
     runs: list[list[dict[str, Any]]] = [[] for _ in specs]
     for k in range(rounds):
         for i, (name, options) in enumerate(specs):
-            r = _child_result(base, name, options, lengths, steps)
+            r = _child_result(base, name, options, lengths, steps, fork)
             runs[i].append(r)
             log(f"[study] round {k + 1}/{rounds} {name}: {r['seconds']:.2f}s, "
                 f"{sum(n - 1 for n in lengths) / r['seconds']:.0f} tokens/s, peak {r['peak_gib']:.2f} GiB, "
@@ -423,19 +440,24 @@ def throughput_rows(base: dict[str, Any], lengths: list[int], steps: int, rounds
     return rows[:-1], rows[-1]
 
 
+GRACE_S = 600.0  # what a length that runs whatever the budget has left may take beyond it
+
+
 def longest_context(base: dict[str, Any], row: int, lengths: list[int], limit_gib: float, deadline: float,
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Try one-trajectory contexts in order; the longest that trained one step under ``limit_gib``."""
+                    log: Callable[[str], None] = print, sure: bool = False) -> dict[str, Any]:
+    """Try one-trajectory contexts in order; the longest that trained one step under ``limit_gib``. ``sure``: the
+    first length runs whatever time is left before ``deadline`` (``GRACE_S`` more), so the search says something."""
     best: dict[str, Any] = {"context": 0}
     tried = []
-    for n in lengths:
+    for i, n in enumerate(lengths):
         left = deadline - time.monotonic()
-        if left < 10:
+        first = sure and i == 0
+        if left < 10 and not first:
             tried.append({"context": n, "status": "no time left"})
             break
         spec = {**base, "options": row_options(row), "lengths": [n + 1], "steps": 1, "warmup": False,
                 "micro_batch_tokens": n}
-        r = run_child(spec, limit_gib, left)
+        r = run_child(spec, limit_gib, max(left, 0.0) + GRACE_S if first else left)
         tried.append({"context": n, **{k: v for k, v in r.items() if k in ("status", "peak_gib", "seconds")}})
         log(f"[study] context row {row} T={n}: {r['status']}"
             + (f", peak {r['peak_gib']:.2f} GiB, {r['seconds']:.0f}s" if r["status"] == "ok" else ""))
@@ -451,14 +473,15 @@ def context_rows(base: dict[str, Any], quick: bool, limit_gib: float, budget_s: 
     deadline = time.monotonic() + budget_s
     start = 256 if quick else 1024
     ladder = [start << i for i in range(10)]
-    baseline = longest_context(base, 0, ladder, limit_gib, deadline, log)
+    # row 0's first length runs whatever the budget, so the baseline always says something
+    baseline = longest_context(base, 0, ladder, limit_gib, deadline, log, sure=True)
     first = max(baseline["context"], start)
     # the target first (4x the baseline), then doubling; below it, 2x and 1x so the row always says something
     final = longest_context(base, len(ROWS) - 1, [first << i for i in range(2, 8)], limit_gib, deadline, log)
     for factor in (2, 1):
         if final["context"]:
             break
-        final = longest_context(base, len(ROWS) - 1, [first * factor], limit_gib, deadline + 600, log)
+        final = longest_context(base, len(ROWS) - 1, [first * factor], limit_gib, deadline, log, sure=True)
     return {"baseline": baseline, "final": final, "limit_gib": limit_gib}
 
 
@@ -497,11 +520,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # the whole batch in one packed micro-batch, as row 0 runs it in one padded batch
     base = {"device": device, "model": args.model, "micro_batch_tokens": max(4096, sum(lengths))}
     rounds = 1 if quick else max(1, int(args.study_rounds or ROUNDS))
-    rows, seed_only = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED, rounds)
+    rows, seed_only = throughput_rows(base, lengths, 1 if quick else STEPS_TIMED, rounds, fork=quick)
     alone = {**base, "padded_batch": 1}  # row 0's model on each trajectory alone: only asked for if row 0 differs
     losses = first_loss_check([x for r in [*rows[1:], seed_only] for x in r["first_losses"]], rows[0]["first_losses"],
-                              lambda: _child_result(alone, "0 with each trajectory alone", {}, lengths, 1)["first_loss"],
-                              device)
+                              lambda: _child_result(alone, "0 with each trajectory alone", {}, lengths, 1,
+                                                    quick)["first_loss"], device)
     same = losses["same_first_loss"]
     budget = args.study_budget_s or (60.0 if quick else 900.0)
     ctx = context_rows(base, quick, limit, budget)  # after the rows, so no row shares the CPU with it
