@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from background import Job, Result, run_now, startable
+from background import Job, Result, startable
 
 _JOBS = pytest.StashKey[dict[str, Job]]()
 
@@ -26,13 +26,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.fixture
-def background(request: pytest.FixtureRequest, tmp_path: Path) -> Result:
-    """The result of the test's ``background`` command: started when the session started, else run now."""
+def background(request: pytest.FixtureRequest) -> Result:
+    """The result of the test's ``background`` command, started when the session started."""
     job = request.config.stash.get(_JOBS, {}).get(request.node.nodeid)
-    if job is not None:
-        return job.result()
-    marker = request.node.get_closest_marker("background")
-    return run_now(marker.args[0], tmp_path / "background", **marker.kwargs)
+    assert job is not None, "the test's background command did not start (its program is missing)"
+    return job.result()
 
 
 @pytest.fixture(scope="module")
