@@ -27,12 +27,9 @@ class TrainerRank:
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it (rank 0's: the group's ``MASTER_ADDR``/``MASTER_PORT``)."""
-        import socket
+        from albatross.trainer.weights.comm import free_port
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return str(ray_module().util.get_node_ip_address()), port
+        return str(ray_module().util.get_node_ip_address()), free_port()
 
     def run(self, model: Tree, cfg_json: str, batch_q: Any, result_q: Any, version: int, resume: Tree | None,
             resume_rel: str, world: int, master: tuple[str, int]) -> None:
