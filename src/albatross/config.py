@@ -221,6 +221,10 @@ class SamplingConfig(_Section):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    seed: int = Field(-1, ge=-1, description="Seed of the sampler: an attempt's n-th request samples with a seed "
+                      "drawn from (this seed, its group, its attempt, n), so the same model gives the same tokens "
+                      "for the same attempt on the same engine type. -1: unseeded (training's default; evaluation "
+                      "uses `eval.seed`).")
 
 
 class EngineConfig(_Section):
@@ -459,6 +463,9 @@ class EvalConfig(_Section):
     trials: int = Field(3, ge=1, description="Trials per held-out task.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of base and trained evaluation "
                                "(and of `albatross eval`); training samples at `sampling.temperature`.")
+    seed: int = Field(0, ge=-1, description="`sampling.seed` of base and trained evaluation and of `albatross "
+                      "eval`: a seeded evaluation gives the same attempts for the same model, tasks and config on "
+                      "the same engine type (base and trained share the draws). -1: unseeded.")
 
 
 class WarmStartConfig(_Section):

@@ -92,3 +92,36 @@ def test_recorded_samples_reproduce_the_engines_logprobs_in_the_trainer(setup):
             (logprobs[model_tokens] - mb.logprobs[model_tokens]).abs().max()
         checked += int(model_tokens.sum())
     assert checked == traj.completion_tokens  # every model token, the summaries' included
+
+
+def test_a_seeded_evaluation_gives_the_same_attempts_again_and_draws_apart_per_attempt(setup):
+    """`eval.seed` (evaluation's `sampling.seed`): every engine request of an attempt samples with a seed drawn from
+    (seed, group, attempt, request), so evaluating the same model again gives the same tokens, while the trials of a
+    task and the turns of an attempt draw apart; unseeded (-1), a second evaluation draws anew."""
+    from albatross.config import ModelConfig
+    from albatross.engine.builtin import BuiltinEngine
+    from albatross.eval.run import evaluate
+    from albatross.harness.agent import build_agent
+    from albatross.pipeline.demo import build_tiny
+
+    tasks, backend, tokenizer = setup
+    model = build_tiny(ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                   intermediate_size=128, max_positions=1024), tokenizer, seed=5).eval()
+
+    def tokens(seed: int) -> list[list[int]]:
+        cfg = load_config(None, ["harness.max_turns=3", "harness.max_tokens_per_turn=12", "harness.max_format_errors=9",
+                                 "harness.max_context_tokens=512", f"sampling.seed={seed}"])
+        agent = build_agent(cfg, None, backend, tokenizer)
+        agent.engine = BuiltinEngine(model, max_batch_size=4)
+        try:
+            result = evaluate(agent, tasks[:2], trials=2, workers=2)
+        finally:
+            agent.engine.close()
+        assert all(t.status != "infra_error" for t in result.trajectories)
+        return [s.token_ids for t in result.trajectories for s in t.samples]
+
+    first, again = tokens(3), tokens(3)
+    assert first == again  # the same attempts, token for token
+    assert first[0] != first[1] or first[0] != first[2]  # trials and tasks do not share one draw
+    assert tokens(-1) != tokens(-1)  # unseeded: each evaluation draws anew
+    assert tokens(4) != first

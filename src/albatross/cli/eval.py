@@ -108,7 +108,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out}: exists and is not a directory")
     cfg = load_config(args.config, [_normalise(o) for o in args.set or []])
-    cfg.sampling.temperature = cfg.eval.temperature
+    cfg.sampling.temperature, cfg.sampling.seed = cfg.eval.temperature, cfg.eval.seed
     if args.retries is None:
         args.retries = cfg.sandbox.max_infra_retries
     if args.network:

@@ -16,6 +16,7 @@ or ``reasoning = "strip"``, the context after each observation is the conversati
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -118,6 +119,15 @@ class Agent:
         traj.system_changes = result.system_changes
 
 
+def request_seed(seed: int | None, traj: Trajectory, n: int) -> int | None:
+    """The sampling seed of an attempt's ``n``-th engine request under the base ``seed`` (None: unseeded): a hash of
+    (seed, group, attempt, n), so each request draws apart and a rerun of the same attempt draws the same."""
+    if seed is None:
+        return None
+    key = f"{seed}\0{traj.group_id}\0{traj.attempt}\0{n}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1  # < 2**63: every engine's range
+
+
 class Episode:
     """The state of one attempt in progress: its context, tools, budgets and trajectory."""
 
@@ -135,6 +145,7 @@ class Episode:
         self.ctx = Context(self.fmt, instruction, agent.tools if agent.tool_calls else None)
         self._new_sample(len(self.ctx))
         self.format_errors = 0
+        self.requests = 0  # engine requests so far (each seeded apart: ``request_seed``)
 
     def run(self) -> str:
         self.toolbox.setup()
@@ -207,7 +218,9 @@ class Episode:
 
     # one turn -----------------------------------------------------------------------------------------
     def _complete(self, max_tokens: int) -> Completion:
-        params = replace(self.agent.sampling, max_tokens=max_tokens)
+        params = replace(self.agent.sampling, max_tokens=max_tokens,
+                         seed=request_seed(self.agent.sampling.seed, self.traj, self.requests))
+        self.requests += 1
         completion = self.engine.generate([list(self.ctx.sample.token_ids)], params)[0]
         self.traj.input_tokens += len(self.ctx)
         self.traj.completion_tokens += len(completion.token_ids)
@@ -293,7 +306,7 @@ def builtin_agent(cfg: RunConfig, engine: Engine | None, backend: Backend, token
     """The built-in agent loop of a run config, whatever ``harness.agent`` says (demonstrations, the no-op agent)."""
     limits = Limits.from_config(cfg.sandbox)
     sampling = SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                              top_k=cfg.sampling.top_k)
+                              top_k=cfg.sampling.top_k, seed=cfg.sampling.seed if cfg.sampling.seed >= 0 else None)
     return Agent(engine, backend, make_chat_format(tokenizer, cfg.harness), cfg.harness, sampling, limits)
 
 

@@ -373,8 +373,9 @@ class Pipeline:
         return RayRun(self.cfg, base_dir, self.out / "run", tokenizer, self.hide_paths(), self.log)
 
     def eval_config(self) -> RunConfig:
-        """The run's config with evaluation's sampling temperature (``eval.temperature``)."""
-        sampling = self.cfg.sampling.model_copy(update={"temperature": self.cfg.eval.temperature})
+        """The run's config with evaluation's sampling temperature and seed (``eval.temperature``, ``eval.seed``)."""
+        sampling = self.cfg.sampling.model_copy(update={"temperature": self.cfg.eval.temperature,
+                                                        "seed": self.cfg.eval.seed})
         return self.cfg.model_copy(update={"sampling": sampling})
 
     def pass_rate_fn(self, agent: AgentLoop, train: list[Task]) -> Callable[[torch.nn.Module], float]:
