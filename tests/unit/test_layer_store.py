@@ -68,3 +68,76 @@ def test_uv_wheel_is_the_manylinux_one_of_the_machine() -> None:
     assert "aarch64" in pick_wheel(files, "uv", "0.8.14", "aarch64")["url"]
     with pytest.raises(BaseUnavailable, match="no manylinux x86_64 wheel of uv 0.8.15"):
         pick_wheel(files, "uv", "0.8.15", "x86_64")
+
+
+def _parent(store: LayerStore, key: str, mib: int, used: float) -> None:
+    """A committed parent of ``mib`` MiB whose record was last loaded at ``used``."""
+    build = store.new_build(key)
+    (build / "s0" / "layer").mkdir(parents=True)
+    (build / "s0" / "layer" / "blob").write_bytes(os.urandom(mib << 20))
+    store.commit(build, key, {"layer": "s0/layer", "stack": []})
+    os.utime(tmp := store.path(key) / "parent.json", (used, used))
+    assert tmp.stat().st_mtime == used
+
+
+def test_prune_removes_the_least_recently_used_parents_no_process_holds(tmp_path: Path) -> None:
+    from albatross.sandbox.layers import parents, prune
+
+    store = LayerStore(True, tmp_path)
+    now = time.time()
+    for i, key in enumerate(["old", "older", "oldest", "new"]):
+        _parent(store, key, 1, now - {"new": 10, "old": 3000, "older": 4000, "oldest": 5000}[key] - i)
+    other = LayerStore(True, tmp_path)  # another run using "oldest"
+    other.hold("oldest")
+    assert [p["key"] for p in parents(tmp_path)] == ["oldest", "older", "old", "new"]
+    assert all(p["bytes"] >= 1 << 20 for p in parents(tmp_path))
+
+    assert prune(tmp_path, everything=True, dry_run=True)["removed"] == ["older", "old", "new"]
+    assert len(parents(tmp_path)) == 4  # a dry run removes nothing
+    result = prune(tmp_path, max_bytes=int(2.5 * (1 << 20)))  # two of the four fit: the two oldest not held go
+    assert result["removed"] == ["older", "old"] and result["in_use"] == 1 and result["kept"] == 2
+    assert [p["key"] for p in parents(tmp_path)] == ["oldest", "new"]
+    assert not (tmp_path / "old").exists() and not (tmp_path / "old.use").exists()
+    assert store.load("old") is None  # gone: a later run builds it again
+
+    assert prune(tmp_path, unused_s=60)["removed"] == []  # "oldest" is held, "new" was used 10 s ago
+    other.close()
+    assert prune(tmp_path, unused_s=60)["removed"] == ["oldest"]
+    store.load("new")  # loading marks it used now
+    assert time.time() - parents(tmp_path)[0]["used"] < 60
+    store.close()
+
+
+def test_a_capped_store_prunes_itself_after_each_build_keeping_what_it_built(tmp_path: Path) -> None:
+    cap = int(2.5 * (1 << 20))
+    now = time.time()
+    for key, used in (("a", now - 100), ("b", now - 50)):  # two earlier runs, gone
+        earlier = LayerStore(True, tmp_path, max_bytes=cap)
+        _parent(earlier, key, 1, used)
+        earlier.close()
+    store = LayerStore(True, tmp_path, max_bytes=cap)
+    store.hold("a")  # this run uses "a", and builds "c": over the cap, "b" goes ("a" is older, but held)
+    _parent(store, "c", 1, now)
+    assert store.load("b") is None and store.load("a") is not None and store.load("c") is not None
+    store.close()
+
+
+def test_image_prune_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("ALBATROSS_IMAGES", str(tmp_path))
+    store = LayerStore(True, tmp_path / "layers")
+    _parent(store, "k", 1, time.time() - 3 * 86400)
+    store.close()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "albatross.cli", "sandbox", "image", "prune", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=60)
+    r = run("--unused-days", "1", "--dry-run")
+    assert r.returncode == 0 and "would remove 1 built environments" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / "layers" / "k").is_dir()
+    r = run("--max-gb", "-1")
+    assert r.returncode == 2 and "--max-gb" in r.stderr and "Traceback" not in r.stderr
+    r = run("--unused-days", "4")
+    assert r.returncode == 0 and "removed 0 built environments" in r.stdout
+    r = run("--unused-days", "1")
+    assert r.returncode == 0 and "removed 1 built environments" in r.stdout and not (tmp_path / "layers" / "k").exists()

@@ -70,6 +70,15 @@ def register(sub: Subparsers, tasks_sub: Subparsers) -> None:
     p.set_defaults(fn=cmd_image_import)
     p = isub.add_parser("list", help="the built and imported bases in the cache")
     p.set_defaults(fn=cmd_image_list)
+    p = isub.add_parser("prune", help="remove built task environments from the layer cache, least recently used "
+                        "first (never one a running process uses)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--all", action="store_true", help="every built environment not in use")
+    what.add_argument("--unused-days", type=float, metavar="D", help="those no run has loaded for D days")
+    what.add_argument("--max-gb", type=float, metavar="GB", help="the least recently used until the cache holds "
+                      "at most GB (what [sandbox] layer_cache_max_gb does after each build)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    p.set_defaults(fn=cmd_image_prune)
 
 
 def _options(p: argparse.ArgumentParser) -> None:
@@ -294,6 +303,25 @@ def cmd_image_import(args: argparse.Namespace, extra: list[str]) -> int:
         raise _user_error(f"sandbox image import: {args.path}: no such file or directory")
     base = import_image(args.path, args.tag, log=print)
     print(f"{base.ref}: {base.root}")
+    return 0
+
+
+@_sandbox_errors
+def cmd_image_prune(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.errors import UserError
+    from albatross.sandbox.layers import prune
+
+    for name in ("unused_days", "max_gb"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be >= 0")
+    result = prune(everything=args.all, max_bytes=None if args.max_gb is None else int(args.max_gb * (1 << 30)),
+                   unused_s=None if args.unused_days is None else args.unused_days * 86400, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{result['root']}: {verb} {len(result['removed'])} built environments "
+          f"({result['freed_bytes'] / (1 << 30):.2f} GiB); {result['kept']} kept "
+          f"({result['kept_bytes'] / (1 << 30):.2f} GiB)"
+          + (f", {result['in_use']} of them in use by a running process" if result["in_use"] else ""))
     return 0
 
 

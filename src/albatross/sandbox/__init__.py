@@ -57,7 +57,7 @@ def backend_from_config(sc: SandboxConfig, hide_paths: list[str] | None = None) 
     if sc.type == "local":
         return make_backend("local", hide_paths=hide_paths or [], base=sc.base, warm=sc.warm,
                             images_dir=sc.images or None, registries=sc.registries, layer_cache=sc.layer_cache,
-                            build_min_free_mb=sc.build_min_free_mb)
+                            build_min_free_mb=sc.build_min_free_mb, layer_cache_max_gb=sc.layer_cache_max_gb)
     if sc.type == "docker":
         return make_backend("docker", engine=sc.engine, images_dir=sc.images or None)
     return make_backend(sc.type, hide_paths=hide_paths or [])

@@ -11,7 +11,10 @@ backend (a directory of its own, removed when it closes).
 
 A build fills ``<key>.tmp-<pid>-<n>`` and is renamed into place with its record written last, under a
 lock file (``<key>.lock``) that makes concurrent processes build it once; a failed build leaves
-nothing. The directory is root's (mode 700): its files belong to the sandbox's uids, set-id bits
+nothing. A process using a parent holds a shared lock on ``<key>.use`` (``hold``) until it closes; the
+record's modification time is when a process last loaded it. ``prune`` removes parents no process holds,
+least recently used first, and a persistent store with ``max_bytes`` prunes itself down to that size after
+each build (``[sandbox] layer_cache_max_gb``). The directory is root's (mode 700): its files belong to the sandbox's uids, set-id bits
 included. Builds use the host's disk as Docker's do; ``min_free_mb`` is the free space a build must leave
 (a RUN step that goes below it is stopped: ``DiskGuard``).
 """
@@ -22,9 +25,11 @@ import contextlib
 import fcntl
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,8 +37,11 @@ from typing import Any
 
 from albatross.cache import images_root
 
+_log = logging.getLogger(__name__)
+
 FORMAT = "1"
 RECORD = "parent.json"
+USE = ".use"  # <key>.use: held shared by every process using the parent, exclusively by prune
 _TMP = re.compile(r"^(?:.+\.tmp|run)-(\d+)-")
 
 
@@ -56,8 +64,8 @@ class LayerStore:
     """Built parents on disk: persistent (``persistent=True``: shared by every run on this machine) or
     private to one backend (removed by ``close``)."""
 
-    def __init__(self, persistent: bool, root: Path | None = None) -> None:
-        self.persistent = persistent
+    def __init__(self, persistent: bool, root: Path | None = None, max_bytes: int = 0) -> None:
+        self.persistent, self.max_bytes = persistent, max_bytes
         base = Path(root) if root is not None else store_root()
         base.mkdir(parents=True, exist_ok=True)
         os.chmod(base, 0o700)
@@ -66,6 +74,7 @@ class LayerStore:
         self.root.mkdir(mode=0o700, exist_ok=True)
         self._count = itertools.count()
         self._lock = threading.Lock()
+        self._held: dict[str, int] = {}  # key -> descriptor of <key>.use, locked shared until close
 
     @staticmethod
     def _remove_stale(base: Path) -> None:
@@ -83,18 +92,28 @@ class LayerStore:
     def locked(self, key: str) -> Iterator[None]:
         """Hold ``key``'s lock file: another process building it is waited for."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # a private store comes back after close
-        with open(self.root / f"{key}.lock", "w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        fd = lock_file(self.root / f"{key}.lock", fcntl.LOCK_EX)
+        try:
             yield
+        finally:
+            os.close(fd)
+
+    def hold(self, key: str) -> None:
+        """Mark ``key`` in use by this process until ``close`` (a shared lock on ``<key>.use``): ``prune`` leaves
+        it alone. Waits while a prune is removing it (then it is gone, and is built again)."""
+        with self._lock:
+            if key in self._held:
+                return
+            self._held[key] = lock_file(self.root / f"{key}{USE}", fcntl.LOCK_SH)
 
     def load(self, key: str) -> dict[str, Any] | None:
-        """The record of a built parent ``key`` (None when there is none, or it is unreadable)."""
-        try:
-            record = json.loads((self.path(key) / RECORD).read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            return None
+        """The record of a built parent ``key`` (None when there is none, or it is unreadable); marks it used
+        now (the record's modification time orders ``prune``)."""
+        path = self.path(key) / RECORD
+        record = read_record(path)
+        if record is not None:
+            with contextlib.suppress(OSError):
+                os.utime(path)
         return record
 
     def new_build(self, key: str) -> Path:
@@ -107,13 +126,17 @@ class LayerStore:
     def commit(self, build: Path, key: str, record: dict[str, Any]) -> Path:
         """Write the record into ``build`` and rename it into place as ``key``; returns its path."""
         os.sync()  # builds write without an fsync per file (dpkg's unsafe-io): durable before it counts as built
-        (build / RECORD).write_text(json.dumps({**record, "format": FORMAT}) + "\n")
+        record = {**record, "format": FORMAT, "bytes": tree_bytes(build)}
+        (build / RECORD).write_text(json.dumps(record) + "\n")
         final = self.path(key)
         if final.exists():  # an older, unreadable one: replaced
             old = self.root / f"{key}.tmp-{os.getpid()}-old{next(self._count)}"
             final.rename(old)
             shutil.rmtree(old, ignore_errors=True)
         build.rename(final)
+        if self.persistent and self.max_bytes:
+            self.hold(key)  # the parent just built is about to be used: never pruned for the cap
+            _keep_under(self.root, self.max_bytes, record["bytes"])
         return final
 
     @staticmethod
@@ -121,7 +144,11 @@ class LayerStore:
         shutil.rmtree(build, ignore_errors=True)
 
     def close(self) -> None:
-        """A private store is removed; a persistent one stays."""
+        """Parents held are released; a private store is removed, a persistent one stays."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for fd in held.values():
+            os.close(fd)
         if not self.persistent:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -132,15 +159,155 @@ def free_mb(path: Path) -> int:
     return (st.f_bavail * st.f_frsize) >> 20
 
 
+def lock_file(path: Path, op: int) -> int:
+    """A descriptor of ``path`` (created if missing) locked with ``flock(op)``, once the lock is on the file that
+    is at ``path`` now (``prune`` unlinks the lock files of what it removes)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, op)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A parent's record (None when missing, unreadable or of another format)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("format") == FORMAT else None
+
+
+def tree_bytes(root: Path) -> int:
+    """Disk space of the files under ``root`` (allocated blocks; a file with several links counted once;
+    links never followed)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for top, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(top, name))
+                if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def parents(root: Path | None = None) -> list[dict[str, Any]]:
+    """The persistent store's built parents, least recently used first: ``key``, ``path``, ``bytes`` and
+    ``used`` (when a process last loaded it, epoch seconds). A record without its size (an older store) gets it
+    now, written back."""
+    root = Path(root) if root is not None else store_root()
+    found = []
+    for entry in root.iterdir() if root.is_dir() else []:
+        path = entry / RECORD
+        record = read_record(path) if "." not in entry.name else None
+        if record is None:
+            continue
+        size = record.get("bytes")
+        if not isinstance(size, int):
+            size = tree_bytes(entry)
+            with contextlib.suppress(OSError):
+                used = path.stat().st_mtime
+                tmp = entry / f"{RECORD}.tmp-{os.getpid()}"
+                tmp.write_text(json.dumps({**record, "bytes": size}) + "\n")
+                os.replace(tmp, path)
+                os.utime(path, (used, used))
+        with contextlib.suppress(OSError):
+            found.append({"key": entry.name, "path": str(entry), "bytes": size, "used": path.stat().st_mtime})
+    return sorted(found, key=lambda p: (p["used"], p["key"]))
+
+
 def disk_usage(root: Path | None = None) -> dict[str, Any]:
     """The persistent store's parents and their sizes (``albatross sandbox image list``)."""
     root = Path(root) if root is not None else store_root()
-    found = []
-    for entry in sorted(root.glob("*")) if root.is_dir() else []:
-        if (entry / RECORD).is_file():
-            size = sum(f.lstat().st_size for f in entry.rglob("*") if f.is_file() and not f.is_symlink())
-            found.append({"key": entry.name, "path": str(entry), "mb": round(size / (1 << 20), 1)})
-    return {"root": str(root), "parents": found}
+    return {"root": str(root), "parents": [{**p, "mb": round(p["bytes"] / (1 << 20), 1)} for p in parents(root)]}
+
+
+def prune(root: Path | None = None, *, max_bytes: int | None = None, unused_s: float | None = None,
+          everything: bool = False, dry_run: bool = False,
+          log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Remove built parents that no process holds (``LayerStore.hold``), least recently used first: all of them
+    (``everything``), those not loaded for ``unused_s`` seconds, and then more until the store holds at most
+    ``max_bytes``. ``dry_run``: say what would go. Returns ``removed`` (keys), ``freed_bytes``, ``kept``,
+    ``kept_bytes`` and ``in_use`` (parents held, which were due to go)."""
+    import time
+
+    root = Path(root) if root is not None else store_root()
+    found = parents(root)
+    total = sum(p["bytes"] for p in found)
+    now = time.time()
+    removed: list[str] = []
+    freed, in_use = 0, 0
+    for parent in found:
+        due = (everything or (unused_s is not None and now - parent["used"] >= unused_s)
+               or (max_bytes is not None and total - freed > max_bytes))
+        if not due:
+            continue
+        if not _remove_unheld(root, parent["key"], dry_run):
+            in_use += 1
+            continue
+        removed.append(parent["key"])
+        freed += parent["bytes"]
+    if removed:
+        log(f"layer cache {root}: {'would remove' if dry_run else 'removed'} {len(removed)} built environments "
+            f"({freed / (1 << 30):.2f} GiB); {len(found) - len(removed)} kept ({(total - freed) / (1 << 30):.2f} GiB)")
+    return {"root": str(root), "removed": removed, "freed_bytes": freed, "kept": len(found) - len(removed),
+            "kept_bytes": total - freed, "in_use": in_use}
+
+
+_RESCAN_S = 600.0
+_estimates: dict[Path, tuple[int, float]] = {}  # store -> (its size as last scanned plus what this process added, when)
+_estimates_lock = threading.Lock()
+
+
+def _keep_under(root: Path, max_bytes: int, added: int) -> None:
+    """After a build of ``added`` bytes: prune the store to ``max_bytes`` when it may be over. The store is scanned
+    (a record read per parent) when this process has not in ``_RESCAN_S`` or its estimate passes the cap, so most
+    builds cost nothing."""
+    import time
+
+    with _estimates_lock:
+        size, when = _estimates.get(root, (0, float("-inf")))  # never scanned here: scan now
+        now = time.monotonic()
+        size += added
+        if now - when < _RESCAN_S and size <= max_bytes:
+            _estimates[root] = (size, when)
+            return
+        result = prune(root, max_bytes=max_bytes, log=_log.info)
+        _estimates[root] = (result["kept_bytes"], now)
+
+
+def _remove_unheld(root: Path, key: str, dry_run: bool) -> bool:
+    """Remove parent ``key`` and its lock files unless a process holds or builds it (its ``.use`` or ``.lock``
+    lock); False when it does."""
+    held: list[int] = []
+    try:
+        for name in (f"{key}{USE}", f"{key}.lock"):
+            try:
+                held.append(lock_file(root / name, fcntl.LOCK_EX | fcntl.LOCK_NB))
+            except BlockingIOError:
+                return False
+        if not dry_run:  # renamed away first: a reader never sees half a parent
+            gone = root / f"{key}.tmp-{os.getpid()}-prune{os.urandom(3).hex()}"
+            with contextlib.suppress(FileNotFoundError):
+                (root / key).rename(gone)
+                shutil.rmtree(gone, ignore_errors=True)
+            for name in (f"{key}{USE}", f"{key}.lock"):  # a waiter finds it unlinked and opens the new one
+                with contextlib.suppress(FileNotFoundError):
+                    (root / name).unlink()
+        return True
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 class DiskGuard:

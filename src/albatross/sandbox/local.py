@@ -744,6 +744,7 @@ class LocalBackend:
         registries: Iterable[str] | None = None,
         layer_cache: bool = False,
         build_min_free_mb: int | None = None,
+        layer_cache_max_gb: float | None = None,
         warm_envs: int = MAX_POOL_KEYS,
     ) -> None:
         """``hide_paths``: extra host paths made empty in every sandbox (e.g. the run directory).
@@ -761,8 +762,10 @@ class LocalBackend:
         made to fail at random (fault-injection tests only), drawn from ``Random(fault_seed)``.
         ``layer_cache``: keep built environments on disk for every later run (``layers.LayerStore``, keyed
         by content hash); False: in a directory of this backend's own, removed by ``close``. Builds use the
-        host's disk, as Docker's do, leaving ``build_min_free_mb`` free. ``base``, ``warm``, ``registries`` and
-        ``build_min_free_mb`` left out (None) are the ``[sandbox]`` section's defaults."""
+        host's disk, as Docker's do, leaving ``build_min_free_mb`` free; the cache is pruned to
+        ``layer_cache_max_gb`` after each build (least recently used first; 0: no cap). ``base``, ``warm``,
+        ``registries``, ``build_min_free_mb`` and ``layer_cache_max_gb`` left out (None) are the ``[sandbox]``
+        section's defaults."""
         base = sandbox_default("base") if base is None else base
         warm = sandbox_default("warm") if warm is None else warm
         if base not in rootfs.BASES:
@@ -781,7 +784,9 @@ class LocalBackend:
         self.build_limits = build_limits or Limits(memory_mb=4096, pids=4096, disk_mb=4096)
         # over the host's own root, a layer on its disk would lie inside the overlay's lower layer (overlayfs
         # refuses that): those layers go to the host's /dev/shm, a tmpfs, and are never cached
-        self.layers = LayerStore(layer_cache, None) if base != "host" else LayerStore(False, HOST_BASE_LAYERS)
+        cap_gb = sandbox_default("layer_cache_max_gb") if layer_cache_max_gb is None else layer_cache_max_gb
+        self.layers = (LayerStore(layer_cache, None, max_bytes=int(cap_gb * (1 << 30))) if base != "host"
+                       else LayerStore(False, HOST_BASE_LAYERS))
         self.build_min_free_mb: int = sandbox_default("build_min_free_mb") if build_min_free_mb is None else build_min_free_mb
         self.build_timeout_s = build_timeout_s
         self.userns = userns_available() if userns is None else userns
@@ -995,6 +1000,7 @@ class LocalBackend:
             zygote = self._zyg()
             parent = zygote.parents.get(key)
             if parent is None:
+                self.layers.hold(key)  # in use by this backend until it closes: never pruned meanwhile
                 with self.layers.locked(key):
                     parent = self._load(zygote, key)
                     if parent is None:
