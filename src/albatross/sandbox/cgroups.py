@@ -245,6 +245,15 @@ class AttemptCgroups:
             return {"memory_cgroup": "", "pids_cgroup": str(self.pids), "cpu_cgroup": ""}
         return {"memory_cgroup": str(self.memory), "pids_cgroup": str(self.pids), "cpu_cgroup": str(self.cpu or "")}
 
+    def adopt(self, pid: int) -> None:
+        """Move the holder ``pid`` into the attempt's cgroups (those of ``holder_config``), as host root. A holder
+        that died meanwhile (a failed set-up) is left to report why."""
+        for key, path in self.holder_config().items():
+            if path:
+                target = Path(path) / "c0" if key == "pids_cgroup" else Path(path)
+                with contextlib.suppress(ProcessLookupError):
+                    (target / "cgroup.procs").write_text(str(pid))
+
     def oom_kills(self) -> int:
         """Processes the memory limit has killed so far."""
         if self.v2:

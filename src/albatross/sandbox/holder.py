@@ -92,10 +92,10 @@ def holder_main(cfg: dict[str, Any], sock_fd: int, userns_fd: int | None, zygote
 
 
 def setup_root(cfg: dict[str, Any], userns_fd: int | None) -> tuple[int, int | None]:
-    """Build and enter the attempt's root; returns fds of its pids cgroup and of its scratch tmpfs."""
-    cgroup_dirs = (cfg["memory_cgroup"], f"{cfg['pids_cgroup']}/c0", cfg.get("cpu_cgroup") or "")
-    for path in filter(None, cgroup_dirs):  # one grace period for all the moves
-        linux.write_file(f"{path}/cgroup.procs", "0")
+    """Build and enter the attempt's root; returns fds of its pids cgroup and of its scratch tmpfs. The host moves
+    this process into the attempt's cgroups meanwhile (``AttemptCgroups.adopt``): the move waits for an RCU grace
+    period (milliseconds, tens of them on a busy machine), which then overlaps with these mounts (the unmount of
+    the old root waits for one too) instead of coming first. No command starts before the move is done."""
     merged = _mount_overlay(cfg)
     _mount_pseudo(merged, cfg)
     _mount_binds(merged, cfg.get("binds") or [], userns_fd)

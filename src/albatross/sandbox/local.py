@@ -903,6 +903,11 @@ class LocalBackend:
         pid = reply["pid"]
         groups.holder = pid
         attempt = LocalAttempt(self, attempt_id, ours, pid, groups, limits, zygote)
+        try:
+            groups.adopt(pid)  # while the holder sets up its root: its first command starts after this
+        except OSError as err:
+            attempt.close()
+            raise ForkError(f"attempt {attempt_id}: cannot move its holder into its cgroups: {err}") from err
         policy = cfg.get("proxy") or egress.NONE
         if fds:  # the proxy's listening socket, made in the attempt's network namespace
             self._proxy().serve(socket.socket(fileno=fds[0]), policy, attempt_id)
