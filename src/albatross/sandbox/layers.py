@@ -14,8 +14,8 @@ lock file (``<key>.lock``) that makes concurrent processes build it once; a fail
 nothing. A process using a parent holds a shared lock on ``<key>.use`` (``hold``) until it closes; the
 record's modification time is when a process last loaded it. ``prune`` removes parents no process holds,
 least recently used first, and a persistent store with ``max_bytes`` prunes itself down to that size after
-each build (``[sandbox] layer_cache_max_gb``). The directory is root's (mode 700): its files belong to the sandbox's uids, set-id bits
-included. Builds use the host's disk as Docker's do; ``min_free_mb`` is the free space a build must leave
+each build (``[sandbox] layer_cache_max_gb``). The directory is root's (mode 700): its files belong to the
+sandbox's uids, set-id bits included. Builds use the host's disk as Docker's do; ``min_free_mb`` is the free space a build must leave
 (a RUN step that goes below it is stopped: ``DiskGuard``).
 """
 
