@@ -157,10 +157,10 @@ class SandboxConfig(_Section):
     layer_cache: bool = Field(True, description="`local`: keep every built task environment on disk, keyed by "
                               "the hash of its files, base images and network policy, so every later run reuses it "
                               "(`$ALBATROSS_IMAGES/layers`); false: build each environment once per run.")
-    layer_cache_max_gb: float = Field(50.0, ge=0, description="`local`: after each build, the layer cache is "
-                                      "pruned to this size, least recently used environments first; those a "
-                                      "running process uses are kept. 0: no cap (`albatross sandbox image prune` "
-                                      "prunes by hand).")
+    layer_cache_max_gb: float = Field(50.0, ge=0, description="`local`: when a build takes the layer cache over "
+                                      "this size, it is pruned (in the background) to 90% of it, least recently "
+                                      "used environments first; those a running process uses are kept. 0: no cap "
+                                      "(`albatross sandbox image prune` prunes by hand).")
     build_min_free_mb: int = Field(2048, ge=0, description="`local`: free disk space (MiB) a build must leave where "
                                    "the layers are stored; a RUN step that goes below it is stopped (builds use the "
                                    "host's disk, as Docker's do).")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from albatross.sandbox.layers import DiskGuard, LayerStore, free_mb
+from albatross.sandbox.layers import DiskGuard, LayerStore, free_mb, wait_pruned
 from albatross.sandbox.rootfs import BaseUnavailable
 from albatross.sandbox.wheels import pick_wheel
 
@@ -76,6 +76,7 @@ def _parent(store: LayerStore, key: str, mib: int, used: float) -> None:
     (build / "s0" / "layer").mkdir(parents=True)
     (build / "s0" / "layer" / "blob").write_bytes(os.urandom(mib << 20))
     store.commit(build, key, {"layer": "s0/layer", "stack": []})
+    wait_pruned(store.root, 30)  # a capped store's background prune, if the build started one
     os.utime(tmp := store.path(key) / "parent.json", (used, used))
     assert tmp.stat().st_mtime == used
 
@@ -117,7 +118,7 @@ def test_a_capped_store_prunes_itself_after_each_build_keeping_what_it_built(tmp
         earlier.close()
     store = LayerStore(True, tmp_path, max_bytes=cap)
     store.hold("a")  # this run uses "a", and builds "c": over the cap, "b" goes ("a" is older, but held)
-    _parent(store, "c", 1, now)
+    _parent(store, "c", 1, now)  # (pruned in the background: _parent waits for it)
     assert store.load("b") is None and store.load("a") is not None and store.load("c") is not None
     store.close()
 

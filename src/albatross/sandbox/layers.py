@@ -13,8 +13,8 @@ A build fills ``<key>.tmp-<pid>-<n>`` and is renamed into place with its record 
 lock file (``<key>.lock``) that makes concurrent processes build it once; a failed build leaves
 nothing. A process using a parent holds a shared lock on ``<key>.use`` (``hold``) until it closes; the
 record's modification time is when a process last loaded it. ``prune`` removes parents no process holds,
-least recently used first, and a persistent store with ``max_bytes`` prunes itself down to that size after
-each build (``[sandbox] layer_cache_max_gb``). The directory is root's (mode 700): its files belong to the
+least recently used first, and a persistent store with ``max_bytes`` prunes itself (in the background, to
+``LOW_WATER`` of that size) when a build takes it over (``[sandbox] layer_cache_max_gb``). The directory is root's (mode 700): its files belong to the
 sandbox's uids, set-id bits included. Builds use the host's disk as Docker's do; ``min_free_mb`` is the free space a build must leave
 (a RUN step that goes below it is stopped: ``DiskGuard``).
 """
@@ -265,25 +265,54 @@ def prune(root: Path | None = None, *, max_bytes: int | None = None, unused_s: f
 
 
 _RESCAN_S = 600.0
+LOW_WATER = 0.9  # a store over its cap is pruned to this share of it, so the next builds do not prune again
 _estimates: dict[Path, tuple[int, float]] = {}  # store -> (its size as last scanned plus what this process added, when)
+_pruning: dict[Path, threading.Thread] = {}
 _estimates_lock = threading.Lock()
 
 
 def _keep_under(root: Path, max_bytes: int, added: int) -> None:
-    """After a build of ``added`` bytes: prune the store to ``max_bytes`` when it may be over. The store is scanned
-    (a record read per parent) when this process has not in ``_RESCAN_S`` or its estimate passes the cap, so most
-    builds cost nothing."""
+    """After a build of ``added`` bytes: prune the store when it may be over ``max_bytes``, in the background (a
+    build, and the forks waiting for it, never wait for a prune). The store is scanned (a record read per parent)
+    when this process has not in ``_RESCAN_S`` or its estimate passes the cap, so most builds cost nothing."""
     import time
 
     with _estimates_lock:
         size, when = _estimates.get(root, (0, float("-inf")))  # never scanned here: scan now
         now = time.monotonic()
         size += added
-        if now - when < _RESCAN_S and size <= max_bytes:
+        running = _pruning.get(root)
+        if (now - when < _RESCAN_S and size <= max_bytes) or (running is not None and running.is_alive()):
             _estimates[root] = (size, when)
             return
-        result = prune(root, max_bytes=max_bytes, log=_log.info)
-        _estimates[root] = (result["kept_bytes"], now)
+        _estimates[root] = (size, now)
+        thread = threading.Thread(target=_prune_to, args=(root, max_bytes), name="albatross-layer-prune",
+                                  daemon=True)  # cut short at exit: the next store removes the rest
+        _pruning[root] = thread
+        thread.start()
+
+
+def _prune_to(root: Path, max_bytes: int) -> None:
+    """Scan the store; over ``max_bytes``, prune it to ``LOW_WATER`` of that."""
+    import time
+
+    try:
+        total = sum(p["bytes"] for p in parents(root))
+        kept = prune(root, max_bytes=int(max_bytes * LOW_WATER), log=_log.info)["kept_bytes"] if total > max_bytes \
+            else total
+    except OSError as err:
+        _log.warning("layer cache %s: prune failed: %s", root, err)
+        return
+    with _estimates_lock:
+        _estimates[root] = (kept, time.monotonic())
+
+
+def wait_pruned(root: Path, timeout_s: float | None = None) -> None:
+    """Wait for this process's background prune of ``root`` (if any) to end."""
+    with _estimates_lock:
+        thread = _pruning.get(Path(root))
+    if thread is not None:
+        thread.join(timeout_s)
 
 
 def _remove_unheld(root: Path, key: str, dry_run: bool) -> bool:

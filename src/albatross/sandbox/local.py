@@ -762,8 +762,8 @@ class LocalBackend:
         made to fail at random (fault-injection tests only), drawn from ``Random(fault_seed)``.
         ``layer_cache``: keep built environments on disk for every later run (``layers.LayerStore``, keyed
         by content hash); False: in a directory of this backend's own, removed by ``close``. Builds use the
-        host's disk, as Docker's do, leaving ``build_min_free_mb`` free; the cache is pruned to
-        ``layer_cache_max_gb`` after each build (least recently used first; 0: no cap). ``base``, ``warm``,
+        host's disk, as Docker's do, leaving ``build_min_free_mb`` free; a build that takes the cache over
+        ``layer_cache_max_gb`` starts a background prune (least recently used first; 0: no cap). ``base``, ``warm``,
         ``registries``, ``build_min_free_mb`` and ``layer_cache_max_gb`` left out (None) are the ``[sandbox]``
         section's defaults."""
         base = sandbox_default("base") if base is None else base
