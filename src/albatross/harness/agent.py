@@ -90,7 +90,8 @@ class Agent:
             limits = attempt_limits(spec.task, self.limits)  # the task's own, under the run's ceiling
             traj.network = limits.network
             attempt = self.backend.fork(spec.task.env_dir, spec.task.workdir, limits)
-            episode = Episode(self, spec.task, attempt, traj, session, start)
+            # the agent's clock starts with its sandbox: a slow fork (a build, a busy host) is not its time
+            episode = Episode(self, spec.task, attempt, traj, session, time.monotonic())
             traj.status = episode.run()
             traj.diff = repo_diff(attempt, spec.task.workdir)  # what the attempt changed, when the workdir is a repo
             self._verify(spec.task, attempt, traj, limits)
