@@ -84,7 +84,9 @@ GAP_SAMPLES = 256  # samples scored per trainer version (a random subset when th
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny settings (about 10 minutes; 1 seed)")
-    p.add_argument("--minutes", type=float, default=None, help="RL budget of each run (default 3; --quick: 0.5)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="RL budget of each run (default: the demo's orchestrator.max_minutes, as the demo trains; "
+                   "--quick: 0.5)")
     p.add_argument("--seeds", type=int, default=None, help="RL / SFT-control seeds (default 3; --quick: 1)")
     p.add_argument("--probe-tasks", type=int, default=None,
                    help="training tasks probed for the zero-signal and fault figures (default 96; --quick: 24)")
@@ -92,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loop-minutes", type=float, default=None,
                    help="budget per mode of the `bench loop` part (default: bench loop's own; 0: skip that part, "
                    "`albatross bench loop` measures it alone)")
+    p.add_argument("--skip-efficiency", action="store_true",
+                   help="skip the RL runs without the efficiency reward (a third of the time): the tokens-per-solve "
+                   "figure is then not measured")
     p.add_argument("--out", help="keep the run directories here (default: a temporary directory, removed)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the demo config, e.g. orchestrator.group_size=8")
@@ -508,20 +513,22 @@ def sft_control(w: Workload, name: str, seed: int, seconds: float) -> dict[str, 
     return out
 
 
-def seed_runs(w: Workload, parts: Parts, seeds: int, minutes: float) -> dict[str, list[dict[str, Any]]]:
+def seed_runs(w: Workload, parts: Parts, seeds: int, minutes: float,
+              efficiency: bool = True) -> dict[str, list[dict[str, Any]]]:
     """Per seed: RL with the efficiency reward (the first keeps its versions), the SFT control, RL without the
-    efficiency reward; each seed one part (saved when its three runs are done)."""
+    efficiency reward (unless not ``efficiency``); each seed one part (saved when its runs are done)."""
     runs: dict[str, list[dict[str, Any]]] = {"rl": [], "rl_no_efficiency": [], "sft_control": []}
     for s in range(seeds):
         seed = w.cfg.seed + s
-        one = parts.get(f"seed{seed}", {"minutes": minutes, "keeps_versions": s == 0},
-                        functools.partial(_one_seed, w, seed, minutes, s == 0))
+        settings = {"minutes": minutes, "keeps_versions": s == 0, **({} if efficiency else {"efficiency": False})}
+        one = parts.get(f"seed{seed}", settings, functools.partial(_one_seed, w, seed, minutes, s == 0, efficiency))
         for key, run in one.items():
             runs[key].append(run)
     return runs
 
 
-def _one_seed(w: Workload, seed: int, minutes: float, keep_versions: bool) -> dict[str, dict[str, Any]]:
+def _one_seed(w: Workload, seed: int, minutes: float, keep_versions: bool,
+              efficiency: bool = True) -> dict[str, dict[str, Any]]:
     from albatross.harness.agent import builtin_agent
     from albatross.pipeline.warmstart import collect_demonstrations, demonstrated
 
@@ -534,9 +541,10 @@ def _one_seed(w: Workload, seed: int, minutes: float, keep_versions: bool) -> di
     lam = w.cfg.rl.efficiency_lambda or 0.1
     rl = rl_run(w, names[0], seed, minutes, lam, keep_versions=keep_versions)
     sft = sft_control(w, names[1], seed, rl["wall_seconds"])
-    off = rl_run(w, names[2], seed, minutes, 0.0)
-    return {"rl": {"seed": seed, **rl}, "sft_control": {"seed": seed, **sft},
-            "rl_no_efficiency": {"seed": seed, **off}}
+    out = {"rl": {"seed": seed, **rl}, "sft_control": {"seed": seed, **sft}}
+    if efficiency:
+        out["rl_no_efficiency"] = {"seed": seed, **rl_run(w, names[2], seed, minutes, 0.0)}
+    return out
 
 
 def rl_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -550,6 +558,8 @@ def rl_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             mean, se = mean_se(values)
             out.update({f"{name}{part}": _round(mean), f"{name}{part}_se": _round(se), f"{name}{part}_by_seed": values})
     on, off = runs["rl"], runs["rl_no_efficiency"]
+    if not off:  # --skip-efficiency: the key stays, unmeasured
+        return {**out, "tokens_per_solve_ratio": None}
     tps_on, _ = mean_se([r["tokens_per_solve"] for r in on if r["tokens_per_solve"]])
     tps_off, _ = mean_se([r["tokens_per_solve"] for r in off if r["tokens_per_solve"]])
     p_on, p_off = _pass_with_se(on), _pass_with_se(off)
@@ -699,8 +709,10 @@ def loop_figure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_args(args: argparse.Namespace) -> tuple[float, int]:
     from albatross.errors import UserError
+    from albatross.pipeline.demo import demo_config
 
-    minutes = args.minutes if args.minutes is not None else (0.5 if args.quick else 3.0)
+    minutes = args.minutes if args.minutes is not None else (
+        0.5 if args.quick else demo_config(None, False, None, list(args.set or [])).orchestrator.max_minutes)
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
     if not minutes > 0:
         raise UserError(f"bench recipe --minutes {minutes}: must be > 0")
@@ -748,7 +760,7 @@ def measure(args: argparse.Namespace, root: Path, minutes: float, seeds: int) ->
     data: dict[str, Any] = {"quick": bool(args.quick), "seeds": seeds, "minutes_per_run": minutes}
     try:
         data.update(base_figures(w, parts, args))
-        runs = seed_runs(w, parts, seeds, minutes)
+        runs = seed_runs(w, parts, seeds, minutes, not args.skip_efficiency)
         data.update(rl_figures(runs))
         first = Path(runs["rl"][0]["run_dir"])
         data.update(run_metrics(runs["rl"] + runs["rl_no_efficiency"]))
@@ -842,7 +854,9 @@ def notes(data: dict[str, Any]) -> list[str]:
                    + ("RL ahead" if rl_ro > sft_ro else "RL NOT ahead"))
     out.append("SFT control: the same wall time as its RL run, which includes the trainer process's start-up "
                "and the training of batches queued when the budget ran out")
-    if data.get("tokens_per_solve_ratio") is None:
+    if not data.get("runs", {}).get("rl_no_efficiency", True):
+        out.append("tokens_per_solve_ratio: not measured (--skip-efficiency)")
+    elif data.get("tokens_per_solve_ratio") is None:
         out.append("tokens_per_solve_ratio: n/a, the runs with or without the efficiency reward solved no held-out "
                    "task")
     elif data.get("tokens_per_solve_equal_pass_at_1") is not True:
