@@ -68,6 +68,7 @@ def test_a_run_across_three_ray_nodes_survives_losing_its_rollout_node(tmp_path_
             *QUICK_OVERRIDES, "orchestrator.backend=ray", "engine.type=vllm", "engine.start_timeout_s=900",
             "eval.trials=1", "tasks.n_heldout=4", "orchestrator.max_steps=5", "orchestrator.max_minutes=8",
             "orchestrator.checkpoint_every=2", "trainer.gpus=2", "trainer.device=cpu",
+            "trainer.lora.rank=0", "trainer.lr=2e-4",  # FSDP2 over two ranks trains the whole model (no LoRA yet)
             "ray.trainer_placement=strict_spread", "ray.trainer_resources=trainer=1", "ray.engine_resources=engine=1",
             "ray.rollout_workers=2", "ray.worker_cpus=0.25", "ray.engine_cpus=0.5"])
         killer.start()

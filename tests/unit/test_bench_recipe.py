@@ -114,6 +114,16 @@ def test_one_seed_falls_back_to_the_se_over_tasks():
     assert out["tokens_per_solve_equal_pass_at_1"] is False  # 0.4 apart, s.e. of the difference 0.07
 
 
+def test_without_the_efficiency_runs_the_ratio_is_unmeasured_and_the_notes_say_why():
+    runs = {"rl": [_run(0, 0.7, 0.1, 20.0)], "sft_control": [_run(0, 0.4, 0.1, 0)], "rl_no_efficiency": []}
+    out = rl_figures(runs)
+    assert out["rl_pass_at_1"] == pytest.approx(0.7) and out["tokens_per_solve_ratio"] is None
+    assert "pass_at_1_without_efficiency" not in out
+    skipped = {**_data(), **out, "runs": runs}
+    assert "not measured (--skip-efficiency)" in "\n".join(notes(skipped))
+    assert "not measured (--skip-efficiency)" not in "\n".join(notes(_data()))
+
+
 def _data():
     data = {k: None for k in REQUIRED_KEYS}
     data.update(zero_signal_unfiltered=0.5, zero_signal_filtered=0.125, rl_pass_at_1=0.4,
@@ -229,3 +239,34 @@ def test_a_part_that_fails_is_not_saved(tmp_path):
     with pytest.raises(RuntimeError):
         parts.get("seed0", {"minutes": 3}, boom)
     assert parts.get("seed0", {"minutes": 3}, lambda: {"ok": 1}) == {"ok": 1}
+
+
+def test_a_kept_lora_version_is_the_base_with_its_adapter_merged_and_the_head_untied(tmp_path):
+    """The log-prob gap part scores a LoRA run's kept versions: adapters, merged into the base they trained on."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from albatross.bench.recipe import _load_version
+    from tiny_models import tiny_qwen2
+
+    base_dir, adapter = tmp_path / "base", tmp_path / "v1"
+    tiny_qwen2().save_pretrained(base_dir)
+    adapter.mkdir()
+    a, b = torch.randn(4, 64), torch.randn(300, 4)
+    q_a, q_b = torch.randn(4, 64), torch.randn(64, 4)
+    save_file({"base_model.model.lm_head.lora_A.weight": a, "base_model.model.lm_head.lora_B.weight": b,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": q_a,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": q_b},
+              str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    base, model = tiny_qwen2(), _load_version(adapter, base_dir)
+    embed = base.get_input_embeddings().weight
+    assert torch.allclose(model.get_output_embeddings().weight, embed + 2.0 * b @ a, atol=1e-5)
+    assert torch.equal(model.get_input_embeddings().weight, embed)  # untied: the input embedding is the base's
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(model.get_parameter(q), base.get_parameter(q) + 2.0 * q_b @ q_a, atol=1e-5)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(model.get_parameter(k), base.get_parameter(k))
+    assert _load_version(base_dir, base_dir).state_dict().keys() == base.state_dict().keys()  # a full checkpoint

@@ -236,6 +236,35 @@ def test_retries_with_backoff_then_succeeds(fake) -> None:
             remote.generate([[5, 6]], SamplingParams(max_tokens=2))
 
 
+def test_a_server_that_dies_mid_answer_is_retried_then_a_remote_error() -> None:
+    """A replica killed while it sends a completion leaves a short body (IncompleteRead, an HTTPException): the
+    client retries and then raises RemoteError, which the engine pool handles, never the raw exception."""
+    calls = []
+
+    class Dying(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            calls.append(1)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "1013")
+            self.end_headers()
+            self.wfile.write(b'{"choices": [')  # then the connection closes
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Dying)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = HTTPClient(f"http://127.0.0.1:{httpd.server_address[1]}", retries=2, backoff=0.01)
+        with pytest.raises(RemoteError, match="failed after 3 tries: IncompleteRead"):
+            client.call("POST", "/v1/completions", {"prompt": [1]})
+        assert len(calls) == 3
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_a_client_error_is_not_retried(fake) -> None:
     client = HTTPClient(fake.url, retries=3, backoff=0.01)
     with pytest.raises(RemoteError, match="HTTP 404"):

@@ -617,18 +617,39 @@ def _version_dirs(w: Workload, keep_dir: Path) -> dict[int, Path]:
     return dirs
 
 
+def _load_version(path: Path, base_dir: Path) -> Any:
+    """A kept version as a model: a full checkpoint, or (a LoRA run's) adapter merged into the base it trained on,
+    its output layer untied from the input embedding when the adapter moves it."""
+    import torch
+
+    from albatross.engine.adapter import is_adapter_dir, merged_weights, read_adapter
+    from albatross.trainer.model import load_model
+
+    if not is_adapter_dir(path):
+        return load_model(path)
+    model: Any = load_model(base_dir)  # a transformers model (its output and input embeddings)
+    pairs, scale = read_adapter(path)
+    merged = merged_weights(model.state_dict(), pairs, scale, path)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is embed.weight and any(model.get_parameter(n) is head.weight for n in merged):
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    with torch.no_grad():
+        for name, tensor in merged.items():
+            model.get_parameter(name).copy_(tensor)
+    return model
+
+
 def logprob_gaps(w: Workload, run_dir: Path, keep_dir: Path) -> dict[str, Any]:
     """Mean |trainer log-prob at version v+s - sampler log-prob at v| over model tokens, by s (0..6)."""
     import torch
 
-    from albatross.trainer.model import load_model
     from albatross.trainer.packing import pack
     from albatross.trainer.step import Trainer
 
     samples, acc = _gap_samples(run_dir, w.cfg.seed), GapAccumulator()
     versions = _version_dirs(w, keep_dir)
     for trainer_version, path in sorted(versions.items()):
-        trainer = Trainer.from_config(load_model(path), w.cfg, lora=False)  # merged weights: no adapters
+        trainer = Trainer.from_config(_load_version(path, w.base_dir), w.cfg, lora=False)  # merged: no adapters
         for mb in pack(samples, trainer.micro_batch_tokens):
             with torch.no_grad():
                 logprobs, _ = trainer.forward_logprobs(mb)

@@ -23,6 +23,7 @@ and per-token ``versions``), ``POST /update_weights`` (``path``, ``version``).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -40,6 +41,9 @@ from albatross.cache import engines_root
 from albatross.engine.base import Completion, EngineError, SamplingParams, SingleEngine
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
+# a request that never got a whole answer: no connection, a timeout, or a server that died mid-response
+# (http.client.IncompleteRead and its kin are HTTPException, not OSError)
+TRANSPORT_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException)
 
 
 class RemoteError(EngineError):
@@ -63,7 +67,7 @@ class HTTPClient:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 status, payload = self._once(method, path, body)
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            except TRANSPORT_ERRORS as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
                 continue
             if status in RETRY_STATUS:
@@ -78,7 +82,7 @@ class HTTPClient:
         """Whether the server has a route at ``path`` (a GET on a POST-only route answers 405, not 404)."""
         try:
             return self._once("GET", path, None)[0] != 404
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        except TRANSPORT_ERRORS:
             return False
 
     def _once(self, method: str, path: str, body: Any) -> tuple[int, Any]:
