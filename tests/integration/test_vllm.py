@@ -406,7 +406,8 @@ def test_a_quick_lora_run_serves_its_adapters_on_vllm_and_its_final_adapter_eval
     out = tmp_path / "out"
     cfg = demo_config(None, True, str(out), [  # bench loop's tiny demo: its warm start is shared (demo_cache)
         *QUICK_OVERRIDES, "engine.type=vllm", "engine.start_timeout_s=900", "trainer.lora.rank=8",
-        'trainer.lora.target_modules=["attention","mlp"]', "trainer.lora.merge=false", "trainer.lr=1e-3", "orchestrator.max_steps=4", "orchestrator.max_minutes=5", "rl.max_staleness=0"])
+        'trainer.lora.target_modules=["attention","mlp"]', "trainer.lora.merge=false", "trainer.lr=1e-3",
+        "orchestrator.max_steps=4", "orchestrator.max_minutes=5", "rl.max_staleness=0"])
     logs: list[str] = []
     summary = Pipeline(cfg, log=logs.append, command="train").run()
     print("\n".join(line for line in logs if line.startswith(("[eval]", "[warm", "[train]"))))

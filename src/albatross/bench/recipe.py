@@ -619,20 +619,20 @@ def _version_dirs(w: Workload, keep_dir: Path) -> dict[int, Path]:
 
 def _load_version(path: Path, base_dir: Path) -> Any:
     """A kept version as a model: a full checkpoint, or (a LoRA run's) adapter merged into the base it trained on,
-    its output layer untied from the input embedding when the adapter moves it."""
+    its output layer untied from the input embedding when the adapter moves it (as the built-in engine does)."""
     import torch
 
     from albatross.engine.adapter import is_adapter_dir, merged_weights, read_adapter
+    from albatross.engine.builtin.runner import untie_changed
     from albatross.trainer.model import load_model
 
     if not is_adapter_dir(path):
         return load_model(path)
-    model: Any = load_model(base_dir)  # a transformers model (its output and input embeddings)
+    model = load_model(base_dir)
     pairs, scale = read_adapter(path)
-    merged = merged_weights(model.state_dict(), pairs, scale, path)
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and head.weight is embed.weight and any(model.get_parameter(n) is head.weight for n in merged):
-        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    current = model.state_dict()
+    merged = merged_weights(current, pairs, scale, path)
+    untie_changed(model, {**current, **merged})
     with torch.no_grad():
         for name, tensor in merged.items():
             model.get_parameter(name).copy_(tensor)
