@@ -290,7 +290,7 @@ def check_run(cfg: RunConfig) -> None:
     if not lora.on:
         return
     if importlib.util.find_spec("peft") is None:
-        raise LoRAError("trainer.lora needs PEFT, which is not installed: pip install 'albatross[lora]'")
+        raise LoRAError("trainer.lora needs PEFT, which is not installed: pip install 'peft>=0.17'")
     if tc.gpus > 1:
         raise LoRAError("trainer.lora with trainer.gpus > 1 (FSDP2) is not supported yet: use one trainer GPU")
     if tc.mtp == "train":
