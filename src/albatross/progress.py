@@ -168,15 +168,14 @@ class Bar:
         self._tqdm = _tqdm(label, self.total, unit, self.stream) if self.tty else None
 
     def eta_s(self, cap_s: float | None = None) -> float | None:
-        """Seconds left at the pace since the first update (before a second one: since the start), never above
-        ``cap_s``."""
-        if not self.done:
+        """Seconds left at the pace since the first update, never above ``cap_s``; unknown (``cap_s``) until a
+        second update gives a pace (the time before the first one is set-up, not the pace: counting it made a
+        600-step warm start behind 2 minutes of demonstrations read "eta 23h")."""
+        if self.total and self.done >= self.total:
+            return 0.0
+        if not self.done or self._mark is None or self.done <= self._mark[1]:
             return cap_s
-        now = time.monotonic()
-        if self._mark is not None and self.done > self._mark[1]:
-            pace = (now - self._mark[0]) / (self.done - self._mark[1])
-        else:
-            pace = (now - self.t0) / self.done
+        pace = (time.monotonic() - self._mark[0]) / (self.done - self._mark[1])
         eta = pace * max(0, self.total - self.done)
         return min(eta, cap_s) if cap_s is not None else eta
 

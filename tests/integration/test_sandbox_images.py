@@ -95,3 +95,48 @@ def test_multi_stage_copy_from_earlier_stage(backend: LocalBackend, tmp_path: Pa
         assert attempt.exec("cat /app/out.bin /app/checked; ls /src 2>&1 | head -1").output.split("\n")[:2] == [
             "compiled", "compiled"]
         assert attempt.exec("test -e /src").exit_code != 0  # the earlier stages are not in the image
+
+
+def test_adapted_environments_on_one_image_stack_on_one_toolkit_layer(tmp_path: Path) -> None:
+    """The offline toolkit an adapted environment ADDs after FROM is built once per image, as a layer the
+    environments stack on, not copied into each one's own layer; a shared layer pruned since is built again."""
+    from albatross.sandbox.layers import LayerStore, read_record
+    from albatross.tasks.offline import TOOLKIT_PATH, adapt_environment
+
+    def adapted(name: str) -> Path:
+        env = task_env(tmp_path / name, "FROM python:3.11-slim-bookworm\nWORKDIR /app\nCOPY data.txt /app/\n",
+                       {"data.txt": f"{name}\n"})
+        found = adapt_environment(env)
+        assert found is not None
+        return found.env_dir
+
+    envs = [adapted(name) for name in ("one", "two", "three")]
+    store = tmp_path / "layers"
+
+    def run_all() -> list[str]:
+        b = LocalBackend(warm=0, hide_paths=[tmp_path])
+        b.layers = LayerStore(True, store)
+        try:
+            for env, name in zip(envs, ("one", "two", "three"), strict=True):
+                with b.fork(env) as attempt:
+                    r = attempt.exec(f"cat /app/data.txt; test -x {TOOLKIT_PATH}/bin/apt-get && echo shims; "
+                                     "python -c 'print(6*7)'")
+                    assert r.output.split() == [name, "shims", "42"], r.output
+        finally:
+            b.close()
+        return sorted(p.name for p in store.iterdir() if "." not in p.name)
+
+    keys = run_all()
+    shared = [k for k in keys if k.startswith("shared-")]
+    own = [k for k in keys if not k.startswith("shared-")]
+    assert len(shared) == 1 and len(own) == 3, keys
+    for key in own:
+        record = read_record(store / key / "parent.json")
+        assert record is not None and {"shared": shared[0], "path": "s0/layer"} in record["stack"]
+        assert not (store / key / record["layer"] / TOOLKIT_PATH.lstrip("/")).exists()  # not a copy of its own
+        assert record["bytes"] < 1 << 20
+    assert (store / shared[0] / "s0/layer" / TOOLKIT_PATH.lstrip("/") / "bin/apt-get").is_file()
+    import shutil
+
+    shutil.rmtree(store / shared[0])  # pruned: the environments that stack on it are built again, with it
+    assert run_all() == keys

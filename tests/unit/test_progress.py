@@ -49,6 +49,25 @@ def test_a_plain_bar_prints_done_elapsed_and_eta_at_least_every_tenth():
     assert re.fullmatch(r"\[base eval\] 20/20 attempts  elapsed \d+s  eta 0s  \(run: about 1m00s left\)", lines[-1])
 
 
+def test_set_up_before_the_first_unit_is_not_the_pace(monkeypatch):
+    """A phase whose first unit comes after minutes of set-up (demonstrations before the first warm-start step)
+    says "eta ?" until a second unit gives the pace, then the pace from the first unit on."""
+    import albatross.progress as progress
+
+    now = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    lines: list[str] = []
+    bar = Bar("warm-start", 600, lines.append, stream=io.StringIO())
+    now[0] += 138.0
+    bar.update(1)
+    assert bar.eta_s() is None and "eta ?" in lines[-1]
+    now[0] += 10.0
+    bar.update(11)
+    assert bar.eta_s() == pytest.approx(589.0)
+    bar.update(600)
+    assert bar.eta_s() == 0.0
+
+
 def test_a_terminal_gets_a_bar_with_eta_and_lines_above_it():
     stream, lines = _Tty(), []
     bar = Bar("train", 10, lines.append, stream=stream, unit="steps")

@@ -157,6 +157,9 @@ def _stamp(root: Path) -> tuple[object, ...]:
 
 
 SOURCE_MARKER = ".albatross-task-dir"  # in an adapted copy of an environment: the task directory it came from
+# In an adapted environment: the offline toolkit as one archive, ADDed right after FROM. The local backend builds
+# that step once per base image, as a layer every such environment stacks on (as Docker's build cache shares it).
+SHARED_ARCHIVE = ".albatross-offline.tar"
 
 
 def task_dir_of(env_dir: Path) -> Path:

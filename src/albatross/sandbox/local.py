@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import itertools
 import json
 import logging
@@ -101,6 +102,7 @@ from albatross.sandbox.base import (
 )
 from albatross.sandbox.build import (
     DEFAULT_PATH,
+    SHARED_ARCHIVE,
     EnvBuildError,
     EnvKeys,
     Parent,
@@ -131,8 +133,8 @@ HIDDEN_PATHS = ("/work", "/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "
 # Docker's Debian and Ubuntu images configure it (their /etc/dpkg/dpkg.cfg.d/docker-apt-speedup); the
 # build's layer is written to disk and made durable when it is stored, not file by file.
 BUILD_ENV = {"DPKG_FORCE": "unsafe-io"}
-LAYER_KEY_FORMAT = "layers-1"
-HOST_BASE_LAYERS = Path("/dev/shm/albatross-layers")  # where layers over the host's root are built (a tmpfs)  # part of every environment's key: a change of how layers are built or stored
+LAYER_KEY_FORMAT = "layers-1"  # part of every environment's key: a change of how layers are built or stored
+HOST_BASE_LAYERS = Path("/dev/shm/albatross-layers")  # where layers over the host's root are built (a tmpfs)
 DISK_FULL_BYTES = 64 << 10  # less free space than this in the writable layer: the disk limit was hit
 MAX_POOL_KEYS = 4  # environments kept warm at once, by default (``LocalBackend(warm_envs=...)``)
 MAX_FILL_THREADS = 8  # threads that set warm attempts up, when several environments are kept warm
@@ -796,6 +798,7 @@ class LocalBackend:
         self._lock = threading.Lock()
         self._keys = EnvKeys()
         self._building: dict[str, threading.Lock] = {}
+        self._digests: dict[tuple[int, int, int, int], str] = {}  # a shared archive's stamps -> its sha256
         self._attempts: set[LocalAttempt] = set()
         self._ids = itertools.count()
         self._token = os.urandom(3).hex()  # pids cgroups may be shared with other pid namespaces
@@ -1026,6 +1029,11 @@ class LocalBackend:
         for entry in record["stack"]:
             if "layer" in entry:
                 lowers.append(str(top / entry["layer"]))
+            elif "shared" in entry:  # a layer other parents stack on too (``_shared_layer``): held while in use
+                self.layers.hold(entry["shared"])
+                if self.layers.load(entry["shared"]) is None:
+                    return None  # pruned since: build this one again (and the shared layer with it)
+                lowers.append(str(self.layers.path(entry["shared"]) / entry["path"]))
             elif rootfs.is_built(Path(entry["root"])) or self.base != "image":
                 lowers.append(self._base_lower(zygote, images.Base("", Path(entry["root"]), {}, (), entry["base"])))
             else:
@@ -1055,6 +1063,10 @@ class LocalBackend:
                internet: str, deadline: buildnet.Deadline) -> Parent:
         """Build every stage in order (each earlier one only for ``COPY --from``); the last is the parent."""
         roots: dict[str, str] = {}  # --from reference -> host path of that stage's (or image's) root
+
+        def net_of(env_key: str) -> _BuildNet:
+            return _BuildNet(internet, deadline, env_key)
+
         built: dict[int, tuple[Parent, list[str]]] = {}
         top = self.layers.new_build(key)  # each stage's layer in s<index>; renamed into place when done
         exported: list[Path] = []  # stage roots written for COPY --from, removed after the build
@@ -1072,9 +1084,12 @@ class LocalBackend:
                     lowers = [below.layer, *lowers]
                 else:
                     lowers = [self._base_lower(zygote, self.base_for(stage.base))]
+                    if last:
+                        shared, stage = self._shared_layer(zygote, env_dir, stage, lowers, net_of(key))
+                        lowers = [shared.layer, *lowers] if shared is not None else lowers
                 stage_key = key if last else f"{key}-stage{stage.index}"
                 parent = self._build_stage(zygote, env_dir, stage, stage_key, hide if last else [], lowers,
-                                           _BuildNet(internet, deadline, key), roots, top, below)
+                                           net_of(key), roots, top, below)
                 built[index] = (parent, lowers)
                 if not last and any(k.lower() in wanted for k in stage.ref_keys()):
                     merged = self._export_stage(zygote, stages, index, stage_key, built, exported)
@@ -1106,9 +1121,13 @@ class LocalBackend:
         mounted = {lower: base_key for base_key, lower in zygote.base_lowers.items()}
         roots = {b.key: str(b.root) for b in self._bases.values()}
         stack = []
+        store = self.layers.root
         for lower in lowers:
             if lower.startswith(f"{top}/"):
                 stack.append({"layer": os.path.relpath(lower, top)})
+            elif lower.startswith(f"{store}/"):  # a shared layer: another parent of the store, by its key
+                shared = os.path.relpath(lower, store).split(os.sep)[0]
+                stack.append({"shared": shared, "path": os.path.relpath(lower, store / shared)})
             else:  # a base image's root (idmapped in the zygote): found again by its key
                 base_key = mounted.get(lower, "")
                 stack.append({"base": base_key, "root": roots.get(base_key, lower)})
@@ -1119,6 +1138,65 @@ class LocalBackend:
         zygote.lowers[key] = [str(final / e["layer"]) if "layer" in e else lower
                               for e, lower in zip(stack, lowers, strict=True)]
         return moved
+
+    def _shared_layer(self, zygote: Zygote, env_dir: Path, stage: dockerfile.Stage, lowers: list[str],
+                      net: _BuildNet) -> tuple[Parent | None, dockerfile.Stage]:
+        """The layer of an adapted environment's first step (``ADD`` of the toolkit archive, ``SHARED_ARCHIVE``),
+        built once per base image, archive and id mapping, and the stage without that step, to build over it; or
+        (None, the stage) for any other stage. Every adapted environment on one image used to hold its own copy
+        of the toolkit (about a thousand files, 20 MB and seconds of build each)."""
+        steps = stage.instructions
+        if len(steps) < 2 or self.base != "image" or not _adds_shared_archive(steps[1]):
+            return None, stage
+        archive = env_dir / SHARED_ARCHIVE
+        try:
+            st = archive.stat()
+        except OSError:
+            return None, stage  # the build reports the missing file with its line
+        add = steps[1]
+        assert isinstance(add, dockerfile.Copy)
+        identity = [LAYER_KEY_FORMAT, "shared", self.base_for(stage.base).key, self.id_base, add.dest, add.chown, add.chmod,
+                    self._archive_digest(archive, st)]
+        key = "shared-" + hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
+        rest = dataclasses.replace(stage, instructions=[steps[0], *steps[2:]])
+        parent = zygote.parents.get(key)
+        if parent is not None:
+            return parent, rest
+        with self._lock:
+            building = self._building.setdefault(key, threading.Lock())
+        with building:
+            parent = zygote.parents.get(key)
+            if parent is None:
+                self.layers.hold(key)
+                with self.layers.locked(key):
+                    parent = self._load(zygote, key)
+                    if parent is None:
+                        top = self.layers.new_build(key)
+                        first = dataclasses.replace(stage, instructions=list(steps[:2]))
+                        try:
+                            built = self._build_stage(zygote, env_dir, first, key, [], lowers, net, {}, top, None)
+                        except BaseException:
+                            self.layers.discard(top)
+                            raise
+                        parent = self._commit(zygote, key, top, built, lowers)
+                with self._lock:
+                    zygote.parents[key] = parent
+        return parent, rest
+
+    def _archive_digest(self, path: Path, st: os.stat_result) -> str:
+        """sha256 of a file, remembered by its inode and stamps (every adapted environment links the same one)."""
+        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            digest = self._digests.get(stamp)
+        if digest is None:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            digest = h.hexdigest()
+            with self._lock:
+                self._digests[stamp] = digest
+        return digest
 
     def _resolve_user(self, zygote: Zygote, parent: Parent, lowers: list[str], env_dir: Path) -> UserIds | None:
         """The ids of the image's USER in the built image (Docker's lookup, ``resolve_user``), read by a
@@ -1243,6 +1321,12 @@ class _BuildNet:
     policy: str
     deadline: buildnet.Deadline
     env_key: str
+
+
+def _adds_shared_archive(step: Instruction) -> bool:
+    """``ADD <SHARED_ARCHIVE> <dir>/`` from the build context, as ``tasks/offline.py`` writes it."""
+    return (isinstance(step, dockerfile.Copy) and step.keyword == "ADD" and step.sources == (SHARED_ARCHIVE,)
+            and step.from_ is None and not step.inline)
 
 
 def _stages(instructions: list[Instruction]) -> list[dockerfile.Stage]:

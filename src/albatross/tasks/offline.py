@@ -35,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 
 from albatross.cache import cache_root
-from albatross.sandbox.build import SOURCE_MARKER
+from albatross.sandbox.build import SHARED_ARCHIVE, SOURCE_MARKER
 from albatross.tasks import shims
 from albatross.tasks.shims import NEEDS_NETWORK, PIP_ZIP, TOOLKIT_PATH
 
@@ -43,7 +43,6 @@ TOOLKIT_BIN = f"{TOOLKIT_PATH}/bin"
 TOOLKIT_PYBIN = f"{TOOLKIT_PATH}/pybin"
 TEST_RESULTS = "/logs/verifier/albatross-tests.json"
 _TOOLKIT_FORMAT = "3"
-_ENV_DIR = ".albatross-offline"
 _ADAPTED_FORMAT = "2"  # the toolkit ADDed as one archive
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SKIPPED_DISTS = {"colorama"}  # Windows only (pygments stays: pytest >= 8.4 imports it unconditionally)
@@ -313,7 +312,7 @@ def _insertion(dockerfile: str) -> tuple[int, list[str]]:
             python_image = is_python_image(image)
             break
     dirs = [TOOLKIT_BIN] + ([TOOLKIT_PYBIN] if python_image else [])
-    return after, [f"ADD {_ENV_DIR}.tar {TOOLKIT_PATH}/", f"ENV PATH={':'.join(dirs)}:{_DEFAULT_PATH}"]
+    return after, [f"ADD {SHARED_ARCHIVE} {TOOLKIT_PATH}/", f"ENV PATH={':'.join(dirs)}:{_DEFAULT_PATH}"]
 
 
 def _write_adapted(env_dir: Path, final: Path, toolkit: Path, text: str, after: int, lines: list[str]) -> None:
@@ -322,7 +321,7 @@ def _write_adapted(env_dir: Path, final: Path, toolkit: Path, text: str, after: 
     try:
         shutil.copytree(env_dir, tmp, symlinks=True, dirs_exist_ok=True)
         _make_writable(tmp)  # a read-only task directory gives read-only copies
-        _link_or_copy(toolkit, tmp / f"{_ENV_DIR}.tar")
+        _link_or_copy(toolkit, tmp / SHARED_ARCHIVE)
         rows = text.splitlines()
         (tmp / "Dockerfile").write_text("\n".join(rows[:after] + lines + rows[after:]) + "\n")
         (tmp / SOURCE_MARKER).write_text(f"{env_dir.resolve().parent}\n")
