@@ -20,7 +20,7 @@ from typing import IO, Any
 
 # Seconds per unit when no earlier run of this model measured them: the demo's tiny model on a 2-core laptop.
 # A model given by `model.path` has no default (its estimate is "unknown" until a run has measured it).
-TINY_RATES = {"warmstart_step": 0.5, "eval_attempt": 0.25, "rl_step": 2.5, "sandbox": 20.0, "tasks": 2.0}
+TINY_RATES = {"warmstart_step": 0.4, "eval_attempt": 0.12, "rl_step": 4.0, "sandbox": 20.0, "tasks": 2.0}
 PLAIN_EVERY_S = 30.0  # plain (non-terminal) progress lines: at least every 10% and every this many seconds
 
 
