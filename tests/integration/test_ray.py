@@ -26,8 +26,9 @@ if VLLM is None and os.environ.get("ALBATROSS_REQUIRE_VLLM") == "1":
 
 
 def _kill_after_step(cluster, node, metrics: Path, step: int, killed: list[float], stop: threading.Event) -> None:
-    """Remove ``node`` (its raylet and every worker process on it) once ``metrics`` has ``step`` lines."""
-    while not stop.wait(0.5):
+    """Remove ``node`` (its raylet and every worker process on it) once ``metrics`` has ``step`` lines: right after
+    a step, when the loop has just let the next group start (``rl.max_staleness=1``)."""
+    while not stop.wait(0.1):
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
             cluster.remove_node(node, allow_graceful=False)
             killed.append(time.monotonic())
@@ -67,6 +68,8 @@ def test_a_run_across_three_ray_nodes_survives_losing_its_rollout_node(tmp_path_
         cfg = demo_config(None, True, str(out), [  # bench loop's tiny demo: its warm start is shared (demo_cache)
             *QUICK_OVERRIDES, "orchestrator.backend=ray", "engine.type=vllm", "engine.start_timeout_s=900",
             "eval.trials=1", "tasks.n_heldout=4", "orchestrator.max_steps=5", "orchestrator.max_minutes=8",
+            "rl.max_staleness=1",  # rollouts wait for the trainer: each step lets a group start (the demo's 6 let
+            # the five groups finish before the kill, with nothing in flight to lose)
             "orchestrator.checkpoint_every=2", "trainer.gpus=2", "trainer.device=cpu",
             "trainer.lora.rank=0", "trainer.lr=2e-4",  # FSDP2 over two ranks trains the whole model (no LoRA yet)
             "ray.trainer_placement=strict_spread", "ray.trainer_resources=trainer=1", "ray.engine_resources=engine=1",
