@@ -1155,8 +1155,8 @@ class LocalBackend:
             return None, stage  # the build reports the missing file with its line
         add = steps[1]
         assert isinstance(add, dockerfile.Copy)
-        identity = [LAYER_KEY_FORMAT, "shared", self.base_for(stage.base).key, self.id_base, add.dest, add.chown, add.chmod,
-                    self._archive_digest(archive, st)]
+        identity = [LAYER_KEY_FORMAT, "shared", self.base_for(stage.base).key, self.id_base, add.dest, add.chown,
+                    add.chmod, self._archive_digest(archive, st)]
         key = "shared-" + hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
         rest = dataclasses.replace(stage, instructions=[steps[0], *steps[2:]])
         parent = zygote.parents.get(key)
