@@ -14,10 +14,10 @@ import pytest
 
 from albatross.errors import UserError
 from albatross.tasks.swe import mutate, project, runner
-from albatross.tasks.swe.generate import Bug, _interleave
+from albatross.tasks.swe.generate import Baseline, Bug, Candidate, Generator, SweOptions, _interleave
 from albatross.tasks.swe.instruction import issue_text, leaks
 from albatross.tasks.swe.sdist import Sdist, _pick, parse_requirement, unpack
-from albatross.tasks.swe.writer import pristine_dirs, unified_patch
+from albatross.tasks.swe.writer import PLUGIN, RUNNER, pristine_dirs, unified_patch
 
 SOURCE = '''\
 import os
@@ -191,6 +191,43 @@ def test_reward_counts_fail_to_pass_and_only_broken_pass_to_pass():
         {"fail_to_pass::a": 1.0, "fail_to_pass::b": 1.0, "pass_to_pass::c": 0.0, "pass_to_pass::d": 0.0}
     assert runner.reward(config, {}) == {"fail_to_pass::a": 0.0, "fail_to_pass::b": 0.0,
                                          "pass_to_pass::c": 0.0, "pass_to_pass::d": 0.0}
+
+
+def test_a_job_runs_only_the_tests_it_names(tmp_path):
+    scripts, repo = tmp_path / "scripts", tmp_path / "repo"
+    scripts.mkdir()
+    (repo / "tests").mkdir(parents=True)
+    here = Path(runner.__file__).parent
+    (scripts / RUNNER).write_text((here / "runner.py").read_text())
+    (scripts / PLUGIN).write_text((here / "plugin.py").read_text())
+    (repo / "pytest.ini").write_text("[pytest]\n")
+    (repo / "tests" / "test_a.py").write_text("def test_one(): pass\n\n\ndef test_two(): assert False\n\n\n"
+                                              "def test_three(): pass\n")
+    ids = [f"tests/test_a.py::test_{n}" for n in ("one", "two", "three")]
+    job = {"files": {}, "tests": ["tests/test_a.py"], "timeout": 60}
+    (tmp_path / "jobs.json").write_text(json.dumps({
+        "repo": str(repo), "config_file": str(repo / "pytest.ini"), "pytest_args": [],
+        "jobs": [{**job, "id": "only", "only": ids[:2]}, {**job, "id": "all"}]}))
+    subprocess.run([sys.executable, str(scripts / RUNNER), "jobs", str(tmp_path / "jobs.json"),
+                    str(tmp_path / "out.json")], check=True, cwd=repo)
+    only, everything = json.loads((tmp_path / "out.json").read_text())
+    assert only["tests"] == {ids[0]: "passed", ids[1]: "failed"}
+    assert everything["tests"] == {ids[0]: "passed", ids[1]: "failed", ids[2]: "passed"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.json", "out.json", "repo", "scripts"]
+
+
+def test_a_mutant_is_judged_by_the_tests_that_call_it():
+    gen = Generator.__new__(Generator)  # the judging rule alone: no project, no sandbox
+    gen.opts = SweOptions()
+    a, b, c, d = "tests/test_a.py::a", "tests/test_a.py::b", "tests/test_a.py::c", "tests/test_b.py::d"
+    gen.base = Baseline({a: 0.1, b: 0.1, c: 0.1, d: 0.1}, {}, 1.0)
+    candidate = Candidate([], ["tests/test_a.py"], [a, b])  # c does not call the edited function
+    bug = gen._judge(candidate, {"status": "ok", "tests": {a: "failed", b: "passed"}})
+    assert bug is not None and bug.fail_to_pass == [a] and bug.pass_to_pass == [b, c] and bug.calling == [a, b]
+    assert gen._judge(candidate, {"status": "ok", "tests": {a: "passed", b: "passed"}}) is None  # breaks nothing
+    assert gen._judge(candidate, {"status": "timeout", "tests": {a: "failed", b: "passed"}}) is None
+    # the file no longer imports: the tests it did not run fail too, so nothing of it passes
+    assert gen._judge(candidate, {"status": "ok", "tests": {"tests/test_a.py::collect": "failed"}}) is None
 
 
 def test_the_runner_and_plugin_use_only_the_standard_library():

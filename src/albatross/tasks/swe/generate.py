@@ -7,9 +7,10 @@ Stages (each timed; ``Yield`` counts what each kept):
    stable ones. The first run records which library functions each test calls.
 3. **mutants**: for each library function that stable tests call (and whose tests run within
    ``max_run_seconds``), up to ``per_function`` edits of different kinds (``mutate.py``), in a random order;
-   each is run against the test files of the tests that call it, until 1.6 x ``count`` (+4) are kept. A mutant
-   is kept when some stable tests fail with it (FAIL_TO_PASS, at most ``max_fail_to_pass``), others of those
-   files still pass (PASS_TO_PASS), and it ends in time.
+   each is run against the tests that call it (in their test files, every other test deselected), until 1.6 x
+   ``count`` (+4) are kept. A mutant is kept when some stable tests fail with it (FAIL_TO_PASS, at most
+   ``max_fail_to_pass``), others of those files still pass (PASS_TO_PASS: the tests it ran that passed, and the
+   ones that do not call the mutated code, unless a test file no longer collects), and it ends in time.
 4. **combinations**: two edits of one function (``medium``) and edits of two or three functions (``hard``), made
    of kept mutants and run again; kept when every part still fails a test of its own.
 5. **tasks**: easy (one single-line edit), medium (a multi-line edit, or two in one function) and hard tasks in
@@ -82,6 +83,15 @@ class Baseline:
 
 
 @dataclass
+class Candidate:
+    """Edits to try, the test files to run and, of their tests, the ones that call the edited functions."""
+
+    edits: list[mutate.Mutation]
+    files: list[str]
+    tests: list[str]
+
+
+@dataclass
 class Bug:
     """A kept mutant (one or several edits): what it breaks and what still passes."""
 
@@ -90,6 +100,7 @@ class Bug:
     pass_to_pass: list[str]
     failures: dict[str, dict[str, str]]
     difficulty: str = "easy"
+    calling: list[str] = field(default_factory=list)  # the tests that call the edited functions (the ones run)
 
     @property
     def functions(self) -> list[str]:
@@ -261,9 +272,9 @@ class Generator:
     def _timeout(self, files: list[str]) -> float:
         return 30.0 + 10.0 * self._seconds(files)
 
-    def single_candidates(self) -> list[tuple[mutate.Mutation, list[str]]]:
+    def single_candidates(self) -> list[Candidate]:
         """Up to ``per_function`` edits of different kinds per covered function, shuffled, at most
-        ``max_mutants``: (edit, test files to run)."""
+        ``max_mutants``."""
         out = []
         parsed: dict[str, tuple[str, Any]] = {}
         for (file, fn), tests in self.covered_functions().items():
@@ -274,7 +285,7 @@ class Generator:
             edits = self._spread(mutate.mutations(source, file, fn, tree), 10 ** 6)  # all, kinds interleaved
             valid = (m for m in edits if mutate.valid(mutate.apply(source, [m])))
             for m in [m for _, m in zip(range(self.opts.per_function), valid, strict=False)]:
-                out.append((m, self._files_of(tests)))
+                out.append(Candidate([m], self._files_of(tests), sorted(tests)))
         self.rng.shuffle(out)
         return out[: self.opts.max_mutants or 10 * self.opts.count]
 
@@ -292,20 +303,20 @@ class Generator:
                     picked.append(by_kind[kind].pop(self.rng.randrange(len(by_kind[kind]))))
         return picked
 
-    def evaluate(self, candidates: list[tuple[list[mutate.Mutation], list[str]]],
-                 enough: int | None = None) -> tuple[list[Bug], int]:
-        """Run candidates (edits, test files) in order, in batches on ``workers`` attempts, until ``enough`` are
-        kept (None: all of them); returns the kept bugs in candidate order and how many candidates ran."""
+    def evaluate(self, candidates: list[Candidate], enough: int | None = None) -> tuple[list[Bug], int]:
+        """Run candidates in order, in batches on ``workers`` attempts, until ``enough`` are kept (None: all of
+        them); returns the kept bugs in candidate order and how many candidates ran."""
         batches = [candidates[i:i + self.opts.batch] for i in range(0, len(candidates), self.opts.batch)]
         kept: list[Bug] = []
         lock = threading.Lock()
         ran = [0, 0]  # batches, candidates
 
-        def one(batch: list[tuple[list[mutate.Mutation], list[str]]]) -> None:
-            jobs: list[dict[str, Any]] = [{"id": str(i), "files": self._files(edits), "tests": files, "timeout": self._timeout(files)}
-                    for i, (edits, files) in enumerate(batch)]
+        def one(batch: list[Candidate]) -> None:
+            jobs: list[dict[str, Any]] = [{"id": str(i), "files": self._files(c.edits), "tests": c.files,
+                                           "only": c.tests, "timeout": self._timeout(c.files)}
+                                          for i, c in enumerate(batch)]
             results = self.run_jobs(jobs, sum(j["timeout"] for j in jobs))
-            bugs = [self._judge(*batch[int(r["id"])], r) for r in results]
+            bugs = [self._judge(batch[int(r["id"])], r) for r in results]
             with lock:
                 kept.extend(b for b in bugs if b is not None)
                 ran[0], ran[1] = ran[0] + 1, ran[1] + len(batch)
@@ -313,7 +324,7 @@ class Generator:
                     self.log(f"[swe] ran {ran[1]} of {len(candidates)}, kept {len(kept)}")
 
         run_until(self.workers, batches, one, lambda: enough is not None and len(kept) >= enough)
-        order = {id(edits[0]): i for i, (edits, _) in enumerate(candidates)}
+        order = {id(c.edits[0]): i for i, c in enumerate(candidates)}
         return sorted(kept, key=lambda b: order.get(id(b.edits[0]), 0)), ran[1]
 
     def _files(self, edits: list[mutate.Mutation]) -> dict[str, str]:
@@ -323,32 +334,39 @@ class Generator:
             out[file] = mutate.apply(source, [e for e in edits if e.file == file])
         return out
 
-    def _judge(self, edits: list[mutate.Mutation], files: list[str], result: dict[str, Any]) -> Bug | None:
+    def _judge(self, candidate: Candidate, result: dict[str, Any]) -> Bug | None:
+        """The bug a candidate's run shows, or None. The tests it did not run do not call the edited code, so
+        they pass as in the baseline, unless a test file failed to collect (an import broken at load time):
+        then they count as failing."""
         if result.get("status") != "ok":
             return None
-        wanted = set(files)
-        ran = [t for t in self.base.stable if project.test_file_of(t) in wanted]
+        wanted = set(candidate.files)
+        stable = [t for t in self.base.stable if project.test_file_of(t) in wanted]
         outcomes = result.get("tests", {})
-        failing = sorted(t for t in ran if outcomes.get(t) != "passed")
+        run = set(candidate.tests)
+        unrun = "failed" if any(t.endswith("::collect") for t in outcomes) else "passed"
+        outcome = {t: outcomes.get(t) if t in run else unrun for t in stable}
+        failing = sorted(t for t in stable if outcome[t] != "passed")
         if not 1 <= len(failing) <= self.opts.max_fail_to_pass:
             return None
         broken_files = set(self._files_of(failing))
-        passing = sorted(t for t in ran if outcomes.get(t) == "passed" and project.test_file_of(t) in broken_files)
+        passing = sorted(t for t in stable if outcome[t] == "passed" and project.test_file_of(t) in broken_files)
         if not passing:
             return None
         failures = {t: result.get("failures", {}).get(t, {}) for t in failing}
-        return Bug(edits, failing, passing, failures)  # the candidate's own list: combinations are found by it
+        # the candidate's own edits list: combinations are found by it
+        return Bug(candidate.edits, failing, passing, failures, calling=candidate.tests)
 
     # ---- 4. combinations ----------------------------------------------------------------------------
-    def combinations(self, singles: list[Bug], medium: int, hard: int) -> list[tuple[list[mutate.Mutation], list[str]]]:
+    def combinations(self, singles: list[Bug], medium: int, hard: int) -> list[Candidate]:
         """Candidates of two edits in one function (``medium``) and of edits in two or three functions (``hard``)."""
         by_fn: dict[str, list[Bug]] = {}
         for bug in singles:
             by_fn.setdefault(bug.functions[0], []).append(bug)
-        out: list[tuple[list[mutate.Mutation], list[str]]] = []
+        out: list[Candidate] = []
         same = [bugs for bugs in by_fn.values() if len(bugs) >= 2]
         for _ in range(medium * 3):
-            if not same or len([c for c in out if len({e.function for e in c[0]}) == 1]) >= medium:
+            if not same or len([c for c in out if len({e.function for e in c.edits}) == 1]) >= medium:
                 break
             a, b = self.rng.sample(self.rng.choice(same), 2)
             self._add_combo(out, [a, b])
@@ -360,15 +378,16 @@ class Generator:
             self._add_combo(out, [self.rng.choice(by_fn[f]) for f in picked])
         return out
 
-    def _add_combo(self, out: list[tuple[list[mutate.Mutation], list[str]]], bugs: list[Bug]) -> None:
+    def _add_combo(self, out: list[Candidate], bugs: list[Bug]) -> None:
         edits = [e for b in bugs for e in b.edits]
         spans = sorted((e.file, e.start, e.end) for e in edits)
         if any(a[0] == b[0] and b[1] < a[2] + 2 for a, b in zip(spans, spans[1:], strict=False)):
             return  # overlapping (or touching) edits
-        if any(set(map(id, edits)) == set(map(id, c[0])) for c in out):
+        if any(set(map(id, edits)) == set(map(id, c.edits)) for c in out):
             return
-        out.append((edits, self._files_of(t for b in bugs for t in b.fail_to_pass + b.pass_to_pass)))
-        self._parts[id(out[-1][0])] = bugs
+        out.append(Candidate(edits, self._files_of(t for b in bugs for t in b.fail_to_pass + b.pass_to_pass),
+                             sorted({t for b in bugs for t in b.calling})))
+        self._parts[id(edits)] = bugs
 
     def judge_combination(self, bug: Bug) -> Bug | None:
         """Keep a combination only when each part still fails a test of its own."""
@@ -385,8 +404,7 @@ class Generator:
         t0 = time.monotonic()
         singles_in = self.single_candidates()
         self.log(f"[swe] {self.report.functions_covered} functions covered; {len(singles_in)} mutations to try")
-        singles, self.report.mutations_tried = self.evaluate([([m], files) for m, files in singles_in],
-                                                             enough=math.ceil(1.6 * self.opts.count) + 4)
+        singles, self.report.mutations_tried = self.evaluate(singles_in, enough=math.ceil(1.6 * self.opts.count) + 4)
         for bug in singles:
             bug.difficulty = "medium" if bug.edits[0].multiline else "easy"
         self.report.mutants_kept = len(singles)

@@ -5,7 +5,8 @@ It writes ``$ALBATROSS_SWE_RESULTS`` (JSON): every test's outcome (``passed``, `
 in set-up or tear-down is ``failed``, a collection error a failed ``<path>::collect``) and duration, and for a
 failed test its error message and the failing line of the test's own source (what an issue report quotes). With
 ``$ALBATROSS_SWE_TRACE`` set to a directory, it also records which functions under that directory each test
-called (``sys.setprofile``: file, first line, name), for choosing the functions worth breaking.
+called (``sys.setprofile``: file, first line, name), for choosing the functions worth breaking. With
+``$ALBATROSS_SWE_ONLY`` naming a JSON list of test ids, every other collected test is deselected.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 RESULTS_ENV = "ALBATROSS_SWE_RESULTS"
 TRACE_ENV = "ALBATROSS_SWE_TRACE"
+ONLY_ENV = "ALBATROSS_SWE_ONLY"
 _MESSAGE_CHARS = 1500
 
 
@@ -51,6 +53,17 @@ class Recorder:
             name = f"{report.nodeid or 'session'}::collect"
             self.outcome[name] = "failed"
             self.failure[name] = {"message": str(report.longrepr)[-_MESSAGE_CHARS:], "line": ""}
+
+    def pytest_collection_modifyitems(self, session: Any, config: Any, items: list[Any]) -> None:
+        path = os.environ.get(ONLY_ENV)
+        if not path:
+            return
+        with open(path, encoding="utf-8") as f:
+            wanted = set(json.load(f))
+        deselected = [item for item in items if item.nodeid not in wanted]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item.nodeid in wanted]
 
     # coverage -----------------------------------------------------------------------------------
     def _profile(self, frame: FrameType, event: str, arg: object) -> None:

@@ -2,7 +2,8 @@
 ``albatross_swe.py``). Standard library only, run by the image's python. Two modes:
 
 ``jobs JOBS.json OUT.json`` (the generator): for each job, write its files into the repository (a mutant), run
-pytest on its test files with a time limit, put the original files back, and record every test's outcome.
+pytest on its test files (only the tests it names, when it names them) with a time limit, put the original files
+back, and record every test's outcome.
 
 ``verify CONFIG.json`` (a task's verifier, ``tests/test.sh``): put the pristine test files back (the task's
 ``pristine.tar``: the repository's tests and pytest configuration as the task was made), remove any other file
@@ -40,15 +41,21 @@ def pytest_argv(config_file: str, repo: str, tests: list[str], extra: list[str])
 
 
 def run_pytest(repo: str, config_file: str, tests: list[str], extra: list[str], timeout: float,
-               trace: str | None = None) -> dict[str, Any]:
-    """One pytest run; returns the plugin's results plus ``status`` (ok, timeout, no-results) and ``seconds``."""
+               trace: str | None = None, only: list[str] | None = None) -> dict[str, Any]:
+    """One pytest run; returns the plugin's results plus ``status`` (ok, timeout, no-results) and ``seconds``.
+    ``only``: the test ids to run of those collected (the plugin deselects the others)."""
     fd, out = tempfile.mkstemp(prefix="albatross-swe-", suffix=".json")
     os.close(fd)
     os.unlink(out)
     env = dict(os.environ, ALBATROSS_SWE_RESULTS=out, PYTHONPATH=HERE, PYTHONDONTWRITEBYTECODE="1")
-    env.pop("ALBATROSS_SWE_TRACE", None)
+    for name in ("ALBATROSS_SWE_TRACE", "ALBATROSS_SWE_ONLY"):
+        env.pop(name, None)
     if trace:
         env["ALBATROSS_SWE_TRACE"] = trace
+    if only is not None:
+        env["ALBATROSS_SWE_ONLY"] = out + ".only"
+        with open(env["ALBATROSS_SWE_ONLY"], "w", encoding="utf-8") as f:
+            json.dump(only, f)
     start = time.monotonic()
     proc = subprocess.Popen(pytest_argv(config_file, repo, tests, extra), cwd=repo, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -66,8 +73,9 @@ def run_pytest(repo: str, config_file: str, tests: list[str], extra: list[str], 
     except (OSError, ValueError):
         status = "no-results" if status == "ok" else status
     finally:
-        if os.path.exists(out):
-            os.unlink(out)
+        for path in (out, out + ".only"):
+            if os.path.exists(path):
+                os.unlink(path)
     result.update(status=status, seconds=round(time.monotonic() - start, 3), returncode=proc.returncode,
                   output=output.decode("utf-8", "replace")[-3000:])
     return result
@@ -99,7 +107,8 @@ def run_jobs(spec_path: str, out_path: str) -> None:
         try:
             for rel, content in job.get("files", {}).items():
                 _write(repo, rel, content)
-            result = run_pytest(repo, config_file, job["tests"], extra, float(job["timeout"]), job.get("trace"))
+            result = run_pytest(repo, config_file, job["tests"], extra, float(job["timeout"]), job.get("trace"),
+                                job.get("only"))
         finally:
             for rel, content in originals.items():
                 _write(repo, rel, content)
