@@ -193,7 +193,7 @@ def test_reward_counts_fail_to_pass_and_only_broken_pass_to_pass():
                                          "pass_to_pass::c": 0.0, "pass_to_pass::d": 0.0}
 
 
-def test_a_job_runs_only_the_tests_it_names(tmp_path):
+def test_a_job_runs_only_the_tests_it_names_past_a_module_that_does_not_collect(tmp_path):
     scripts, repo = tmp_path / "scripts", tmp_path / "repo"
     scripts.mkdir()
     (repo / "tests").mkdir(parents=True)
@@ -203,16 +203,20 @@ def test_a_job_runs_only_the_tests_it_names(tmp_path):
     (repo / "pytest.ini").write_text("[pytest]\n")
     (repo / "tests" / "test_a.py").write_text("def test_one(): pass\n\n\ndef test_two(): assert False\n\n\n"
                                               "def test_three(): pass\n")
+    (repo / "tests" / "test_broken.py").write_text("import no_such_module\n")
     ids = [f"tests/test_a.py::test_{n}" for n in ("one", "two", "three")]
     job = {"files": {}, "tests": ["tests/test_a.py"], "timeout": 60}
     (tmp_path / "jobs.json").write_text(json.dumps({
         "repo": str(repo), "config_file": str(repo / "pytest.ini"), "pytest_args": [],
-        "jobs": [{**job, "id": "only", "only": ids[:2]}, {**job, "id": "all"}]}))
+        "jobs": [{**job, "id": "only", "only": ids[:2]},
+                 {**job, "id": "all", "tests": ["tests/test_broken.py", "tests/test_a.py"]}]}))
     subprocess.run([sys.executable, str(scripts / RUNNER), "jobs", str(tmp_path / "jobs.json"),
                     str(tmp_path / "out.json")], check=True, cwd=repo)
     only, everything = json.loads((tmp_path / "out.json").read_text())
     assert only["tests"] == {ids[0]: "passed", ids[1]: "failed"}
-    assert everything["tests"] == {ids[0]: "passed", ids[1]: "failed", ids[2]: "passed"}
+    # a module that does not import is one failed collection; the other modules still run
+    assert everything["tests"] == {ids[0]: "passed", ids[1]: "failed", ids[2]: "passed",
+                                   "tests/test_broken.py::collect": "failed"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["jobs.json", "out.json", "repo", "scripts"]
 
 

@@ -14,7 +14,8 @@ test files once, and write
 pass untouched, so they weigh nothing in partial credit, and a broken one costs credit and success).
 
 Both run pytest the same way (``pytest_argv``): ``python -s [-P] -m pytest -p albatross_swe -p no:cacheprovider
--p no:randomly --rootdir REPO -c CONFIG``, from the repository, with no byte-code written.
+-p no:randomly --continue-on-collection-errors --rootdir REPO -c CONFIG``, from the repository, with no byte-code
+written (a test module that fails to collect is a failed ``<path>::collect``; the other modules still run).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ REWARD_DIR = "/logs/verifier"
 def pytest_argv(config_file: str, repo: str, tests: list[str], extra: list[str]) -> list[str]:
     flags = ["-s", "-P"] if sys.version_info >= (3, 11) else ["-s"]
     return [sys.executable, *flags, "-m", "pytest", "-p", "albatross_swe", "-p", "no:cacheprovider",
-            "-p", "no:randomly", "--rootdir", repo, "-c", config_file, "-q", *extra, *tests]
+            "-p", "no:randomly", "--continue-on-collection-errors", "--rootdir", repo, "-c", config_file, "-q",
+            *extra, *tests]
 
 
 def run_pytest(repo: str, config_file: str, tests: list[str], extra: list[str], timeout: float,
