@@ -232,6 +232,10 @@ def test_a_mutant_is_judged_by_the_tests_that_call_it():
     assert gen._judge(candidate, {"status": "timeout", "tests": {a: "failed", b: "passed"}}) is None
     # the file no longer imports: the tests it did not run fail too, so nothing of it passes
     assert gen._judge(candidate, {"status": "ok", "tests": {"tests/test_a.py::collect": "failed"}}) is None
+    # another file that no longer imports leaves this one's unrun tests passing
+    both = Candidate([], ["tests/test_a.py", "tests/test_b.py"], [a, b])
+    bug = gen._judge(both, {"status": "ok", "tests": {a: "failed", b: "passed", "tests/test_b.py::collect": "failed"}})
+    assert bug is not None and bug.fail_to_pass == [a, d] and bug.pass_to_pass == [b, c]
 
 
 def test_the_runner_and_plugin_use_only_the_standard_library():

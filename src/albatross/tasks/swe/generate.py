@@ -10,7 +10,7 @@ Stages (each timed; ``Yield`` counts what each kept):
    each is run against the tests that call it (in their test files, every other test deselected), until 1.6 x
    ``count`` (+4) are kept. A mutant is kept when some stable tests fail with it (FAIL_TO_PASS, at most
    ``max_fail_to_pass``), others of those files still pass (PASS_TO_PASS: the tests it ran that passed, and the
-   ones that do not call the mutated code, unless a test file no longer collects), and it ends in time.
+   ones that do not call the mutated code, unless their test file no longer collects), and it ends in time.
 4. **combinations**: two edits of one function (``medium``) and edits of two or three functions (``hard``), made
    of kept mutants and run again; kept when every part still fails a test of its own.
 5. **tasks**: easy (one single-line edit), medium (a multi-line edit, or two in one function) and hard tasks in
@@ -336,7 +336,7 @@ class Generator:
 
     def _judge(self, candidate: Candidate, result: dict[str, Any]) -> Bug | None:
         """The bug a candidate's run shows, or None. The tests it did not run do not call the edited code, so
-        they pass as in the baseline, unless a test file failed to collect (an import broken at load time):
+        they pass as in the baseline, unless their test file failed to collect (an import broken at load time):
         then they count as failing."""
         if result.get("status") != "ok":
             return None
@@ -344,8 +344,9 @@ class Generator:
         stable = [t for t in self.base.stable if project.test_file_of(t) in wanted]
         outcomes = result.get("tests", {})
         run = set(candidate.tests)
-        unrun = "failed" if any(t.endswith("::collect") for t in outcomes) else "passed"
-        outcome = {t: outcomes.get(t) if t in run else unrun for t in stable}
+        uncollected = {t.removesuffix("::collect") for t in outcomes if t.endswith("::collect")}
+        outcome = {t: outcomes.get(t) if t in run else "failed" if project.test_file_of(t) in uncollected else "passed"
+                   for t in stable}
         failing = sorted(t for t in stable if outcome[t] != "passed")
         if not 1 <= len(failing) <= self.opts.max_fail_to_pass:
             return None
