@@ -35,13 +35,14 @@ def test_registries_attempt_reaches_pypi_and_nothing_else(backend: LocalBackend,
         assert ok_output(attempt, "pip download -q --no-deps six -d /tmp/dl && ls /tmp/dl").startswith("six-")
         resolve = ok_output(attempt, "python3 -c 'import socket; socket.getaddrinfo(\"pypi.org\", 443)' 2>&1 || true")
         assert "Temporary failure" in resolve or "not known" in resolve  # no resolver: only the proxy
-        assert backend._proxy().refused(attempt.id) == ["github.com", "example.com"]
+        assert attempt.refused_hosts() == ["github.com", "example.com"]
 
 
 def test_none_attempt_has_no_proxy(backend: LocalBackend, env: Path) -> None:
     with backend.fork(env, limits=Limits(network="none")) as attempt:
         assert attempt.network == "none"
         assert ok_output(attempt, 'echo "[$https_proxy]"') == "[]"
+        assert attempt.refused_hosts() == []
         refused = ok_output(attempt, FETCH + "http://127.0.0.1:3128/")
         assert "Connection refused" in refused
 
@@ -77,6 +78,18 @@ def test_offline_gate_judges_the_task_under_its_policy(backend: LocalBackend, tm
     assert online.gates["offline"].status == PASS and "registries" in online.gates["offline"].reason, online.gates
     offline = gate_task(path, backend, GateOptions(reruns=2, parallelism=1, network="none"))
     assert offline.gates["offline"].status == FAIL, offline.gates["offline"]
+
+
+def test_an_oracle_that_hides_the_refusal_fails_the_offline_gate_naming_the_host(backend: LocalBackend,
+                                                                                 tmp_path: Path) -> None:
+    """A tool that swallows the proxy's answer (opam prints only curl's exit code) still fails gate 8, not gate
+    3: the proxy's own record of the hosts it refused names the host."""
+    path = _task(tmp_path, "silent", {}, "python3 -c 'import urllib.request; urllib.request.urlopen(\"https://"
+                 "example.com/\", timeout=30)' >/dev/null 2>&1 || exit 1\necho forty-two > answer.txt")
+    report = gate_task(path, backend, GateOptions(reruns=2, parallelism=1, network="registries"))
+    assert report.gates["offline"].status == FAIL, report.gates
+    assert "needs example.com, which the network policy refused" in report.gates["offline"].reason
+    assert report.gates["oracle"].status != FAIL
 
 
 def test_add_of_a_registry_url_downloads_under_the_builds_policy(backend: LocalBackend, tmp_path: Path) -> None:

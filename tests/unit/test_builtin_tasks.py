@@ -88,6 +88,9 @@ class DirAttempt:
     def verify(self, spec: VerifierSpec) -> VerifierExec:
         return verify_in_place(self, spec)
 
+    def refused_hosts(self) -> list[str]:
+        return []
+
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 

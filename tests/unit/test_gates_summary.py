@@ -97,3 +97,41 @@ def test_table_shows_the_reasons_before_the_total() -> None:
 def test_no_failures_no_reason_table() -> None:
     assert "failures by reason:" not in format_table([report("d", {})])
     assert reason_summary([report("d", {})]) == []
+
+
+def _timed_gater(calls: list[str]):  # stands in for gate_task: each "task" is its gating time in seconds
+    import time as _time
+
+    def gate(path, backend, options):  # noqa: ANN001, ANN202
+        calls.append(str(path))
+        _time.sleep(float(str(path)))
+        return TaskReport(task=str(path), path=str(path))
+
+    return gate
+
+
+def test_tasks_are_reported_as_they_finish_and_returned_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from albatross.tasks import gates
+
+    calls: list[str] = []
+    monkeypatch.setattr(gates, "gate_task", _timed_gater(calls))
+    seen: list[str] = []
+    reports = gates.validate(["0.6", "0.05"], None, gates.GateOptions(parallelism=2),  # type: ignore[arg-type]
+                             progress=lambda r: seen.append(r.task))
+    assert seen == ["0.05", "0.6"]  # the fast task's checkpoint does not wait for the slow one
+    assert [r.task for r in reports] == ["0.6", "0.05"]
+
+
+def test_an_interrupt_drops_the_queued_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from albatross.tasks import gates
+
+    calls: list[str] = []
+    monkeypatch.setattr(gates, "gate_task", _timed_gater(calls))
+
+    def interrupt(report: TaskReport) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gates.validate(["0.05"] * 20, None, gates.GateOptions(parallelism=1),  # type: ignore[arg-type]
+                       progress=interrupt)
+    assert len(calls) <= 2  # the one reported, perhaps the next already started; never the other 18

@@ -15,7 +15,11 @@ from albatross.tasks.scaffold import write_scaffold
 def test_builtin_set_names_tasks_with_reasons() -> None:
     found = load_overrides("terminal-bench-2")
     assert set(found) == set(BUILTIN["terminal-bench-2"])
-    assert all(o.values == {"toolchain": "attempt"} and o.reason for o in found.values())
+    assert all(o.reason and o.values and set(o.values) <= {"toolchain", "keep_agent_processes"}
+               for o in found.values())
+    servers = {t for t, o in found.items() if o.values.get("keep_agent_processes")}  # tests reach a live server
+    assert {"configure-git-webserver", "nginx-request-logging", "pypi-server", "kv-store-grpc"} <= servers
+    assert found["dna-insert"].values == {"toolchain": "attempt"}
     assert load_overrides(None) == {} and load_overrides("") == {}
 
 

@@ -143,6 +143,9 @@ class SlowAttempt:
     def verify(self, spec: VerifierSpec) -> VerifierExec:
         return self._inner.verify(spec)
 
+    def refused_hosts(self) -> list[str]:
+        return self._inner.refused_hosts()
+
     def close(self) -> None:
         self._inner.close()
 

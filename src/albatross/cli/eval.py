@@ -7,17 +7,15 @@ the (task, trial) pairs already finished, so an interrupted evaluation resumes w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
+from albatross.cli.signals import sigterm_interrupts
 from albatross.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: these imports are heavy
@@ -124,7 +122,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         price = _price(args.prices, label)
         config = _eval_config(args, cfg, tasks, model, label, price)
         _check_resume(out, config)
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             return _run(args, cfg, tasks, model, out, config, price)
     finally:
         if model.remote is not None:
@@ -285,23 +283,6 @@ def _check_resume(out: Path, config: dict[str, Any]) -> None:
                                 f"{config[key]!r}; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM ends the eval like Ctrl-C: attempts stop, sandboxes close, saved attempts stay."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace, cfg: RunConfig, tasks: list[Task], model: _Model, out: Path,

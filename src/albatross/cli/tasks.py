@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -181,10 +183,11 @@ def cmd_import(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
+    from albatross.cli.signals import sigterm_interrupts
     from albatross.config import load_config
     from albatross.sandbox.base import Limits
     from albatross.tasks.format import find_task_dirs
-    from albatross.tasks.gates import GateOptions, format_table, validate
+    from albatross.tasks.gates import GateOptions, first_failure, format_table, validate
     from albatross.tasks.overrides import load_overrides
 
     if args.reruns < 2 or args.parallel < 0:
@@ -218,18 +221,30 @@ def cmd_validate(args: argparse.Namespace, extra: list[str]) -> int:
     todo = [d for d in dirs if str(d) not in done]
     if done:
         print(f"[gates] resuming {args.json}: {len(done)} tasks already gated, {len(todo)} to go", flush=True)
+    workers = max(1, min(args.parallel or os.cpu_count() or 1, len(todo) or 1))
+    print(f"[gates] {len(todo)} tasks to gate, {workers} at a time, network {network}", flush=True)
     finished = dict(done)
+    start = time.monotonic()
 
     def progress(report: TaskReport) -> None:
-        print(f"[gates] {report.task}: {'passed' if report.passed else 'FAILED'} ({report.seconds:.1f} s)",
-              flush=True)
+        gated = len(finished) - len(done) + 1
+        failed = first_failure(report)
+        print(f"[gates] {gated}/{len(todo)} {report.task}: "
+              f"{'passed' if failed is None else 'FAILED ' + failed[0] + ': ' + failed[1][:160]} "
+              f"({report.seconds:.1f} s; {(time.monotonic() - start) / 60:.1f} min elapsed)", flush=True)
         finished[report.path] = report
         if args.json:  # a checkpoint after every task: --resume REPORT picks up from here
             _write_report(args.json, [finished[str(d)] for d in dirs if str(d) in finished], record)
 
     backend = _backend("local", [], cfg.sandbox.registries, cfg.sandbox)
     try:
-        validate(todo, backend, options, progress=progress)
+        with sigterm_interrupts():
+            validate(todo, backend, options, progress=progress)
+    except KeyboardInterrupt:
+        where = f"; `--resume {args.json}` gates the other {len(dirs) - len(finished)}" if args.json else ""
+        print(f"\n[gates] interrupted: {len(finished)} of {len(dirs)} tasks gated{where}", file=sys.stderr,
+              flush=True)
+        raise
     finally:
         backend.close()
     reports = [finished[str(d)] for d in dirs]

@@ -204,6 +204,11 @@ class Attempt(Protocol):
         attempt could not cause."""
         ...
 
+    def refused_hosts(self) -> list[str]:
+        """The hosts the network policy refused to this attempt so far, first refused first ([] without a
+        network, or where the backend does not enforce a policy)."""
+        ...
+
     def close(self) -> None: ...
 
 

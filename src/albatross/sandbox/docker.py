@@ -348,6 +348,9 @@ class DockerAttempt:
             raise self._gone(f"cannot kill its processes: {_tail(run.stderr)}")
         return int(run.stdout.split()[-1]) if run.stdout.split() else 0
 
+    def refused_hosts(self) -> list[str]:
+        return []  # its attempts have no network at all
+
     def close(self) -> None:
         """Remove the container (its processes, writable layer and tmpfs go with it)."""
         with self._lock:

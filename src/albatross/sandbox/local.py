@@ -330,6 +330,9 @@ class LocalAttempt:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
+    def refused_hosts(self) -> list[str]:
+        return self._backend.refused_hosts(self)
+
     def close(self) -> None:
         """Kill the holder (and so the whole pid namespace and its mounts), remove the cgroups."""
         with self._close_lock:
@@ -925,6 +928,11 @@ class LocalBackend:
             if self._egress is None:
                 self._egress = egress.EgressProxy(self.registries)
             return self._egress
+
+    def refused_hosts(self, attempt: LocalAttempt) -> list[str]:
+        with self._lock:
+            proxy = self._egress if attempt.network != egress.NONE else None
+        return proxy.refused(attempt.id) if proxy is not None else []
 
     def _forget(self, attempt: LocalAttempt) -> None:
         with self._lock:

@@ -32,7 +32,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,7 @@ class Run:
     verifier: VerifierRun | None = None
     infra: str = ""  # a sandbox error that prevented the run
     leaks: list[str] = field(default_factory=list)  # what the untouched attempt exposes
+    refused: list[str] = field(default_factory=list)  # hosts the network policy refused to the run
 
     @property
     def result(self) -> VerifyResult | None:
@@ -140,14 +141,19 @@ def validate(paths: Iterable[str | Path], backend: Backend, options: GateOptions
     options = options or GateOptions()
     paths = list(paths)
     workers = options.parallelism or os.cpu_count() or 1
-    with ThreadPoolExecutor(max(1, min(workers, len(paths) or 1)), thread_name_prefix="gate") as pool:
-        futures = [pool.submit(gate_task, p, backend, options) for p in paths]
-        reports = []
-        for f in futures:
-            reports.append(f.result())
+    pool = ThreadPoolExecutor(max(1, min(workers, len(paths) or 1)), thread_name_prefix="gate")
+    futures = {pool.submit(gate_task, p, backend, options): i for i, p in enumerate(paths)}
+    reports: list[TaskReport | None] = [None] * len(paths)
+    try:
+        for f in as_completed(futures):  # reported as they finish: a slow task holds back no checkpoint
+            reports[futures[f]] = f.result()
             if progress is not None:
-                progress(reports[-1])
-    return reports
+                progress(f.result())
+    except BaseException:  # Ctrl-C: the queued tasks are dropped, the caller closes the running ones' sandboxes
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return [r for r in reports if r is not None]
 
 
 def gate_task(path: str | Path, backend: Backend, options: GateOptions | None = None) -> TaskReport:
@@ -292,6 +298,8 @@ class _Gater:
 
     def oracle_failed(self, run: Run, hint: str = "") -> None:
         evidence = network_evidence(run.text)
+        if not evidence and run.refused:  # a tool that hides the proxy's answer (opam: "exited with code 56")
+            evidence = f"needs {', '.join(run.refused[:3])}, which the network policy refused"
         if evidence:
             self.set("offline", FAIL, f"the oracle needs the network: {evidence}")
             self.set("oracle", SKIP, "needs the network (gate 8)")
@@ -380,6 +388,7 @@ def _attempt(backend: Backend, task: Task, kind: str, limits: Limits, scan: bool
         if kind == "oracle":
             run.solve = run_oracle(attempt, task)
         run.verifier = run_verifier(attempt, task)
+        run.refused = attempt.refused_hosts()
         return run
     finally:
         attempt.close()
@@ -541,6 +550,15 @@ def reason_summary(reports: list[TaskReport]) -> list[dict[str, Any]]:
     rows = [{"gate": g, "reason": reason, "count": len(tasks), "tasks": sorted(tasks)}
             for (g, reason), tasks in groups.items()]
     return sorted(rows, key=lambda row: (-row["count"], GATES.index(row["gate"]), row["reason"]))
+
+
+def first_failure(report: TaskReport) -> tuple[str, str] | None:
+    """The first gate ``report`` failed and its reason (None when it failed none)."""
+    for name in GATES:
+        gate = report.gates.get(name)
+        if gate is not None and gate.status == FAIL:
+            return name, gate.reason
+    return None
 
 
 def format_reason_table(rows: list[dict[str, Any]], examples: int = 3) -> str:

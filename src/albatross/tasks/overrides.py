@@ -37,19 +37,37 @@ KEYS: dict[str, tuple[str, Any]] = {  # "table.key" -> (Task field, allowed valu
 }
 
 _ATTEMPT = {"verifier": {"toolchain": "attempt"}}
+_SERVER = {"verifier": {"toolchain": "attempt", "keep_agent_processes": True}}
+_KEEP = {"verifier": {"keep_agent_processes": True}}
 BUILTIN: dict[str, dict[str, dict[str, Any]]] = {
-    # Terminal-Bench 2.0 tasks whose tests check what the agent installed or configured in system paths.
+    # Terminal-Bench 2.0 tasks whose tests check what the agent installed or configured in system paths,
+    # or a server the agent left running (Terminal-Bench runs the tests in the agent's live container).
     "terminal-bench-2": {
         "build-pmars": {"reason": "the tests run /usr/local/bin/pmars, which the agent builds and installs",
                         **_ATTEMPT},
         "build-pov-ray": {"reason": "the tests run /usr/local/bin/povray, which the agent builds and installs",
                           **_ATTEMPT},
-        "nginx-request-logging": {"reason": "the tests check nginx, which the agent installs, and its "
-                                            "configuration under /etc/nginx", **_ATTEMPT},
-        "mailman": {"reason": "the tests check the mail server the agent configures under /etc (postfix, "
-                              "mailman3)", **_ATTEMPT},
+        "nginx-request-logging": {"reason": "the tests fetch pages from the nginx the agent installs, configures "
+                                            "under /etc/nginx and leaves running on port 8080", **_SERVER},
+        "mailman": {"reason": "the tests send mail through the mail server the agent configures under /etc "
+                              "(postfix, mailman3) and leaves running", **_SERVER},
         "adaptive-rejection-sampler": {"reason": "the tests run Rscript, which the agent installs (r-base)",
                                        **_ATTEMPT},
+        "dna-assembly": {"reason": "the tests run oligotm (primer3), which the agent installs", **_ATTEMPT},
+        "dna-insert": {"reason": "the tests run oligotm (primer3), which the agent installs", **_ATTEMPT},
+        "configure-git-webserver": {"reason": "the tests push over ssh to the git server and fetch the page from "
+                                              "the nginx the agent installs and leaves running", **_SERVER},
+        "git-multibranch": {"reason": "the tests push over ssh to the git server and fetch both branches from "
+                                      "the nginx the agent installs and leaves running", **_SERVER},
+        "kv-store-grpc": {"reason": "the tests call the gRPC server the agent leaves running, with the grpcio it "
+                                    "installs system-wide", **_SERVER},
+        "pypi-server": {"reason": "the tests pip-install from the package server the agent leaves running on "
+                                  "port 8080", **_KEEP},
+        "hf-model-inference": {"reason": "the tests call the Flask API the agent leaves running on port 5000",
+                               **_KEEP},
+        "qemu-startup": {"reason": "the tests log in over telnet to the VM the agent leaves running", **_KEEP},
+        "qemu-alpine-ssh": {"reason": "the tests log in over ssh to the VM the agent leaves running", **_KEEP},
+        "install-windows-3.11": {"reason": "the tests check the VM the agent leaves running (QEMU, VNC)", **_KEEP},
     },
 }
 
