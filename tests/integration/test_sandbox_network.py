@@ -123,3 +123,32 @@ def test_uvx_with_installs_what_is_missing_where_the_policy_allows(tmp_path: Pat
     assert "installing tomli-w==1.0.0 from the package registries for this command" in online.stderr
     offline = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
     assert offline.returncode == 1 and "needs the network: install tomli-w==1.0.0" in offline.stderr
+
+
+def test_a_verifier_that_pip_installs_its_own_test_tools(backend: LocalBackend, tmp_path: Path) -> None:
+    """test.sh's own ``pip install pytest pytest-json-ctrf`` (as Terminal-Bench verifiers on python images
+    do) installs into the verifier's scratch layer over the pristine image, and the installed plugin, not the
+    toolkit's stand-in, writes ``--ctrf``: per-test results, reward 1 only for the solved attempt."""
+    from albatross.tasks.verify import verify_attempt
+
+    test_sh = ("#!/bin/bash\npip install -q pytest==8.4.1 requests==2.32.5 pytest-json-ctrf==0.3.5\n"
+               "pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n"
+               "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    path = write_task(tmp_path / "pip-tests", instruction="Write forty-two to answer.txt.\n",
+                      task_toml={"agent": {"timeout_sec": 120}, "verifier": {"timeout_sec": 300},
+                                 "environment": {"memory_mb": 1024, "storage_mb": 512}},
+                      env_files={}, dockerfile="FROM python:3.11-slim-bookworm\nWORKDIR /app\n",
+                      solve_sh="#!/bin/bash\necho forty-two > answer.txt\n", test_sh=test_sh,
+                      test_files={"test_outputs.py": "import requests  # noqa: F401\n\n\ndef test_answer():\n    assert open('/app/answer.txt').read()"
+                                                     ".strip() == 'forty-two'\n\n\ndef test_app():\n"
+                                                     "    assert __import__('os').path.isdir('/app')\n"})
+    task = load_task(path)
+    limits = Limits(network="registries", command_timeout_s=120, memory_mb=1024, disk_mb=512)
+    for solved in (True, False):
+        with backend.fork(task.env_dir, task.workdir, limits) as attempt:
+            if solved:
+                assert attempt.exec("echo forty-two > answer.txt").exit_code == 0
+            result = verify_attempt(attempt, task, backend, limits)
+        assert result.metrics == {"test_outputs.py::test_answer": float(solved), "test_outputs.py::test_app": 1.0}, \
+            result
+        assert result.success is solved

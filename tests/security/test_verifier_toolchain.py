@@ -108,3 +108,20 @@ def test_the_verifiers_own_toolkit_runs_where_the_image_has_none(tmp_path: Path,
     assert task.offline is None
     with backend.fork(task.env_dir, task.workdir) as attempt:
         assert verify_attempt(attempt, task, backend).reward == 1.0
+
+
+def test_the_verifiers_own_installs_land_in_a_scratch_layer_the_attempt_never_sees(tmp_path: Path,
+                                                                                   backend: LocalBackend) -> None:
+    """test.sh may install into the pristine toolchain (``pip install`` of its test tools, as in a
+    container): the writes go to a scratch layer of that verification only, not into the attempt, and not
+    into the next verification."""
+    marker = f"{SITE}/verifier_marker.py"
+    test_sh = ("#!/bin/bash\nmkdir -p /logs/verifier\n"
+               f"if [ -e {marker} ]; then echo 0; else echo 'FLAG = 1' > {marker} && "
+               "python3 -c 'import verifier_marker, sys; sys.exit(0 if verifier_marker.FLAG == 1 else 1)' && echo 1 "
+               "|| echo 0; fi > /logs/verifier/reward.txt\n")
+    task = make_task(tmp_path, "installs", test_sh)
+    with backend.fork(task.env_dir, task.workdir) as attempt:
+        assert verify_attempt(attempt, task, backend).reward == 1.0  # it could write, and what it wrote works
+        assert attempt.exec(f"test -e {marker}").exit_code == 1  # the attempt does not see it
+        assert verify_attempt(attempt, task, backend).reward == 1.0  # a fresh scratch layer: not there again

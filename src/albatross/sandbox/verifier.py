@@ -6,8 +6,10 @@ Its root is a fresh tmpfs holding:
 
 * with ``toolchain = "image"`` (the default): ``/usr``, ``/etc`` and the top-level ``bin``, ``sbin``,
   ``lib*`` of the task's *pristine* image (the read-only lower layers of the attempt, without what the
-  attempt wrote over them), mounted read-only: the interpreter, the shell, the libraries, the loader and
-  its configuration, python's site-packages and sitecustomize are the image's, whatever the agent did;
+  attempt wrote over them), under a scratch layer of the verifier's own (a tmpfs the size of the attempt's
+  disk: test.sh may ``pip install`` its test tools, as in a container; nothing of the agent sees it and it
+  goes with the verification): the interpreter, the shell, the libraries, the loader and its
+  configuration, python's site-packages and sitecustomize are the image's, whatever the agent did;
   with ``"attempt"`` these are the attempt's own;
 * every other top-level entry of the attempt (``/app``, ``/tmp``, ``/root``, ``/var``, ``/proc``,
   ``/dev``, ...): the attempt's working state, where the tests look at it;
@@ -108,10 +110,15 @@ def _build_root(state: ZygoteView, msg: dict[str, Any], attempt_mnt: int, userns
     linux.mount("tmpfs", root, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={size}m,mode=755")
     os.chown(root, state.id_base, state.id_base)  # root inside owns "/" (a new top-level entry stays in here)
     image = msg["toolchain"] == "image"
-    if image:
+    if image:  # the pristine image under a scratch layer of the verifier's own (test.sh's pip install)
+        scratch = f"{work}/layer"
+        os.mkdir(scratch)
+        linux.mount("tmpfs", scratch, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"size={size}m,mode=700")
+        os.mkdir(f"{scratch}/upper", 0o755)
+        os.mkdir(f"{scratch}/work", 0o700)
         lowers = ":".join(msg["lowers"])
-        linux.mount("overlay", pristine, "overlay", linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV,
-                    f"lowerdir={lowers}")
+        linux.mount("overlay", pristine, "overlay", linux.MS_NOSUID | linux.MS_NODEV,
+                    f"lowerdir={lowers},upperdir={scratch}/upper,workdir={scratch}/work")
     own = [p.strip("/").split("/")[0] for p in [msg["tests_path"], msg["reward_dir"], *[i for _h, i, _c in msg["puts"]]]]
     skip = {*own, *(TOOLCHAIN if image else ())}
     taken = _clone_attempt(attempt_mnt, skip)
@@ -182,7 +189,8 @@ def _place(entry: tuple[str, Any], target: str) -> None:
 
 
 def _place_pristine(source: str, target: str) -> None:
-    """The image's ``source`` at ``target``: a link as the same link, a directory mounted read-only."""
+    """The image's ``source`` at ``target``: a link as the same link, a directory mounted (its writes go to the
+    verifier's scratch layer, which no process of the agent sees and which goes with the verification)."""
     try:
         st = os.lstat(source)
     except FileNotFoundError:
@@ -191,7 +199,7 @@ def _place_pristine(source: str, target: str) -> None:
         os.symlink(os.readlink(source), target)
     elif stat.S_ISDIR(st.st_mode):
         os.mkdir(target)
-        fd = linux.clone_tree(source, recursive=False, readonly=True)
+        fd = linux.clone_tree(source, recursive=False)
         try:
             linux.attach_tree(fd, target)
         finally:

@@ -83,7 +83,9 @@ def _write(path: str, data: dict[str, Any]) -> None:
 
 
 def pytest_addoption(parser: Any) -> None:
-    with contextlib.suppress(ValueError):  # pytest-json-ctrf is installed and owns --ctrf
+    if _has_ctrf_plugin():  # pytest-json-ctrf is installed (test.sh's own pip install): it owns --ctrf
+        return
+    with contextlib.suppress(ValueError):  # it registered --ctrf before this plugin
         parser.getgroup("albatross").addoption(
             "--ctrf", dest="albatross_ctrf", default=None, metavar="PATH",
             help="write a CTRF JSON report of the test results to PATH")
@@ -92,3 +94,13 @@ def pytest_addoption(parser: Any) -> None:
 def pytest_configure(config: Any) -> None:
     ctrf = getattr(config.option, "albatross_ctrf", None)  # pytest's options: absent when not registered
     config.pluginmanager.register(Recorder(ctrf), "albatross-recorder")
+
+
+def _has_ctrf_plugin() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution("pytest-json-ctrf")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
