@@ -102,9 +102,13 @@ def test_no_failures_no_reason_table() -> None:
 def _timed_gater(calls: list[str]):  # stands in for gate_task: each "task" is its gating time in seconds
     import time as _time
 
-    def gate(path, backend, options):  # noqa: ANN001, ANN202
+    def gate(path, backend, options, stop=None):  # noqa: ANN001, ANN202
         calls.append(str(path))
-        _time.sleep(float(str(path)))
+        if str(path) == "until-stopped":  # a long task: it stops at its next step once told to
+            stopped = stop.wait(10)
+            calls.append(f"stopped={stopped}")
+        else:
+            _time.sleep(float(str(path)))
         return TaskReport(task=str(path), path=str(path))
 
     return gate
@@ -135,3 +139,24 @@ def test_an_interrupt_drops_the_queued_tasks(monkeypatch: pytest.MonkeyPatch) ->
         gates.validate(["0.05"] * 20, None, gates.GateOptions(parallelism=1),  # type: ignore[arg-type]
                        progress=interrupt)
     assert len(calls) <= 2  # the one reported, perhaps the next already started; never the other 18
+
+
+def test_an_interrupt_stops_the_tasks_being_gated(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from albatross.tasks import gates
+
+    calls: list[str] = []
+    monkeypatch.setattr(gates, "gate_task", _timed_gater(calls))
+
+    def interrupt(report: TaskReport) -> None:
+        raise KeyboardInterrupt
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        gates.validate(["until-stopped", "0.05"], None, gates.GateOptions(parallelism=2),  # type: ignore[arg-type]
+                       progress=interrupt)
+    deadline = time.monotonic() + 5
+    while "stopped=True" not in calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "stopped=True" in calls and time.monotonic() - start < 5, calls

@@ -26,10 +26,12 @@ task's runs are sequential.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -142,25 +144,34 @@ def validate(paths: Iterable[str | Path], backend: Backend, options: GateOptions
     paths = list(paths)
     workers = options.parallelism or os.cpu_count() or 1
     pool = ThreadPoolExecutor(max(1, min(workers, len(paths) or 1)), thread_name_prefix="gate")
-    futures = {pool.submit(gate_task, p, backend, options): i for i, p in enumerate(paths)}
+    stop = threading.Event()
+    futures = {pool.submit(gate_task, p, backend, options, stop): i for i, p in enumerate(paths)}
     reports: list[TaskReport | None] = [None] * len(paths)
     try:
         for f in as_completed(futures):  # reported as they finish: a slow task holds back no checkpoint
             reports[futures[f]] = f.result()
             if progress is not None:
                 progress(f.result())
-    except BaseException:  # Ctrl-C: the queued tasks are dropped, the caller closes the running ones' sandboxes
+    except BaseException:  # Ctrl-C: the queued tasks are dropped, the running ones stop at their next step
+        stop.set()  # (and the caller's closing the backend ends the commands they are running)
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
     return [r for r in reports if r is not None]
 
 
-def gate_task(path: str | Path, backend: Backend, options: GateOptions | None = None) -> TaskReport:
-    """Run the nine gates on one task directory."""
+class _Stopped(Exception):
+    """``validate`` was interrupted: a task being gated stops at its next build or run."""
+
+
+def gate_task(path: str | Path, backend: Backend, options: GateOptions | None = None,
+              stop: threading.Event | None = None) -> TaskReport:
+    """Run the nine gates on one task directory (``stop``: once set, no further build or run starts and
+    the report is left incomplete)."""
     start = time.monotonic()
     report = TaskReport(task=Path(path).name, path=str(path))
-    _Gater(report, backend, options or GateOptions()).run(Path(path))
+    with contextlib.suppress(_Stopped):
+        _Gater(report, backend, options or GateOptions(), stop).run(Path(path))
     for name in GATES:
         report.gates.setdefault(name, Gate(SKIP, "an earlier gate failed"))
     report.seconds = time.monotonic() - start
@@ -171,8 +182,9 @@ def gate_task(path: str | Path, backend: Backend, options: GateOptions | None = 
 
 
 class _Gater:
-    def __init__(self, report: TaskReport, backend: Backend, options: GateOptions) -> None:
-        self.report, self.backend, self.options = report, backend, options
+    def __init__(self, report: TaskReport, backend: Backend, options: GateOptions,
+                 stop: threading.Event | None = None) -> None:
+        self.report, self.backend, self.options, self.stop = report, backend, options, stop
         self.runs: list[Run] = []
         self.oracle_config: tuple[Task, Limits] | None = None  # what the deciding oracle run used
 
@@ -218,6 +230,7 @@ class _Gater:
             self.set("build", FAIL, problem)
             return False
         start = time.monotonic()
+        self.check_stop()
         try:
             parent = _prepare(self.backend, task, task_limits(task, self.options))
         except (SandboxError, ValueError, OSError) as e:
@@ -363,9 +376,14 @@ class _Gater:
         self.set("reward", PASS, f"{len(runs)} verifier runs well formed")
 
     # runs ---------------------------------------------------------------------------------------
+    def check_stop(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise _Stopped
+
     def attempt(self, task: Task, kind: str, limits: Limits, scan: bool = False) -> Run:
         error = ""
         for _ in range(2):  # a sandbox failure is retried once on a fresh fork
+            self.check_stop()
             try:
                 run = _attempt(self.backend, task, kind, limits, scan)
             except SandboxError as e:
