@@ -61,6 +61,9 @@ BROKEN: dict[str, tuple[dict, set[str]]] = {
                     {"noop"}),
     "flaky": ({"test_sh": FLAKY_TEST}, {"determinism"}),
     "readable-tests": ({"env_files": {"app/readme.txt": "hello\n", "app/tests/test.sh": GOOD_TEST}}, {"leakage"}),
+    # copied in, then removed by a later RUN (a generator the tests run again): not readable, so no leak
+    "tests-removed-in-build": ({"env_files": {"app/readme.txt": "hello\n", "app/tests/test.sh": GOOD_TEST},
+                                "dockerfile": DOCKERFILE + "RUN rm -r /app/tests\n"}, set()),
     "tests-in-image": ({"env_files": {"app/readme.txt": "hello\n", "check/notes.txt": "notes\n"},
                         "dockerfile": DOCKERFILE + "COPY check/ /tests/\n"}, {"leakage"}),
     "slow-oracle": ({"agent_timeout": 1, "solve_sh": f"#!/bin/bash\nsleep 2\necho {ANSWER} > answer.txt\n"},
@@ -140,8 +143,8 @@ def test_each_broken_task_fails_exactly_the_gate_it_breaks(broken: dict[str, Tas
         ("oracle-fails", "oracle", "scored 0.5, failing answer_correct"),
         ("noop-passes", "noop", "the untouched environment already scores 1 (reward=1)"),
         ("flaky", "determinism", "noop results differ over 3 runs"),
-        ("readable-tests", "leakage", "tests/test.sh would be readable in the image at /app/tests/test.sh"),
         ("readable-tests", "leakage", "tests/test.sh is readable in the image at /app/tests/test.sh"),
+        ("tests-removed-in-build", "leakage", "tests and solution not visible"),
         ("tests-in-image", "leakage", "/tests exists before verification"),
         ("slow-oracle", "resources", "the oracle needs more than [agent] timeout_sec 1 s"),
         ("needs-network", "offline", "the oracle needs the network: albatross-offline: needs the network: "

@@ -8,10 +8,10 @@
 4 noop         the untouched environment scores below 1; the tests it already passes are recorded
                (``TaskReport.untouched``: weight 0 in partial credit)
 5 determinism  oracle and no-op give the same result over ``reruns`` runs each (default 3)
-6 leakage      tests/ and solution/ are invisible to the agent: no file the Dockerfile copies into the
-               image, and no file readable in an untouched attempt of the built image, equals a test,
-               expected-output or solution file (inputs the instruction hands over are allowed;
-               ``tasks.leakage``), and nothing is copied to /tests or /solution
+6 leakage      tests/ and solution/ are invisible to the agent: no file readable in an untouched attempt
+               of the built image equals a test, expected-output or solution file (inputs the instruction
+               hands over are allowed; ``tasks.leakage``; without a built image: no file the Dockerfile
+               copies into it does), and nothing is copied to /tests or /solution
 7 resources    the oracle and the verifier finish within the task's time and memory limits
 8 offline      the environment builds and the oracle passes under the task's network policy (``none``
                unless the run's ``network`` and the task allow more)
@@ -43,7 +43,7 @@ from albatross.sandbox.base import Backend, ExecResult, Limits, Prepared, Sandbo
 from albatross.sandbox.egress import narrowest
 from albatross.tasks.buildable import dockerfile_notes, dockerfile_problem
 from albatross.tasks.format import Task, TaskFormatError, attempt_limits, load_task
-from albatross.tasks.leakage import find_static_leaks, scan_for_leaks
+from albatross.tasks.leakage import find_static_leaks, placement_leaks, scan_for_leaks
 from albatross.tasks.offline import network_evidence
 from albatross.tasks.overrides import Override, apply_overrides
 from albatross.tasks.verify import VerifierRun, VerifyResult, run_oracle, run_verifier
@@ -114,6 +114,7 @@ class Run:
     verifier: VerifierRun | None = None
     infra: str = ""  # a sandbox error that prevented the run
     leaks: list[str] = field(default_factory=list)  # what the untouched attempt exposes
+    scanned: bool = False  # the untouched attempt was scanned for leaks
     refused: list[str] = field(default_factory=list)  # hosts the network policy refused to the run
 
     @property
@@ -203,7 +204,8 @@ class _Gater:
         oracle = self.oracle(task)
         noop = self.noop(task)
         self.determinism(task, oracle, noop)
-        leaks = static_leaks + (noop.leaks if noop else [])
+        # the built image says whether a copied secret is still readable: the untouched attempt's scan
+        leaks = (placement_leaks(task) if noop.scanned else static_leaks) + noop.leaks
         self.set("leakage", FAIL if leaks else PASS, "; ".join(leaks) or "tests and solution not visible")
         self.reward()
 
@@ -402,7 +404,7 @@ def _attempt(backend: Backend, task: Task, kind: str, limits: Limits, scan: bool
     try:
         run = Run(kind)
         if scan:
-            run.leaks = scan_for_leaks(attempt, task)
+            run.leaks, run.scanned = scan_for_leaks(attempt, task), True
         if kind == "oracle":
             run.solve = run_oracle(attempt, task)
         run.verifier = run_verifier(attempt, task)

@@ -123,14 +123,26 @@ def _ancestors(path: str) -> list[str]:
 
 
 def find_static_leaks(task: Task) -> list[str]:
-    """Secrets the Dockerfile would copy from environment/ into the image, and COPY/ADD into /tests or
-    /solution (where the verifier's files go)."""
+    """Secrets the Dockerfile would copy from environment/ into the image (``copied_leaks``), and COPY/ADD
+    into /tests or /solution (``placement_leaks``)."""
+    return copied_leaks(task) + placement_leaks(task)
+
+
+def copied_leaks(task: Task) -> list[str]:
+    """Secrets a COPY/ADD of the Dockerfile puts into the image from environment/. Whether one is still
+    readable in the built image (a later ``RUN rm`` removes it, a build stage drops it) is for
+    ``scan_for_leaks`` to say; this is the verdict before a build, or without one."""
+    secrets = secret_hashes(task)
+    return [f"{secrets[f.digest][0]} would be readable in the image at {f.path} "
+            f"(copied from environment/ by Dockerfile line {f.line})"
+            for f in copied_files(task) if f.digest in secrets and not handed_over(task, f.path, from_env=True)]
+
+
+def placement_leaks(task: Task) -> list[str]:
+    """COPY/ADD into /tests or /solution, where the verifier's files go."""
     from albatross.sandbox.dockerfile import Copy, DockerfileError, parse_dockerfile
 
-    secrets = secret_hashes(task)
-    leaks = [f"{secrets[f.digest][0]} would be readable in the image at {f.path} "
-             f"(copied from environment/ by Dockerfile line {f.line})"
-             for f in copied_files(task) if f.digest in secrets and not handed_over(task, f.path, from_env=True)]
+    leaks: list[str] = []
     try:
         instructions = parse_dockerfile(task.dockerfile)
     except DockerfileError:
