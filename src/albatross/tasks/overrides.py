@@ -55,6 +55,8 @@ BUILTIN: dict[str, dict[str, dict[str, Any]]] = {
                                        **_ATTEMPT},
         "dna-assembly": {"reason": "the tests run oligotm (primer3), which the agent installs", **_ATTEMPT},
         "dna-insert": {"reason": "the tests run oligotm (primer3), which the agent installs", **_ATTEMPT},
+        "merge-diff-arc-agi-task": {"reason": "the tests run git, which the agent installs, on the repository "
+                                              "it merged", **_ATTEMPT},
         "configure-git-webserver": {"reason": "the tests push over ssh to the git server and fetch the page from "
                                               "the nginx the agent installs and leaves running", **_SERVER},
         "git-multibranch": {"reason": "the tests push over ssh to the git server and fetch both branches from "
