@@ -106,7 +106,8 @@ def _exec(code: int = 0, timed_out: bool = False) -> ExecResult:
 @pytest.mark.parametrize(
     ("solve", "verifier", "symptom"),
     [(_exec(0), _exec(0), False), (_exec(-1, True), _exec(0), True), (_exec(137), _exec(1), True),
-     (_exec(0), _exec(-1, True), True), (_exec(1), _exec(1), False)],
+     (_exec(0), _exec(-1, True), True), (_exec(1), _exec(1), False),
+     (ExecResult("Killed", 0, limit="oom"), _exec(1), True)],  # a step the memory limit killed; the script went on
 )
 def test_resource_symptoms(solve: ExecResult, verifier: ExecResult, symptom: bool) -> None:
     run = Run("oracle", solve=solve, verifier=VerifierRun(verifier, None, "no reward file"))

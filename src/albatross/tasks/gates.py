@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from albatross.sandbox.base import Backend, ExecResult, Limits, Prepared, SandboxError
+from albatross.sandbox.base import LIMIT_OOM, Backend, ExecResult, Limits, Prepared, SandboxError
 from albatross.sandbox.egress import narrowest
 from albatross.tasks.buildable import dockerfile_notes, dockerfile_problem
 from albatross.tasks.format import Task, TaskFormatError, attempt_limits, load_task
@@ -438,9 +438,10 @@ def _generous(task: Task, slack: float) -> Task:
 
 
 def resource_symptom(run: Run) -> bool:
-    """The oracle or the verifier timed out or was killed (the memory limit kills with SIGKILL)."""
+    """The oracle or the verifier timed out or was killed (the memory limit kills with SIGKILL), or the memory
+    limit killed one of their processes (a step of solve.sh that the script outlived)."""
     execs = [e for e in (run.solve, run.verifier.run if run.verifier else None) if e is not None]
-    return any(e.timed_out or e.exit_code in _KILLED for e in execs)
+    return any(e.timed_out or e.exit_code in _KILLED or e.limit == LIMIT_OOM for e in execs)
 
 
 def resource_reason(task: Task, first: Run, rerun: Run, slack: float) -> str:
