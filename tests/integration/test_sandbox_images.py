@@ -47,6 +47,9 @@ def test_attempt_sees_the_image_not_the_host(backend: LocalBackend, tmp_path: Pa
             probe = attempt.exec(f"test -e {path} && ls -A {path} | head -3")
             assert probe.exit_code != 0 or probe.output.strip() == "", (path, probe.output)
         assert attempt.exec("python --version").output.strip() == "Python 3.11.2"
+        # the python images' C headers: a C extension needs only gcc (Terminal-Bench's portfolio-optimization)
+        assert attempt.exec("python3 -c \"import sysconfig, os; print(os.path.isfile(os.path.join("
+                            "sysconfig.get_paths()['include'], 'Python.h')))\"").output.strip() == "True"
         # nothing of the host is there to hide: the image's own /root and /home stay (Docker's view)
         assert attempt.read_file("/root/.bashrc") == (image.root / "root/.bashrc").read_bytes()
 

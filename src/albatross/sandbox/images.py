@@ -82,10 +82,11 @@ RUNTIMES: dict[str, tuple[str, ...]] = {
     "buildpack-deps": ("ca-certificates", "curl", "wget", "gnupg", "git", "build-essential", "procps",
                         "xz-utils", "bzip2", "unzip"),
 }
-# The python images' runtime, plus procps (ps, pgrep, kill: agents and task scripts expect them; the
-# python slim images lack them, a deviation stated in docs/sandbox.md).
-PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3", "ca-certificates", "netbase",
-                   "tzdata", "procps")
+# The python images' runtime with its C headers (the images have Python.h: a C extension builds with gcc
+# alone), plus procps (ps, pgrep, kill: agents and task scripts expect them; the python slim images lack
+# them, a deviation stated in docs/sandbox.md).
+PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3", "libpython3-dev",
+                   "ca-certificates", "netbase", "tzdata", "procps")
 # Ubuntu's image has apt and the archive's keyring (Priority important there: minbase leaves them out), and
 # python3 is added for the offline verifier's pytest (noted).
 UBUNTU_PACKAGES = ("apt", "ubuntu-keyring", "ca-certificates", "python3")
