@@ -67,6 +67,17 @@ def test_handed_over_needs_a_whole_name(tmp_path: Path) -> None:
     assert handed_over(task, "/srv/run_check.py", from_env=False)
 
 
+def test_a_directory_the_instruction_names_relative_to_the_workdir_is_handed_over(tmp_path: Path) -> None:
+    task = make(tmp_path, "FROM debian:12\nWORKDIR /app\n", {},
+                instruction="Interpret each of the test programs in test/, e.g. test/calculator.scm.\n")
+    assert handed_over(task, "/app/test/01-factorial.scm", from_env=True)
+    assert handed_over(task, "/app/test/deep/02.scm", from_env=True)
+    assert not handed_over(task, "/app/tests/01-factorial.scm", from_env=True)  # "test/" is not "tests/"
+    assert not handed_over(task, "/app/test/01-factorial.scm", from_env=False)  # only inputs from environment/
+    bare = make(tmp_path / "b", "FROM debian:12\nWORKDIR /app\n", {}, instruction="Pass the test programs.\n")
+    assert not handed_over(bare, "/app/test/01-factorial.scm", from_env=True)  # the word alone names nothing
+
+
 def test_copy_into_tests_is_flagged(tmp_path: Path) -> None:
     task = make(tmp_path, "FROM debian:12\nCOPY notes/ /tests/\n", {"notes/n.txt": "nothing secret in here\n"})
     assert find_static_leaks(task) == [f"{task.dockerfile}:2: COPY into /tests/, where the verifier's files go"]

@@ -58,18 +58,27 @@ def _named(text: str, name: str) -> bool:
 
 def handed_over(task: Task, image_path: str, from_env: bool) -> bool:
     """The instruction hands ``image_path`` to the agent on purpose: it names the path or the file name,
-    or (for a file that comes from environment/) a directory holding it, other than / and the workdir."""
+    or (for a file that comes from environment/) a directory holding it, other than / and the workdir: by
+    its path, or under the workdir as a relative path (``test/``, ``test/calculator.scm``)."""
     text = task.instruction
     if _named(text, image_path) or _named(text, posixpath.basename(image_path)):
         return True
     if not from_env:
         return False
+    workdir = task.workdir.rstrip("/")
     parent = posixpath.dirname(image_path)
-    while parent not in ("/", "") and parent != task.workdir.rstrip("/"):
+    while parent not in ("/", "") and parent != workdir:
         if _named(text, parent):
+            return True
+        if workdir and parent.startswith(workdir + "/") and _names_relative_dir(text, parent[len(workdir) + 1:]):
             return True
         parent = posixpath.dirname(parent)
     return False
+
+
+def _names_relative_dir(text: str, relative: str) -> bool:
+    """``text`` has a relative path that starts with the directory ``relative`` (``test/``, ``./test/x``)."""
+    return re.search(rf"(?<![\w./-])(?:\./)?{re.escape(relative)}/", text) is not None
 
 
 @dataclass(frozen=True)
