@@ -154,6 +154,32 @@ def test_a_zygote_killed_during_a_build_is_restarted_and_the_build_redone(backen
     assert backend.restarts == 1
 
 
+def test_a_build_cut_short_by_close_is_not_started_again(backend: LocalBackend, env_dir: Path) -> None:
+    """Ctrl-C closes the backend under a running build: the build fails at once, on no fresh zygote."""
+    (env_dir / "Dockerfile").write_text(DOCKERFILE + "RUN sleep 30 && echo slow > /app/slow.txt\n")
+    backend.prepare(None)  # the zygote runs
+    outcome: list[BaseException | object] = []
+
+    def build() -> None:
+        try:
+            outcome.append(backend.prepare(env_dir))
+        except BaseException as err:  # noqa: BLE001 - the outcome is what the test looks at
+            outcome.append(err)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    assert wait_until(lambda: len(backend._attempts) == 1)  # the builder runs the Dockerfile
+    first = backend.zygote_pid
+    time.sleep(0.5)
+    started = time.monotonic()
+    backend.close()
+    thread.join(20)
+    assert not thread.is_alive() and time.monotonic() - started < 15, "the build went on after close"
+    assert len(outcome) == 1 and isinstance(outcome[0], SandboxError), outcome
+    assert backend.restarts == 0 and backend.zygote_pid is None, "a fresh zygote was started after close"
+    assert first is not None and not running(first)
+
+
 @pytest.mark.parametrize("userns", [True, False], ids=["user-namespace", "dropped-capabilities"])
 def test_holders_die_with_their_zygote_in_both_modes(userns: bool, tmp_path: Path) -> None:
     backend = LocalBackend(hide_paths=[tmp_path], userns=userns and None, warm=0)

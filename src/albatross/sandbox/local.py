@@ -798,6 +798,7 @@ class LocalBackend:
         self.faults = FaultInjector(fail_rate, fault_seed)
         self._zygote: Zygote | None = None
         self.restarts = 0  # zygotes started again after the previous one died
+        self._closes = 0  # calls of close(): work cut short by one is not retried on a fresh zygote
         self._lock = threading.Lock()
         self._keys = EnvKeys()
         self._building: dict[str, threading.Lock] = {}
@@ -844,12 +845,14 @@ class LocalBackend:
         return zygote
 
     def _retrying(self, what: Callable[[], T]) -> T:
-        """``what()``, again on a fresh zygote if the zygote died under it (a few times at most)."""
+        """``what()``, again on a fresh zygote if the zygote died under it (a few times at most), unless the
+        backend was closed meanwhile (Ctrl-C: a build cut short is not started again)."""
+        closes = self._closes
         for tries_left in range(ZYGOTE_TRIES - 1, -1, -1):
             try:
                 return what()
             except ZygoteDied as err:
-                if not tries_left:
+                if not tries_left or self._closes != closes:
                     raise
                 log.debug("retrying on a fresh zygote: %s", err)
         raise AssertionError("unreachable")
@@ -1292,6 +1295,7 @@ class LocalBackend:
         """Close every attempt, drop every parent, stop the zygote. Idempotent."""
         self._pool.close()
         with self._lock:
+            self._closes += 1
             attempts, self._attempts = list(self._attempts), set()
             zygote, self._zygote = self._zygote, None
         for attempt in attempts:
