@@ -27,6 +27,7 @@ from albatross.tasks.gates import (
     TaskReport,
     format_table,
     load_test_weights,
+    network_reason,
     partial_credit_weights,
     reports_json,
     resource_symptom,
@@ -112,6 +113,23 @@ def _exec(code: int = 0, timed_out: bool = False) -> ExecResult:
 def test_resource_symptoms(solve: ExecResult, verifier: ExecResult, symptom: bool) -> None:
     run = Run("oracle", solve=solve, verifier=VerifierRun(verifier, None, "no reward file"))
     assert resource_symptom(run) is symptom
+
+
+@pytest.mark.parametrize(
+    ("output", "refused", "reason"),
+    [("fatal: unable to access 'https://github.com/a/b.git/': CONNECT tunnel failed, response 403", ["github.com"],
+      "unable to access 'https://github.com/a/b.git/'"),
+     ("E   OSError: Tunnel connection failed: 403 Blocked by network policy", ["github.com"],
+      "(refused: github.com)"),
+     ("[ERROR] Command exited with code 56", ["opam.ocaml.org"], "needs opam.ocaml.org, which the network policy"),
+     ("AssertionError: wrong answer", [], "")],
+)
+def test_network_reason_names_the_refused_hosts(output: str, refused: list[str], reason: str) -> None:
+    run = Run("oracle", solve=ExecResult(output, 1), verifier=VerifierRun(_exec(1), None, "no reward file"),
+              refused=refused)
+    found = network_reason(run)
+    assert reason in found if reason else found == ""
+    assert found.count("github.com") <= 1  # a host the evidence names is not named again
 
 
 # ---------------------------------------------------------------------------------------- report

@@ -312,9 +312,7 @@ class _Gater:
         self.set("offline", PASS, f"built and solved {how}{note}")
 
     def oracle_failed(self, run: Run, hint: str = "") -> None:
-        evidence = network_evidence(run.text)
-        if not evidence and run.refused:  # a tool that hides the proxy's answer (opam: "exited with code 56")
-            evidence = f"needs {', '.join(run.refused[:3])}, which the network policy refused"
+        evidence = network_reason(run)
         if evidence:
             self.set("offline", FAIL, f"the oracle needs the network: {evidence}")
             self.set("oracle", SKIP, "needs the network (gate 8)")
@@ -435,6 +433,19 @@ def task_limits(task: Task, options: GateOptions, scale: float = 1.0) -> Limits:
 def _generous(task: Task, slack: float) -> Task:
     return dataclasses.replace(task, agent_timeout_s=task.agent_timeout_s * slack + 60,
                                verifier_timeout_s=task.verifier_timeout_s * slack + 60)
+
+
+def network_reason(run: Run) -> str:
+    """Why ``run`` needed the network ("" when nothing says so): the evidence in its output, with the hosts
+    the network policy refused where the output does not name them ("403 Blocked by network policy"), or
+    those hosts alone where a tool hides the proxy's answer (opam: "exited with code 56")."""
+    evidence = network_evidence(run.text) or ""
+    unnamed = [host for host in run.refused[:3] if host not in evidence]
+    if evidence and unnamed:
+        return f"{evidence} (refused: {', '.join(unnamed)})"
+    if run.refused and not evidence:
+        return f"needs {', '.join(run.refused[:3])}, which the network policy refused"
+    return evidence
 
 
 def resource_symptom(run: Run) -> bool:
