@@ -23,8 +23,10 @@ from albatross.tasks.gates import (
     PASS,
     SKIP,
     Gate,
+    GateOptions,
     Run,
     TaskReport,
+    _Gater,
     format_table,
     load_test_weights,
     network_reason,
@@ -34,7 +36,7 @@ from albatross.tasks.gates import (
 )
 from albatross.tasks.leakage import find_static_leaks
 from albatross.tasks.probe import MIN_ATTEMPTS, ProbeRow, read_json, score_row, write_json
-from albatross.tasks.verify import VerifierRun
+from albatross.tasks.verify import VerifierRun, VerifyResult
 
 TEST_SH = "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"
 
@@ -130,6 +132,27 @@ def test_network_reason_names_the_refused_hosts(output: str, refused: list[str],
     found = network_reason(run)
     assert reason in found if reason else found == ""
     assert found.count("github.com") <= 1  # a host the evidence names is not named again
+
+
+@pytest.mark.parametrize(("changes", "hint"), [
+    (["/usr/local/bin/pmars"], 'passes with [verifier] toolchain = "attempt": its tests use what the oracle installed '
+                               "in system paths (/usr/local/bin/pmars)"),
+    ([], "result varies from run to run"),  # nothing the pristine toolchain hides: chance, not the toolchain
+])
+def test_toolchain_hint_blames_the_toolchain_only_for_changes_it_hides(tmp_path: Path, changes: list[str],
+                                                                       hint: str) -> None:
+    passed = VerifyResult({}, 1.0, True, system_changes=changes)
+    asked: list[str] = []
+
+    def attempt(task: object, kind: str, limits: object, scan: bool = False) -> Run:  # the oracle run again
+        asked.append(task.toolchain)
+        return Run(kind, solve=_exec(0), verifier=VerifierRun(_exec(0), passed))
+
+    gater = _Gater(TaskReport("t", "/t"), None, GateOptions())  # type: ignore[arg-type]  # no run reaches it
+    gater.attempt = attempt  # type: ignore[method-assign]
+    failed = Run("oracle", solve=_exec(0), verifier=VerifierRun(_exec(1), VerifyResult({}, 0.0, False)))
+    assert hint in gater.toolchain_hint(_task(tmp_path), failed)
+    assert asked == ["attempt"]
 
 
 # ---------------------------------------------------------------------------------------- report

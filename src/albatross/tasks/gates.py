@@ -280,9 +280,12 @@ class _Gater:
         again = self.attempt(dataclasses.replace(task, toolchain="attempt"), "oracle", task_limits(task, self.options))
         if again.result is None or not again.result.success:
             return ""
+        if not again.result.system_changes:  # the toolchains were the same: chance decided, not the toolchain
+            return ("passed on a second run, whose verifier saw no change of the oracle's in system paths: its "
+                    "result varies from run to run (a timing or load-dependent test?)")
         changes = ", ".join(again.result.system_changes[:4])
         return (f"passes with [verifier] toolchain = \"attempt\": its tests use what the oracle installed in "
-                f"system paths ({changes or 'its changes'}), which the pristine toolchain does not show; give "
+                f"system paths ({changes}), which the pristine toolchain does not show; give "
                 "the task an override (--overrides) if its tests may trust the attempt's tools")
 
     def oracle_rerun(self, task: Task, first: Run) -> Run:
@@ -542,6 +545,7 @@ _CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("build", r"source .* not found|no source files", "COPY/ADD source missing"),
     ("build", r"USER|--chown", "unknown user or group"),
     ("oracle", r"passes with \[verifier\] toolchain", "needs the attempt's toolchain (an override)"),
+    ("oracle", r"varies from run to run", "the oracle's result varies"),
     ("oracle", r"solve\.sh exited", "solve.sh fails"),
     ("oracle", r"scored", "oracle scores below 1"),
     ("noop", r"already scores 1", "the untouched environment passes"),
